@@ -1,0 +1,22 @@
+"""Keys: namespaces, chunk hashes and object keys (see ``hasher`` for the spec)."""
+
+from kvtier.keys.hasher import (
+    HASH_BYTES,
+    ChunkHashStream,
+    TokenHasher,
+    root_hash,
+    token_array,
+)
+from kvtier.keys.namespace import Namespace
+from kvtier.keys.object_key import ObjectKey, model_label
+
+__all__ = [
+    "HASH_BYTES",
+    "ChunkHashStream",
+    "Namespace",
+    "ObjectKey",
+    "TokenHasher",
+    "model_label",
+    "root_hash",
+    "token_array",
+]

@@ -1,0 +1,131 @@
+"""``ObjectKey``: the name of one stored object, with one string form.
+
+An object is the bytes of one chunk for one KV rank and one object group. Its
+string form is the only one used by every tier, the RPC and the router::
+
+    {model}@{salt}@r{kv_rank}g{group}@{chunk_hash as 64 lowercase hex digits}
+
+``model`` and ``salt`` are restricted to ``[A-Za-z0-9._-]`` so the form is a
+safe file name and remote key (no path separators, no NUL, no ``@``).
+``model_label()`` turns a Hugging Face id such as ``org/name`` into
+``org--name`` (the convention of the Hugging Face cache). The chunk hash
+already covers the whole namespace; ``model`` and ``salt`` are in the key so
+that a tier can list or drop one model's or one tenant's objects.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+
+from kvtier.keys.hasher import HASH_BYTES
+
+MAX_MODEL_CHARS = 128
+MAX_SALT_CHARS = 64
+MAX_RANK = 1 << 16
+MAX_GROUP = 1 << 16
+_SAFE = re.compile(r"[A-Za-z0-9._-]*")
+_SEP = "@"
+_HEX_DIGEST = re.compile(f"[0-9a-f]{{{2 * HASH_BYTES}}}")
+_PLACEMENT = re.compile(r"r(\d{1,5})g(\d{1,5})")
+
+
+def model_label(model: str) -> str:
+    """A model name made safe for ``ObjectKey.model``: ``/`` becomes ``--``."""
+    return model.replace("/", "--")
+
+
+def _check_label(field: str, value: object, limit: int, *, empty_ok: bool) -> None:
+    if not isinstance(value, str):
+        raise TypeError(f"ObjectKey.{field} must be a str, got {type(value).__name__}")
+    if not value and not empty_ok:
+        raise ValueError(f"ObjectKey.{field} must not be empty")
+    if len(value) > limit:
+        raise ValueError(f"ObjectKey.{field} is {len(value)} characters; the limit is {limit}")
+    if _SAFE.fullmatch(value) is None:
+        raise ValueError(
+            f"ObjectKey.{field} {value!r} may only use letters, digits, '.', '_' and '-' "
+            "(no path separators, NUL or '@'); for a model id use model_label()"
+        )
+
+
+def _check_index(field: str, value: object, limit: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"ObjectKey.{field} must be an int, got {type(value).__name__}")
+    if not 0 <= value < limit:
+        raise ValueError(f"ObjectKey.{field} is {value}; it must be in [0, {limit})")
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class ObjectKey:
+    """One chunk of one KV rank of one object group. Frozen, hashable, validated.
+
+    ``__eq__`` and ``__hash__`` are written out, and the hash is computed
+    once, because keys are hashed many times per tier operation: the
+    generated methods build a 5-tuple on every call.
+    """
+
+    chunk_hash: bytes
+    model: str
+    kv_rank: int
+    group: int = 0
+    salt: str = ""
+    _hash: int = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.chunk_hash, bytes):
+            raise TypeError(
+                f"ObjectKey.chunk_hash must be bytes, got {type(self.chunk_hash).__name__}"
+            )
+        if len(self.chunk_hash) != HASH_BYTES:
+            raise ValueError(
+                f"ObjectKey.chunk_hash is {len(self.chunk_hash)} bytes; "
+                f"it must be a {HASH_BYTES}-byte chunk hash"
+            )
+        _check_label("model", self.model, MAX_MODEL_CHARS, empty_ok=False)
+        _check_label("salt", self.salt, MAX_SALT_CHARS, empty_ok=True)
+        _check_index("kv_rank", self.kv_rank, MAX_RANK)
+        _check_index("group", self.group, MAX_GROUP)
+        object.__setattr__(
+            self, "_hash", hash(self.chunk_hash) ^ (self.kv_rank * 0x9E3779B1 + self.group)
+        )
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, ObjectKey):
+            return NotImplemented
+        return (
+            self.chunk_hash == other.chunk_hash
+            and self.kv_rank == other.kv_rank
+            and self.group == other.group
+            and self.model == other.model
+            and self.salt == other.salt
+        )
+
+    def __hash__(self) -> int:
+        return self._hash
+
+    def to_str(self) -> str:
+        """The one string form (see the module docstring)."""
+        return (
+            f"{self.model}{_SEP}{self.salt}{_SEP}r{self.kv_rank}g{self.group}"
+            f"{_SEP}{self.chunk_hash.hex()}"
+        )
+
+    @classmethod
+    def from_str(cls, text: str) -> ObjectKey:
+        """Parse ``to_str()``'s form; ValueError says which part is wrong."""
+        parts = text.split(_SEP)
+        if len(parts) != 4:
+            raise ValueError(f"object key {text!r} must have 4 '@'-separated parts")
+        model, salt, placement, digest = parts
+        match = _PLACEMENT.fullmatch(placement)
+        if match is None:
+            raise ValueError(f"object key {text!r}: third part must look like 'r0g0'")
+        if _HEX_DIGEST.fullmatch(digest) is None:
+            raise ValueError(
+                f"object key {text!r}: last part must be {2 * HASH_BYTES} lowercase hex digits"
+            )
+        key = cls(bytes.fromhex(digest), model, int(match[1]), int(match[2]), salt)
+        if key.to_str() != text:
+            raise ValueError(f"object key {text!r} is not in canonical form (leading zeros?)")
+        return key

@@ -1,0 +1,506 @@
+"""``L1Manager``: the host-memory tier's state machine (ARCHITECTURE §5.1).
+
+::
+
+    reserve_write(keys, sizes, tag)
+        │  OUT_OF_MEMORY / NOT_WRITABLE (already resident) / WRONG_STATE
+        ▼
+    STAGING(key, tag) ──abort_write / write-lease expiry──► freed
+        │ finish_write: if already resident, this copy is discarded and the
+        │ writer still gets SUCCESS (first publisher wins)
+        ▼
+    RESIDENT ◄──reserve_read(n) / finish_read(n)──► READ-LOCKED(count)
+        │ (unlocked, unfenced only)
+        ▼
+    evicted by policy / delete / clear ─► freed
+
+    finish_write_and_reserve_read: STAGING ─► RESIDENT + READ-LOCKED in one step
+
+Rules:
+
+- Staging objects are keyed by (key, writer tag) and invisible to readers; two
+  tags may stage one key at once, and the first ``finish_write`` publishes.
+- Read locks are counted. Eviction, ``delete`` and ``clear`` skip locked,
+  fenced and staging objects. Locking is not use: recency changes only on
+  admission and ``touch``. Both apply to a batch in reverse, so the first
+  chunk of a prefix ends up most recent: evicting a prefix's head would make
+  every later chunk of it unreachable.
+- Leases: a write reservation expires ``write_lease_s`` after it is made, a
+  read lock ``read_lease_s`` after its last ``reserve_read``. Expiry is the
+  crash net for holders that vanished. It never frees memory an I/O still
+  targets: an I/O path calls ``fence`` before it reads or writes an object's
+  bytes and ``unfence`` when the I/O is over; an object whose write lease
+  expires while fenced is dropped from the tables but its memory is freed
+  only at ``unfence``.
+- Eviction keeps used bytes (resident + staging) between the watermarks: it
+  starts after an admission pushes usage above ``high_watermark`` and stops
+  at ``low_watermark``; ``reserve_write`` also evicts what it needs. A policy
+  exception is logged and counted, and costs only that eviction round.
+
+Every method takes a batch and returns one result per key; caller mistakes
+(mismatched lengths, duplicate keys, bad sizes) raise ValueError. Thread
+safety: one lock guards every field below; nothing under it does I/O (the
+arena's bookkeeping is in-memory arithmetic).
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import logging
+import threading
+import time
+from collections.abc import Callable, Sequence
+
+import numpy as np
+import numpy.typing as npt
+
+from kvtier.keys import ObjectKey
+from kvtier.l1.arena import Arena
+from kvtier.l1.config import L1Config
+from kvtier.l1.eviction import make_policy
+from kvtier.l1.objects import (
+    IOFence,
+    L1Object,
+    L1Result,
+    ObjectState,
+    Placement,
+    WriterTag,
+)
+
+log = logging.getLogger(__name__)
+
+Clock = Callable[[], float]
+
+
+def _distinct(keys: Sequence[ObjectKey], method: str) -> None:
+    if len(set(keys)) != len(keys):
+        raise ValueError(f"{method}: keys must be distinct within one call")
+
+
+class L1Manager:
+    """The L1 state machine over one shared-memory arena; see the module docstring."""
+
+    def __init__(self, config: L1Config | None = None, *, clock: Clock = time.monotonic) -> None:
+        self.config = config or L1Config()
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._arena = Arena(
+            self.config.size_bytes, shm_dir=self.config.shm_dir, populate=self.config.populate
+        )
+        self._policy = make_policy(self.config.eviction_policy)
+        self._resident: dict[ObjectKey, L1Object] = {}
+        self._staging: dict[tuple[ObjectKey, WriterTag], L1Object] = {}
+        self._zombies: set[L1Object] = set()  # expired while fenced, memory not yet freed
+        self._leases: list[tuple[float, int, L1Object]] = []  # heap of (expiry, seq, object)
+        self._lease_seq = itertools.count()
+        self._staging_bytes = 0
+        self._locked_bytes = 0
+        self._counters = dict.fromkeys(
+            (
+                "evictions",
+                "evicted_bytes",
+                "eviction_failures",
+                "expired_write_leases",
+                "expired_read_leases",
+                "out_of_memory",
+                "duplicate_writes",
+            ),
+            0,
+        )
+
+    # ----------------------------------------------------------------- arena
+
+    @property
+    def arena_name(self) -> str:
+        """Name of the shared-memory region, for other processes to map."""
+        return self._arena.name
+
+    @property
+    def capacity(self) -> int:
+        return self._arena.capacity
+
+    def view(self, placement: Placement) -> npt.NDArray[np.uint8]:
+        """The bytes of a successful placement, as a writable view (no copy)."""
+        if placement.result is not L1Result.SUCCESS or placement.offset is None:
+            raise ValueError(f"view of a placement that did not succeed: {placement.result}")
+        return self._arena.view(placement.offset, placement.size)
+
+    # ---------------------------------------------------------------- writes
+
+    def reserve_write(
+        self,
+        keys: Sequence[ObjectKey],
+        sizes: Sequence[int],
+        tag: WriterTag,
+        costs: Sequence[float] | None = None,
+    ) -> list[Placement]:
+        """Stage new objects for ``tag``; their memory is all-or-nothing.
+
+        Per key: SUCCESS with an offset; NOT_WRITABLE if already resident;
+        WRONG_STATE if this tag already stages it; OUT_OF_MEMORY for every
+        key that needed memory if the batch does not fit after eviction.
+        ``costs`` (recompute seconds saved) feed cost-aware eviction.
+        """
+        if len(sizes) != len(keys) or (costs is not None and len(costs) != len(keys)):
+            raise ValueError("reserve_write: keys, sizes and costs must have the same length")
+        _distinct(keys, "reserve_write")
+        with self._lock:
+            self._reap(self._clock())
+            results: list[Placement | None] = [None] * len(keys)
+            wanted: list[int] = []
+            for i, key in enumerate(keys):
+                if key in self._resident:
+                    results[i] = Placement(L1Result.NOT_WRITABLE)
+                elif (key, tag) in self._staging:
+                    results[i] = Placement(L1Result.WRONG_STATE)
+                else:
+                    wanted.append(i)
+            offsets = self._allocate([sizes[i] for i in wanted]) if wanted else []
+            if offsets is None:
+                self._counters["out_of_memory"] += 1
+                for i in wanted:
+                    results[i] = Placement(L1Result.OUT_OF_MEMORY)
+            else:
+                expiry = self._clock() + self.config.write_lease_s
+                for i, offset in zip(wanted, offsets, strict=True):
+                    obj = L1Object(
+                        key=keys[i],
+                        offset=offset,
+                        size=sizes[i],
+                        reserved=self._arena.reserved_bytes(sizes[i]),
+                        state=ObjectState.STAGING,
+                        tag=tag,
+                        cost=None if costs is None else costs[i],
+                        lease_expiry=expiry,
+                    )
+                    self._staging[(keys[i], tag)] = obj
+                    self._staging_bytes += obj.reserved
+                    self._arm_lease(obj)
+                    results[i] = Placement(L1Result.SUCCESS, offset, sizes[i])
+            return [r for r in results if r is not None]
+
+    def finish_write(self, keys: Sequence[ObjectKey], tag: WriterTag) -> list[L1Result]:
+        """Publish ``tag``'s staged copies. SUCCESS also when another writer won
+        (this copy is discarded); NOT_FOUND if there is no such reservation."""
+        return [p.result for p in self._publish(keys, tag, read_locks=0)]
+
+    def finish_write_and_reserve_read(
+        self, keys: Sequence[ObjectKey], tag: WriterTag, n: int = 1
+    ) -> list[Placement]:
+        """Publish and read-lock in one step, so eviction cannot slip in between.
+        The placement is the resident object's (the winner's, if another won)."""
+        self._check_count(n, "finish_write_and_reserve_read")
+        return self._publish(keys, tag, read_locks=n)
+
+    def abort_write(self, keys: Sequence[ObjectKey], tag: WriterTag) -> list[L1Result]:
+        """Drop ``tag``'s staged copies; NOT_FOUND if there is no such reservation."""
+        _distinct(keys, "abort_write")
+        with self._lock:
+            self._reap(self._clock())
+            results = []
+            for key in keys:
+                obj = self._staging.pop((key, tag), None)
+                if obj is None:
+                    results.append(L1Result.NOT_FOUND)
+                    continue
+                self._staging_bytes -= obj.reserved
+                self._release_memory(obj)
+                results.append(L1Result.SUCCESS)
+            return results
+
+    # ----------------------------------------------------------------- reads
+
+    def reserve_read(self, keys: Sequence[ObjectKey], n: int = 1) -> list[Placement]:
+        """Read-lock resident objects ``n`` times each; NOT_FOUND otherwise
+        (staging objects are invisible). Does not count as use."""
+        self._check_count(n, "reserve_read")
+        with self._lock:
+            now = self._clock()
+            self._reap(now)
+            results = []
+            for key in keys:
+                obj = self._resident.get(key)
+                if obj is None:
+                    results.append(Placement(L1Result.NOT_FOUND))
+                    continue
+                self._lock_read(obj, n, now)
+                results.append(Placement(L1Result.SUCCESS, obj.offset, obj.size))
+            return results
+
+    def finish_read(self, keys: Sequence[ObjectKey], n: int = 1) -> list[L1Result]:
+        """Drop ``n`` read locks per key. WRONG_STATE (and no change) if the
+        key holds fewer than ``n``; NOT_FOUND if it is not resident."""
+        self._check_count(n, "finish_read")
+        with self._lock:
+            self._reap(self._clock())
+            results = []
+            for key in keys:
+                obj = self._resident.get(key)
+                if obj is None:
+                    results.append(L1Result.NOT_FOUND)
+                elif obj.read_locks < n:
+                    log.warning("L1: finish_read(n=%d) on %s holding %d", n, key, obj.read_locks)
+                    results.append(L1Result.WRONG_STATE)
+                else:
+                    obj.read_locks -= n
+                    if obj.read_locks == 0:
+                        obj.lease_expiry = None
+                        self._locked_bytes -= obj.reserved
+                    results.append(L1Result.SUCCESS)
+            return results
+
+    # ------------------------------------------------------------ I/O fences
+
+    def fence(
+        self, keys: Sequence[ObjectKey], tag: WriterTag | None = None
+    ) -> tuple[list[L1Result], IOFence]:
+        """Pin memory for an I/O: ``tag``'s staged copies, or (tag None) resident
+        objects. NOT_FOUND keys are not pinned and must not be touched by the
+        I/O. The caller must ``unfence`` the returned fence exactly once."""
+        with self._lock:
+            self._reap(self._clock())
+            fence = IOFence()
+            results = []
+            for key in keys:
+                obj = self._resident.get(key) if tag is None else self._staging.get((key, tag))
+                if obj is None:
+                    results.append(L1Result.NOT_FOUND)
+                    continue
+                obj.io_fences += 1
+                fence.objects.append(obj)
+                results.append(L1Result.SUCCESS)
+            return results, fence
+
+    def unfence(self, fence: IOFence) -> None:
+        """Lift a fence; frees the memory of objects whose lease expired meanwhile."""
+        with self._lock:
+            if fence.released:
+                raise ValueError("unfence: this fence was already lifted")
+            fence.released = True
+            for obj in fence.objects:
+                obj.io_fences -= 1
+                if obj.io_fences == 0 and obj.reclaimed:
+                    self._zombies.discard(obj)
+                    self._arena.free([obj.offset])
+
+    # ------------------------------------------------------------ management
+
+    def touch(self, keys: Sequence[ObjectKey]) -> list[L1Result]:
+        """Mark resident objects as used; the first key ends up most recent."""
+        with self._lock:
+            results = [
+                L1Result.SUCCESS if key in self._resident else L1Result.NOT_FOUND for key in keys
+            ]
+            self._policy.touch(reversed(keys))
+            return results
+
+    def delete(self, keys: Sequence[ObjectKey]) -> list[L1Result]:
+        """Free resident objects; LOCKED if read-locked or fenced."""
+        with self._lock:
+            self._reap(self._clock())
+            results = []
+            for key in keys:
+                obj = self._resident.get(key)
+                if obj is None:
+                    results.append(L1Result.NOT_FOUND)
+                elif not self._evictable(key):
+                    results.append(L1Result.LOCKED)
+                else:
+                    self._policy.remove(key)
+                    self._drop_resident(obj)
+                    results.append(L1Result.SUCCESS)
+            return results
+
+    def clear(self) -> int:
+        """Free every unlocked, unfenced resident object; return how many."""
+        with self._lock:
+            self._reap(self._clock())
+            victims = [key for key in self._resident if self._evictable(key)]
+            for key in victims:
+                self._policy.remove(key)
+                self._drop_resident(self._resident[key])
+            return len(victims)
+
+    def reap_expired(self) -> None:
+        """Expire leases that are due (every public method also does this)."""
+        with self._lock:
+            self._reap(self._clock())
+
+    def contains(self, key: ObjectKey) -> bool:
+        """Whether ``key`` is resident (staging copies do not count)."""
+        with self._lock:
+            return key in self._resident
+
+    def status(self) -> dict[str, object]:
+        with self._lock:
+            arena = self._arena.stats()
+            return {
+                "capacity_bytes": arena["capacity_bytes"],
+                "used_bytes": arena["used_bytes"],
+                "staging_bytes": self._staging_bytes,
+                "locked_bytes": self._locked_bytes,
+                "resident_objects": len(self._resident),
+                "staging_objects": len(self._staging),
+                "locked_objects": sum(1 for o in self._resident.values() if o.read_locks),
+                "fenced_objects": sum(1 for o in self._all_objects() if o.io_fences),
+                "fragmentation": arena["fragmentation"],
+                "eviction_policy": self._policy.name,
+                **self._counters,
+            }
+
+    def audit(self) -> dict[str, int]:
+        """Recount locks and bytes from the tables (for tests and debugging)."""
+        with self._lock:
+            live = list(self._all_objects())
+            return {
+                "read_locks": sum(o.read_locks for o in self._resident.values()),
+                "staging_objects": len(self._staging),
+                "io_fences": sum(o.io_fences for o in live),
+                "zombies": len(self._zombies),
+                "object_bytes": sum(o.reserved for o in live),
+                "arena_used_bytes": self._arena.used_bytes,
+                "policy_entries": len(self._policy),
+                "resident_objects": len(self._resident),
+            }
+
+    def close(self) -> None:
+        """Release the arena. Outstanding views must not be used afterwards."""
+        with self._lock:
+            self._resident.clear()
+            self._staging.clear()
+            self._zombies.clear()
+            self._arena.close()
+
+    # -------------------------------------------------------------- internals
+    # All below run with self._lock held.
+
+    def _publish(
+        self, keys: Sequence[ObjectKey], tag: WriterTag, read_locks: int
+    ) -> list[Placement]:
+        _distinct(keys, "finish_write")
+        with self._lock:
+            now = self._clock()
+            self._reap(now)
+            results = []
+            admitted = []
+            for key in keys:
+                obj = self._staging.pop((key, tag), None)
+                if obj is None:
+                    results.append(Placement(L1Result.NOT_FOUND))
+                    continue
+                self._staging_bytes -= obj.reserved
+                winner = self._resident.get(key)
+                if winner is None:
+                    obj.state, obj.tag, obj.lease_expiry = ObjectState.RESIDENT, None, None
+                    self._resident[key] = winner = obj
+                    admitted.append(obj)
+                else:
+                    self._counters["duplicate_writes"] += 1
+                    self._release_memory(obj)
+                if read_locks:
+                    self._lock_read(winner, read_locks, now)
+                results.append(Placement(L1Result.SUCCESS, winner.offset, winner.size))
+            for obj in reversed(admitted):
+                self._policy.admit(obj.key, obj.reserved, obj.cost)
+            high = self.config.high_watermark * self._arena.capacity
+            if self._arena.used_bytes > high:
+                low = self.config.low_watermark * self._arena.capacity
+                self._evict(int(self._arena.used_bytes - low))
+            return results
+
+    def _allocate(self, sizes: list[int]) -> list[int] | None:
+        offsets = self._arena.allocate(sizes)
+        while offsets is None:
+            need = sum(self._arena.reserved_bytes(s) for s in sizes)
+            if self._evict(max(need - (self._arena.capacity - self._arena.used_bytes), 1)) == 0:
+                return None
+            offsets = self._arena.allocate(sizes)
+        return offsets
+
+    def _evictable(self, key: ObjectKey) -> bool:
+        obj = self._resident.get(key)
+        return obj is not None and obj.read_locks == 0 and obj.io_fences == 0
+
+    def _evict(self, need_bytes: int) -> int:
+        """Evict at least ``need_bytes`` if possible; return the bytes freed."""
+        try:
+            victims = self._policy.select(need_bytes, self._evictable)
+        except Exception:
+            self._counters["eviction_failures"] += 1
+            log.exception("L1: eviction policy %s failed; nothing evicted", self._policy.name)
+            return 0
+        freed = 0
+        for key in victims:
+            obj = self._resident[key]
+            freed += obj.reserved
+            self._drop_resident(obj)
+        self._counters["evictions"] += len(victims)
+        self._counters["evicted_bytes"] += freed
+        return freed
+
+    def _drop_resident(self, obj: L1Object) -> None:
+        del self._resident[obj.key]
+        self._arena.free([obj.offset])
+
+    def _release_memory(self, obj: L1Object) -> None:
+        if obj.io_fences:
+            obj.reclaimed = True
+            self._zombies.add(obj)
+        else:
+            self._arena.free([obj.offset])
+
+    def _lock_read(self, obj: L1Object, n: int, now: float) -> None:
+        if obj.read_locks == 0:
+            self._locked_bytes += obj.reserved
+        obj.read_locks += n
+        obj.lease_expiry = now + self.config.read_lease_s
+        self._arm_lease(obj)
+
+    def _arm_lease(self, obj: L1Object) -> None:
+        """Keep one live heap entry per object, due no later than its lease.
+
+        A lease that is only extended keeps its entry, which re-arms itself
+        when it comes due; so the heap holds about one entry per object, not
+        one per ``reserve_read``.
+        """
+        expiry = obj.lease_expiry
+        if expiry is not None and (obj.armed_at is None or expiry < obj.armed_at):
+            obj.armed_at = expiry
+            heapq.heappush(self._leases, (expiry, next(self._lease_seq), obj))
+
+    def _reap(self, now: float) -> None:
+        while self._leases and self._leases[0][0] <= now:
+            due, _, obj = heapq.heappop(self._leases)
+            if obj.armed_at != due:
+                continue  # superseded by an earlier entry
+            obj.armed_at = None
+            if obj.lease_expiry is None:
+                continue  # released normally
+            if obj.lease_expiry > now:
+                self._arm_lease(obj)  # extended since this entry was pushed
+                continue
+            if obj.state is ObjectState.STAGING:
+                assert obj.tag is not None
+                if self._staging.get((obj.key, obj.tag)) is not obj:
+                    continue
+                del self._staging[(obj.key, obj.tag)]
+                self._staging_bytes -= obj.reserved
+                obj.lease_expiry = None
+                self._release_memory(obj)
+                self._counters["expired_write_leases"] += 1
+                log.warning("L1: write lease of %s (tag %s) expired; reclaimed", obj.key, obj.tag)
+            elif self._resident.get(obj.key) is obj and obj.read_locks:
+                log.warning("L1: %d read lock(s) on %s expired", obj.read_locks, obj.key)
+                obj.read_locks = 0
+                obj.lease_expiry = None
+                self._locked_bytes -= obj.reserved
+                self._counters["expired_read_leases"] += 1
+
+    def _all_objects(self) -> list[L1Object]:
+        return [*self._resident.values(), *self._staging.values(), *self._zombies]
+
+    @staticmethod
+    def _check_count(n: int, method: str) -> None:
+        if isinstance(n, bool) or not isinstance(n, int) or n <= 0:
+            raise ValueError(f"{method}: n must be a positive int, got {n!r}")

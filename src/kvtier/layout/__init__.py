@@ -1,0 +1,103 @@
+"""``KVLayout``: the shape of one object group's KV, and the bytes it takes.
+
+One descriptor per object group (full attention, a sliding-window size, an MLA
+latent...). Per token and per rank, an object group stores::
+
+    kind "kv":     2 x layers x kv_heads x head_dim x dtype_bytes   (K and V)
+    kind "latent": 1 x layers x 1        x head_dim x dtype_bytes   (MLA latent)
+
+(seed Q3: 32 layers, 8 KV heads, head dim 128, bf16 -> 128 KiB per token).
+``kv_heads`` is per rank: with TP 4 and 8 KV heads each rank holds 2; when TP
+exceeds the KV heads (or for MLA) every rank holds a replica (seed Q5). One
+object is one chunk of one rank, so ``object_bytes() = bytes_per_token() x
+tokens_per_chunk``. ``digest()`` is a stable blake3 of the canonical
+description; it goes into the namespace, so any layout change is a miss, never
+a misread (seed §1.5).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass
+from typing import Literal
+
+from blake3 import blake3
+
+DTYPE_BYTES: dict[str, int] = {
+    "float32": 4,
+    "float16": 2,
+    "bfloat16": 2,
+    "float8_e4m3fn": 1,
+    "float8_e5m2": 1,
+    "int8": 1,
+    "uint8": 1,
+}
+
+LayoutKind = Literal["kv", "latent"]
+_KIND_FACTOR: dict[str, int] = {"kv": 2, "latent": 1}
+
+
+def _positive(name: str, value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ValueError(f"KVLayout.{name} must be a positive int, got {value!r}")
+
+
+@dataclass(frozen=True, slots=True)
+class KVLayout:
+    """The KV of one object group on one rank; see the module docstring."""
+
+    num_layers: int
+    kv_heads: int
+    head_dim: int
+    dtype: str
+    tokens_per_chunk: int
+    kind: LayoutKind = "kv"
+    num_ranks: int = 1
+
+    def __post_init__(self) -> None:
+        for name in ("num_layers", "kv_heads", "head_dim", "tokens_per_chunk", "num_ranks"):
+            _positive(name, getattr(self, name))
+        if self.dtype not in DTYPE_BYTES:
+            raise ValueError(f"KVLayout.dtype {self.dtype!r} is not one of {sorted(DTYPE_BYTES)}")
+        if self.kind not in _KIND_FACTOR:
+            raise ValueError(f"KVLayout.kind must be 'kv' or 'latent', got {self.kind!r}")
+        if self.kind == "latent" and self.kv_heads != 1:
+            raise ValueError(
+                "KVLayout.kv_heads must be 1 for kind 'latent' (MLA keeps one latent per "
+                f"token per layer), got {self.kv_heads}"
+            )
+
+    @property
+    def dtype_bytes(self) -> int:
+        return DTYPE_BYTES[self.dtype]
+
+    def bytes_per_token(self) -> int:
+        """Bytes one token takes in this group on one rank."""
+        return (
+            _KIND_FACTOR[self.kind]
+            * self.num_layers
+            * self.kv_heads
+            * self.head_dim
+            * self.dtype_bytes
+        )
+
+    def object_bytes(self) -> int:
+        """Bytes of one object: one chunk of one rank."""
+        return self.bytes_per_token() * self.tokens_per_chunk
+
+    def chunk_bytes(self) -> int:
+        """Bytes of one chunk over all ranks (replicas included)."""
+        return self.object_bytes() * self.num_ranks
+
+    def canonical_json(self) -> bytes:
+        return json.dumps(dataclasses.asdict(self), sort_keys=True, separators=(",", ":")).encode(
+            "utf-8"
+        )
+
+    def digest(self) -> str:
+        """A stable 32-hex-digit id of this layout, for the namespace."""
+        return blake3(b"kvtier-layout-v1\x00" + self.canonical_json()).hexdigest(length=16)
+
+
+__all__ = ["DTYPE_BYTES", "KVLayout", "LayoutKind"]

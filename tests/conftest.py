@@ -1,0 +1,51 @@
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+
+from kvtier.keys import ObjectKey
+from kvtier.l1 import L1Config, L1Manager
+
+KiB = 1 << 10
+MiB = 1 << 20
+
+
+class FakeClock:
+    """A monotonic clock the test moves by hand."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+    def advance(self, seconds: float) -> None:
+        self.now += seconds
+
+
+def make_key(i: int, *, rank: int = 0, group: int = 0, salt: str = "") -> ObjectKey:
+    """A distinct, valid key per integer."""
+    return ObjectKey(i.to_bytes(32, "big"), "test-model", rank, group, salt)
+
+
+@pytest.fixture
+def clock() -> FakeClock:
+    return FakeClock()
+
+
+@pytest.fixture
+def make_l1(clock: FakeClock) -> Iterator[Callable[..., L1Manager]]:
+    """Build small L1 managers on the fake clock; all are closed at teardown."""
+    made: list[L1Manager] = []
+
+    def factory(size_bytes: int = 1 * MiB, **overrides: Any) -> L1Manager:
+        config = L1Config(size_bytes=size_bytes, populate=False, **overrides)
+        manager = L1Manager(config, clock=clock)
+        made.append(manager)
+        return manager
+
+    yield factory
+    for manager in made:
+        manager.close()

@@ -1,0 +1,88 @@
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from kvtier.keys import ObjectKey, model_label
+
+HASH = bytes(range(32))
+SAFE = st.text(alphabet="abcXYZ019._-", max_size=20)
+
+
+@given(
+    chunk_hash=st.binary(min_size=32, max_size=32),
+    model=SAFE.filter(bool),
+    rank=st.integers(0, 65535),
+    group=st.integers(0, 65535),
+    salt=SAFE,
+)
+def test_string_form_round_trips(
+    chunk_hash: bytes, model: str, rank: int, group: int, salt: str
+) -> None:
+    key = ObjectKey(chunk_hash, model, rank, group, salt)
+    text = key.to_str()
+    assert ObjectKey.from_str(text) == key
+    assert "/" not in text and "\\" not in text and "\x00" not in text
+
+
+def test_string_form_is_exact() -> None:
+    key = ObjectKey(HASH, "org--llama", kv_rank=3, group=1, salt="tenant-a")
+    assert key.to_str() == "org--llama@tenant-a@r3g1@" + HASH.hex()
+
+
+def test_frozen_and_hashable() -> None:
+    a, b = ObjectKey(HASH, "m", 0), ObjectKey(HASH, "m", 0)
+    assert a == b and hash(a) == hash(b) and len({a, b}) == 1
+    assert ObjectKey(HASH, "m", 1) != a
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        a.kv_rank = 2  # type: ignore[misc]
+
+
+def test_model_label_makes_hub_ids_safe() -> None:
+    assert model_label("meta-llama/Llama-3.1-8B") == "meta-llama--Llama-3.1-8B"
+    ObjectKey(HASH, model_label("Qwen/Qwen2.5-7B-Instruct"), 0)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"chunk_hash": b"short"}, "5 bytes"),
+        ({"chunk_hash": "00" * 32}, "must be bytes"),
+        ({"model": ""}, "must not be empty"),
+        ({"model": "org/name"}, "model_label"),
+        ({"model": "a\\b"}, "path separators"),
+        ({"model": "a\x00b"}, "NUL"),
+        ({"model": "a@b"}, "'@'"),
+        ({"model": "m" * 129}, "limit is 128"),
+        ({"salt": "x/y"}, "ObjectKey.salt"),
+        ({"salt": "s" * 65}, "limit is 64"),
+        ({"kv_rank": -1}, "kv_rank is -1"),
+        ({"kv_rank": 1 << 16}, "kv_rank"),
+        ({"group": -2}, "group is -2"),
+        ({"kv_rank": True}, "must be an int"),
+        ({"kv_rank": 1.0}, "must be an int"),
+    ],
+)
+def test_invalid_fields_raise_clear_errors(kwargs: dict[str, object], message: str) -> None:
+    fields: dict[str, object] = {"chunk_hash": HASH, "model": "m", "kv_rank": 0, **kwargs}
+    with pytest.raises((ValueError, TypeError), match=message):
+        ObjectKey(**fields)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("m@@r0g0", "4 '@'-separated parts"),
+        ("m@@x0g0@" + HASH.hex(), "r0g0"),
+        ("m@@r0g0@" + HASH.hex().upper(), "hex digits"),
+        ("m@@r0g0@" + HASH.hex()[:-2], "hex digits"),
+        ("m@@r00g0@" + HASH.hex(), "canonical"),
+        ("a/b@@r0g0@" + HASH.hex(), "model_label"),
+    ],
+)
+def test_from_str_rejects_malformed_keys(text: str, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        ObjectKey.from_str(text)
