@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 from collections.abc import Sequence
@@ -21,7 +22,7 @@ def _selfcheck(args: argparse.Namespace) -> int:
 
     report = run_selfcheck(l1_size=parse_size(args.l1_size, "--l1-size"))
     if args.json:
-        print(json.dumps({"ok": report.ok, "status": report.status}, indent=2, default=str))
+        print(json.dumps({"ok": report.ok, **dataclasses.asdict(report)}, indent=2))
     else:
         print(format_report(report))
     return 0 if report.ok else 1
@@ -32,7 +33,7 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True)
     commands.add_parser("version", help="print the version").set_defaults(run=_version)
     check = commands.add_parser(
-        "selfcheck", help="store, look up and read back a prompt's chunks through the storage core"
+        "selfcheck", help="store, look up and read back a prompt's chunks through L1 and an fs L2"
     )
     check.add_argument("--l1-size", default="256MiB", help="L1 arena size (default 256MiB)")
     check.add_argument("--json", action="store_true", help="print the result as JSON")

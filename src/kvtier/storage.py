@@ -1,16 +1,20 @@
-"""``StorageManager``: the in-process facade over the cache tiers.
+"""``StorageManager``: the in-process facade over L1, the L2 adapters and the
+controllers between them.
 
-For now it fronts L1 only (L2 adapters and the controllers come next). The
-read path is lookup → retrieve → release:
-
-- ``lookup(keys)`` read-locks the longest prefix of ``keys`` that is resident
-  and returns its length; locks past the first miss are dropped at once.
+- ``store(keys, buffers, layout)`` copies buffers into L1; the
+  ``StoreController`` then writes them to L2 under the store policy.
+- ``lookup(keys, layout)`` (or ``lookup_chunks`` for chunks of several
+  objects) read-locks the longest prefix that L1 has or that the
+  ``PrefetchController`` can bring from L2 in time, and reports how many
+  objects came from each tier. ``submit_lookup`` is the non-blocking form.
 - ``retrieve(keys)`` returns views of objects this manager holds locked.
 - ``release(keys)`` drops those locks, exactly once per lookup: a second
   release of the same lock raises ValueError instead of stealing someone
-  else's lock.
+  else's lock. Objects loaded for one request only (``retain_loaded=False``)
+  are dropped from L1 at their last release.
 
-Thread safety: ``_held`` is guarded by ``_lock``; L1 has its own lock.
+Thread safety: ``_held`` and ``_temporary`` are guarded by ``_lock``; L1 and
+the controllers have their own.
 """
 
 from __future__ import annotations
@@ -18,14 +22,25 @@ from __future__ import annotations
 import itertools
 import threading
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import numpy.typing as npt
 
+from kvtier.controllers import (
+    LookupResult,
+    PrefetchConfig,
+    PrefetchController,
+    PrefetchHandle,
+    StoreConfig,
+    StoreController,
+)
 from kvtier.keys import ObjectKey
 from kvtier.l1 import L1Config, L1Manager, L1Result, Placement, WriterTag
+from kvtier.l2 import L2Adapter, TaskKind, TaskResult, make_adapter
+from kvtier.layout import KVLayout
 
 Buffer = npt.NDArray[np.generic] | bytes | bytearray | memoryview
 
@@ -41,9 +56,13 @@ def byte_view(buffer: Buffer, what: str = "buffer") -> npt.NDArray[np.uint8]:
 
 @dataclass(frozen=True, slots=True)
 class StorageConfig:
-    """Settings of the storage stack."""
+    """Settings of the storage stack. ``l2`` lists adapter specs (dicts with a
+    ``type``) fastest first: that order is the lookup cascade."""
 
     l1: L1Config = field(default_factory=L1Config)
+    l2: tuple[Mapping[str, Any], ...] = ()
+    store: StoreConfig = field(default_factory=StoreConfig)
+    prefetch: PrefetchConfig = field(default_factory=PrefetchConfig)
 
 
 @dataclass(slots=True)
@@ -53,21 +72,55 @@ class _Held:
 
 
 class StorageManager:
-    """Store, look up and read chunk objects; see the module docstring."""
+    """Store, look up and read chunk objects across tiers; see the module docstring."""
 
     def __init__(self, config: StorageConfig | None = None) -> None:
         self.config = config or StorageConfig()
         self.l1 = L1Manager(self.config.l1)
+        self.adapters: list[L2Adapter] = []
+        try:
+            for spec in self.config.l2:
+                adapter = make_adapter(spec, self._on_complete)
+                if any(a.name == adapter.name for a in self.adapters):
+                    adapter.close()
+                    raise ValueError(
+                        f"two L2 adapters are named {adapter.name!r}; give each a distinct 'name'"
+                    )
+                self.adapters.append(adapter)
+        except BaseException:
+            self._close_adapters()
+            self.l1.close()
+            raise
+        self.store_controller = StoreController(
+            self.config.store, self.l1, [a for a in self.adapters if a.writable]
+        )
+        self.prefetch = PrefetchController(self.config.prefetch, self.l1, self.adapters)
         self._lock = threading.Lock()
         self._held: dict[ObjectKey, _Held] = {}
+        self._temporary: set[ObjectKey] = set()
         self._tags = itertools.count()
 
-    def store(self, keys: Sequence[ObjectKey], buffers: Sequence[Buffer]) -> list[L1Result]:
-        """Copy ``buffers`` into L1 under ``keys``. Per key: SUCCESS (stored, or
-        already resident), or OUT_OF_MEMORY."""
+    # ---------------------------------------------------------------- write
+
+    def store(
+        self,
+        keys: Sequence[ObjectKey],
+        buffers: Sequence[Buffer],
+        layout: KVLayout | None = None,
+    ) -> list[L1Result]:
+        """Copy ``buffers`` into L1 under ``keys`` and queue them for L2.
+        Per key: SUCCESS (stored, or already resident) or OUT_OF_MEMORY."""
         if len(keys) != len(buffers):
             raise ValueError("store: keys and buffers must have the same length")
         sources = [byte_view(b, f"store: buffer {i}") for i, b in enumerate(buffers)]
+        if layout is not None:
+            expected = layout.object_bytes()
+            wrong = [i for i, s in enumerate(sources) if s.nbytes != expected]
+            if wrong:
+                raise ValueError(
+                    f"store: buffer {wrong[0]} has {sources[wrong[0]].nbytes} bytes; "
+                    f"the layout says {expected}"
+                )
         tag = WriterTag(f"store-{next(self._tags)}")
         placements = self.l1.reserve_write(keys, [s.nbytes for s in sources], tag)
         staged = [i for i, p in enumerate(placements) if p.result is L1Result.SUCCESS]
@@ -80,6 +133,8 @@ class StorageManager:
         finally:
             self.l1.unfence(fence)
         published = dict(zip(staged_keys, self.l1.finish_write(staged_keys, tag), strict=True))
+        admitted = [k for k, r in published.items() if r is L1Result.SUCCESS]
+        self.store_controller.on_admitted(admitted, layout.digest() if layout else "")
         results = []
         for key, placement in zip(keys, placements, strict=True):
             if placement.result is L1Result.NOT_WRITABLE:
@@ -88,32 +143,60 @@ class StorageManager:
                 results.append(published.get(key, placement.result))
         return results
 
-    def lookup(self, keys: Sequence[ObjectKey]) -> int:
-        """Lock and return the length of the longest resident prefix of ``keys``."""
-        placements = self.l1.reserve_read(keys)
-        hit = next(
-            (i for i, p in enumerate(placements) if p.result is not L1Result.SUCCESS), len(keys)
-        )
-        beyond = [
-            k
-            for k, p in zip(keys[hit:], placements[hit:], strict=True)
-            if p.result is L1Result.SUCCESS
-        ]
-        if beyond:
-            self.l1.finish_read(beyond)
-        if hit:
-            self.l1.touch(keys[:hit])
-            with self._lock:
-                for key, placement in zip(keys[:hit], placements[:hit], strict=True):
-                    held = self._held.get(key)
-                    if held is None:
-                        self._held[key] = _Held(placement, 1)
-                    else:
-                        held.locks += 1
-        return hit
+    # ----------------------------------------------------------------- read
+
+    def submit_lookup(
+        self,
+        chunks: Sequence[Sequence[ObjectKey]],
+        layouts: Mapping[int, KVLayout] | None = None,
+        deadline_s: float | None = None,
+    ) -> PrefetchHandle:
+        """Start a lookup; take its result with ``collect``."""
+        return self.prefetch.submit(chunks, layouts, deadline_s)
+
+    def collect(self, handle: PrefetchHandle, timeout: float | None = None) -> LookupResult | None:
+        """Wait for a lookup and take over its locks (for retrieve/release).
+        None if it is still pending after ``timeout``. Call once per handle."""
+        result = handle.wait(timeout)
+        if result is None:
+            return None
+        with self._lock:
+            for key, placement in result.placements.items():
+                held = self._held.get(key)
+                if held is None:
+                    self._held[key] = _Held(placement, 1)
+                else:
+                    held.locks += 1
+            self._temporary.update(result.temporary)
+        hits = list(result.placements)  # prompt order: the prefix head ends most recent
+        self.l1.touch(hits)
+        self.store_controller.on_hits(hits)
+        return result
+
+    def lookup_chunks(
+        self,
+        chunks: Sequence[Sequence[ObjectKey]],
+        layouts: Mapping[int, KVLayout] | None = None,
+        deadline_s: float | None = None,
+    ) -> LookupResult:
+        """Lock the longest prefix of chunks whose every object L1 has or can load."""
+        result = self.collect(self.submit_lookup(chunks, layouts, deadline_s))
+        assert result is not None  # wait() without a timeout always has a result
+        return result
+
+    def lookup(
+        self,
+        keys: Sequence[ObjectKey],
+        layout: KVLayout | None = None,
+        deadline_s: float | None = None,
+    ) -> LookupResult:
+        """``lookup_chunks`` for one object per chunk. Without ``layout`` only
+        L1 can hit (L2 loads need the object size and layout)."""
+        layouts = {} if layout is None else {key.group: layout for key in keys}
+        return self.lookup_chunks([(key,) for key in keys], layouts, deadline_s)
 
     def retrieve(self, keys: Sequence[ObjectKey]) -> list[npt.NDArray[np.uint8]]:
-        """Views of objects locked by ``lookup``; valid until ``release``."""
+        """Views of objects locked by a lookup; valid until ``release``."""
         with self._lock:
             missing = [k for k in keys if k not in self._held]
             if missing:
@@ -123,6 +206,7 @@ class StorageManager:
 
     def release(self, keys: Sequence[ObjectKey]) -> None:
         """Drop one lookup lock per key; ValueError if none is held."""
+        drop: list[ObjectKey] = []
         with self._lock:
             short = [k for k, n in Counter(keys).items() if self._held_locks(k) < n]
             if short:
@@ -132,20 +216,41 @@ class StorageManager:
                 held.locks -= 1
                 if held.locks == 0:
                     del self._held[key]
+                    if key in self._temporary:
+                        self._temporary.discard(key)
+                        drop.append(key)
         self.l1.finish_read(keys)
+        if drop:
+            self.l1.delete(drop)  # LOCKED if another reader holds it: it stays
 
-    def _held_locks(self, key: ObjectKey) -> int:
-        held = self._held.get(key)
-        return 0 if held is None else held.locks
+    # ---------------------------------------------------------- management
+
+    def flush(self, timeout: float | None = None) -> bool:
+        """Wait until every queued L2 store has finished."""
+        return self.store_controller.flush(timeout)
 
     def status(self) -> dict[str, object]:
         with self._lock:
             held = sum(h.locks for h in self._held.values())
-        return {"held_lookup_locks": held, "l1": self.l1.status()}
+        return {
+            "held_lookup_locks": held,
+            "l1": self.l1.status(),
+            "l2": {a.name: a.status() for a in self.adapters},
+            "store": self.store_controller.status(),
+            "prefetch": self.prefetch.status(),
+        }
 
     def close(self) -> None:
+        """Stop the controllers (waiting for I/O in flight), close the adapters,
+        release every lock still held, and free L1."""
+        self.prefetch.stop()
+        self.store_controller.stop()
+        self._close_adapters()
         with self._lock:
+            leftover = [k for k, h in self._held.items() for _ in range(h.locks)]
             self._held.clear()
+        if leftover:
+            self.l1.finish_read(leftover)
         self.l1.close()
 
     def __enter__(self) -> StorageManager:
@@ -153,3 +258,19 @@ class StorageManager:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+    # ------------------------------------------------------------ internals
+
+    def _on_complete(self, result: TaskResult) -> None:
+        if result.kind is TaskKind.STORE:
+            self.store_controller.on_result(result)
+        else:
+            self.prefetch.on_result(result)
+
+    def _held_locks(self, key: ObjectKey) -> int:
+        held = self._held.get(key)
+        return 0 if held is None else held.locks
+
+    def _close_adapters(self) -> None:
+        for adapter in self.adapters:
+            adapter.close()

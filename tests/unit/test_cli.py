@@ -17,7 +17,8 @@ def test_version(capsys: pytest.CaptureFixture[str]) -> None:
 def test_selfcheck_passes(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["selfcheck", "--l1-size", "64MiB"]) == 0
     out = capsys.readouterr().out
-    assert "hit chunks (expected)          24 (24)" in out
+    assert "L1 hit chunks (expected)       24 (24)" in out
+    assert "after restart, hits from fs    24 (24)" in out
     assert "bytes identical                yes" in out
     assert out.strip().endswith("OK")
 
@@ -26,7 +27,8 @@ def test_selfcheck_json(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["selfcheck", "--json", "--l1-size", "64MiB"]) == 0
     result = json.loads(capsys.readouterr().out)
     assert result["ok"] is True
-    assert result["status"]["held_lookup_locks"] == 0
+    assert result["l2_hit_chunks"] == result["expected_hit_chunks"] == 24
+    assert result["locks_left"] == 0
 
 
 def test_selfcheck_too_small_l1_fails_loudly(capsys: pytest.CaptureFixture[str]) -> None:

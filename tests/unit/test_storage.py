@@ -28,7 +28,7 @@ def test_store_lookup_retrieve_release(storage: StorageManager) -> None:
     keys = [make_key(i) for i in range(4)]
     data = [payload(i) for i in range(4)]
     assert storage.store(keys, data) == [L1Result.SUCCESS] * 4
-    assert storage.lookup(keys) == 4
+    assert storage.lookup(keys).hit_chunks == 4
     views = storage.retrieve(keys)
     assert all(np.array_equal(v, d) for v, d in zip(views, data, strict=True))
     storage.release(keys)
@@ -39,20 +39,20 @@ def test_store_lookup_retrieve_release(storage: StorageManager) -> None:
 def test_lookup_locks_only_the_longest_prefix(storage: StorageManager) -> None:
     keys = [make_key(i) for i in range(5)]
     storage.store([keys[0], keys[1], keys[3], keys[4]], [payload(i) for i in (0, 1, 3, 4)])
-    assert storage.lookup(keys) == 2  # keys[2] is missing: 3 and 4 do not count
+    assert storage.lookup(keys).hit_chunks == 2  # keys[2] is missing: 3 and 4 do not count
     assert storage.l1.audit()["read_locks"] == 2
     with pytest.raises(ValueError, match="not locked by a lookup"):
         storage.retrieve(keys[:3])
     storage.release(keys[:2])
-    assert storage.lookup([make_key(99), *keys]) == 0
+    assert storage.lookup([make_key(99), *keys]).hit_chunks == 0
     assert_clean(storage.l1)
 
 
 def test_release_is_exactly_once(storage: StorageManager) -> None:
     keys = [make_key(i) for i in range(2)]
     storage.store(keys, [payload(0), payload(1)])
-    assert storage.lookup(keys) == 2
-    assert storage.lookup(keys[:1]) == 1  # a second lookup holds its own lock
+    assert storage.lookup(keys).hit_chunks == 2
+    assert storage.lookup(keys[:1]).hit_chunks == 1  # a second lookup holds its own lock
     storage.release(keys)
     assert storage.l1.audit()["read_locks"] == 1
     with pytest.raises(ValueError, match="holds no"):
@@ -76,7 +76,7 @@ def test_storing_again_is_success_and_keeps_the_first_copy(storage: StorageManag
 def test_out_of_memory_while_everything_is_locked(storage: StorageManager) -> None:
     keys = [make_key(i) for i in range(12)]  # 48 of 64 pages: under the 80 % watermark
     storage.store(keys, [payload(i, 4 * PAGE) for i in range(12)])
-    assert storage.lookup(keys) == 12
+    assert storage.lookup(keys).hit_chunks == 12
     more = [make_key(100 + i) for i in range(5)]  # 20 pages, 16 free, the rest locked
     big = [payload(100 + i, 4 * PAGE) for i in range(5)]
     assert storage.store(more, big) == [L1Result.OUT_OF_MEMORY] * 5
@@ -88,7 +88,7 @@ def test_out_of_memory_while_everything_is_locked(storage: StorageManager) -> No
 def test_a_batch_past_the_watermark_keeps_the_prefix_head(storage: StorageManager) -> None:
     keys = [make_key(i) for i in range(16)]  # 64 of 64 pages: evicts down to 60 %
     storage.store(keys, [payload(i, 4 * PAGE) for i in range(16)])
-    assert storage.lookup(keys) == 9  # 36 pages kept: the first nine chunks
+    assert storage.lookup(keys).hit_chunks == 9  # 36 pages kept: the first nine chunks
     storage.release(keys[:9])
     assert_clean(storage.l1)
 

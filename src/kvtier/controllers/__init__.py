@@ -1,0 +1,20 @@
+"""Controllers: background work between L1 and L2 (write-back and prefetch)."""
+
+from kvtier.controllers.prefetch import (
+    L1_TIER,
+    LookupResult,
+    PrefetchConfig,
+    PrefetchController,
+    PrefetchHandle,
+)
+from kvtier.controllers.store import StoreConfig, StoreController
+
+__all__ = [
+    "L1_TIER",
+    "LookupResult",
+    "PrefetchConfig",
+    "PrefetchController",
+    "PrefetchHandle",
+    "StoreConfig",
+    "StoreController",
+]

@@ -1,0 +1,459 @@
+"""``PrefetchController``: the lookup path from L2 into L1.
+
+For one request (a prompt's chunks, each one or more objects: ranks x groups)::
+
+    1. lock what L1 has                      (caller's thread; a full L1 hit ends here)
+    2. one submit_lookup per adapter          for the objects L1 lacks
+    3. plan once over the union               each object from the first adapter
+                                              (cascade order, fastest first) that has it;
+                                              the prefix ends at the first chunk nobody has
+    4. reserve staging in L1, fence it, one submit_load per (adapter, group)
+    5. as each load completes: admit + lock   (finish_write_and_reserve_read)
+    6. fold to the longest prefix of chunks whose every object is locked;
+       release everything outside it          → LookupResult
+
+- Single flight: an object already being loaded for another request is not
+  loaded again; the second request waits for the same load and gets its own
+  read lock when it lands.
+- Deadline: what has not arrived by ``deadline_s`` is a miss for that
+  request. The load itself goes on (its buffer stays fenced until the adapter
+  is done); when it lands it is admitted unlocked, warming the cache.
+- Leases: every object an adapter's lookup found is unlocked on that adapter
+  exactly once — after its load, or when the plan does not use that copy.
+- Bounds: at most ``max_inflight_requests`` requests are worked on at once
+  (the rest wait in order); loads start while fewer than
+  ``max_inflight_bytes`` are in flight (one batch may always run).
+- Loaded objects stay in L1 (``retain_loaded``) or are marked temporary in
+  the result, for the caller to drop after reading them.
+
+Thread safety: ``submit`` runs step 1 on the caller's thread (L1 has its own
+lock) and hands the rest to the worker thread through ``_events``. Every
+field below except ``_counters`` (``_counters_lock``) is the worker's.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import logging
+import queue
+import threading
+import time
+from collections import Counter, deque
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+from kvtier.keys import ObjectKey
+from kvtier.l1 import IOFence, L1Manager, L1Result, Placement, WriterTag
+from kvtier.l2.base import L2Adapter, TaskId, TaskKind, TaskResult
+from kvtier.layout import KVLayout
+
+log = logging.getLogger(__name__)
+
+L1_TIER = "L1"
+GiB = 1 << 30
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class PrefetchConfig:
+    deadline_s: float = 5.0
+    max_inflight_requests: int = 64
+    max_inflight_bytes: int = 1 * GiB
+    retain_loaded: bool = True
+
+    def __post_init__(self) -> None:
+        for name in ("deadline_s", "max_inflight_requests", "max_inflight_bytes"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"prefetch option {name!r} must be positive")
+
+
+@dataclass(frozen=True, slots=True)
+class LookupResult:
+    """A finished lookup. The caller holds one read lock on every object of the
+    first ``hit_chunks`` chunks (``placements``) and must release them."""
+
+    hit_chunks: int
+    placements: Mapping[ObjectKey, Placement]
+    objects_by_tier: Mapping[str, int]  # "L1" or adapter name -> objects in the hit
+    temporary: frozenset[ObjectKey] = frozenset()  # loaded for this request only
+
+
+class PrefetchHandle:
+    """The caller's view of one request: pending until ``result()`` is set."""
+
+    def __init__(self) -> None:
+        self._done = threading.Event()
+        self._result: LookupResult | None = None
+
+    def result(self) -> LookupResult | None:
+        """The result, or None while the lookup is pending."""
+        return self._result if self._done.is_set() else None
+
+    def wait(self, timeout: float | None = None) -> LookupResult | None:
+        self._done.wait(timeout)
+        return self.result()
+
+    def _set(self, result: LookupResult) -> None:
+        self._result = result
+        self._done.set()
+
+
+@dataclass(eq=False)
+class _Request:
+    chunks: tuple[tuple[ObjectKey, ...], ...]
+    layouts: Mapping[int, KVLayout]
+    deadline: float
+    handle: PrefetchHandle
+    limit: int  # no hit can extend past this chunk
+    locked: dict[ObjectKey, Placement] = field(default_factory=dict)
+    tier: dict[ObjectKey, str] = field(default_factory=dict)
+    waiting_lookups: set[str] = field(default_factory=set)
+    found: dict[str, set[ObjectKey]] = field(default_factory=dict)
+    pending_loads: set[ObjectKey] = field(default_factory=set)
+    done: bool = False
+
+
+@dataclass(eq=False)
+class _LoadBatch:
+    adapter: str
+    tag: WriterTag
+    fence: IOFence
+    nbytes: int
+    subscribers: dict[ObjectKey, list[_Request]]
+
+
+class PrefetchController:
+    """Brings a request's missing chunks from L2 into L1; see the module docstring."""
+
+    def __init__(
+        self, config: PrefetchConfig, l1: L1Manager, adapters: Sequence[L2Adapter]
+    ) -> None:
+        self.config = config
+        self._l1 = l1
+        self._adapters = {adapter.name: adapter for adapter in adapters}  # cascade order
+        self._events: queue.SimpleQueue[object] = queue.SimpleQueue()
+        self._active: set[_Request] = set()
+        self._backlog: deque[_Request] = deque()
+        self._deadlines: list[tuple[float, int, _Request]] = []
+        self._seq = itertools.count()
+        self._lookups: dict[tuple[str, TaskId], _Request] = {}
+        self._loads: dict[tuple[str, TaskId], _LoadBatch] = {}
+        self._inflight: dict[ObjectKey, _LoadBatch] = {}  # single flight
+        self._budget_wait: deque[tuple[_Request, str, int, list[ObjectKey]]] = deque()
+        self._inflight_bytes = 0
+        self._stopping = False  # the worker's view
+        self._closed = False  # set by stop(), read by submit() on callers' threads
+        self._counters_lock = threading.Lock()
+        self._counters: Counter[str] = Counter()
+        self._thread = threading.Thread(target=self._run, name="kvtier-prefetch", daemon=True)
+        self._thread.start()
+
+    # -------------------------------------------------------------- callers
+
+    def submit(
+        self,
+        chunks: Sequence[Sequence[ObjectKey]],
+        layouts: Mapping[int, KVLayout] | None = None,
+        deadline_s: float | None = None,
+    ) -> PrefetchHandle:
+        """Start a lookup. ``layouts`` maps each object group to its layout;
+        objects of groups without one can only hit in L1."""
+        frozen = tuple(tuple(chunk) for chunk in chunks)
+        flat = [key for chunk in frozen for key in chunk]
+        if len(set(flat)) != len(flat):
+            raise ValueError("lookup: an object key appears twice in one request")
+        handle = PrefetchHandle()
+        deadline = time.monotonic() + (deadline_s or self.config.deadline_s)
+        request = _Request(frozen, layouts or {}, deadline, handle, limit=len(frozen))
+        placements = self._l1.reserve_read(flat)
+        for key, placement in zip(flat, placements, strict=True):
+            if placement.result is L1Result.SUCCESS:
+                request.locked[key] = placement
+                request.tier[key] = L1_TIER
+        request.limit = self._loadable_prefix(request)
+        self._count("lookups")
+        if self._closed or not self._adapters or self._all_locked(request):
+            self._answer(request)  # the worker never sees this request
+        else:
+            self._events.put(request)
+        return handle
+
+    def on_result(self, result: TaskResult) -> None:
+        """An adapter's lookup or load completion (the adapter's callback)."""
+        self._events.put(result)
+
+    def stop(self) -> None:
+        """Finish every request as it stands, wait for loads in flight, then stop."""
+        self._closed = True
+        self._events.put("stop")
+        self._thread.join()
+
+    def status(self) -> dict[str, object]:
+        with self._counters_lock:
+            return dict(self._counters)
+
+    # --------------------------------------------------------------- worker
+
+    def _run(self) -> None:
+        while True:
+            timeout = None
+            if self._deadlines:
+                timeout = max(0.0, self._deadlines[0][0] - time.monotonic())
+            try:
+                event = self._events.get(timeout=timeout)
+            except queue.Empty:
+                event = None
+            if event == "stop":
+                self._stopping = True
+                waiting, self._backlog = list(self._backlog), deque()
+                for request in [*waiting, *self._active]:
+                    self._finish(request, give_up=True)
+            elif isinstance(event, _Request):
+                self._admit(event)
+            elif isinstance(event, TaskResult):
+                if event.kind is TaskKind.LOOKUP:
+                    self._on_lookup(event)
+                else:
+                    self._on_load(event)
+            self._expire(time.monotonic())
+            self._launch_waiting()
+            self._set_gauges()
+            if self._stopping and not self._loads and not self._lookups:
+                break
+        # Requests that raced with stop(): answer them as misses.
+        while True:
+            try:
+                event = self._events.get_nowait()
+            except queue.Empty:
+                return
+            if isinstance(event, _Request):
+                self._answer(event, give_up=True)
+
+    def _admit(self, request: _Request) -> None:
+        if self._stopping:
+            self._finish(request, give_up=True)
+        elif len(self._active) >= self.config.max_inflight_requests:
+            self._backlog.append(request)
+            heapq.heappush(self._deadlines, (request.deadline, next(self._seq), request))
+        else:
+            self._start(request)
+
+    def _start(self, request: _Request) -> None:
+        self._active.add(request)
+        heapq.heappush(self._deadlines, (request.deadline, next(self._seq), request))
+        missing = [k for c in request.chunks[: request.limit] for k in c if k not in request.locked]
+        for name, adapter in self._adapters.items():
+            request.waiting_lookups.add(name)
+            request.found[name] = set()
+            self._lookups[(name, adapter.submit_lookup(missing))] = request
+
+    def _on_lookup(self, result: TaskResult) -> None:
+        request = self._lookups.pop((result.adapter, result.task), None)
+        found = {k for k, ok in zip(result.keys, result.ok, strict=True) if ok}
+        if request is None or request.done:
+            self._unlock(result.adapter, found)  # nobody will load these
+            return
+        request.found[result.adapter] = found
+        request.waiting_lookups.discard(result.adapter)
+        if not request.waiting_lookups:
+            self._plan(request)
+
+    def _plan(self, request: _Request) -> None:
+        """Pick a source for every object of the loadable prefix, then load."""
+        assigned: dict[tuple[str, int], list[ObjectKey]] = {}
+        limit = request.limit
+        for index, chunk in enumerate(request.chunks[:limit]):
+            sources: dict[ObjectKey, str | None] = {}
+            for key in chunk:
+                if key in request.locked:
+                    continue
+                if key in self._inflight:
+                    sources[key] = None  # another request is loading it
+                    continue
+                source = next((n for n, keys in request.found.items() if key in keys), None)
+                if source is None:
+                    break
+                sources[key] = source
+            else:
+                for key, source in sources.items():
+                    if source is None:
+                        self._inflight[key].subscribers[key].append(request)
+                        request.pending_loads.add(key)
+                    else:
+                        assigned.setdefault((source, key.group), []).append(key)
+                continue
+            limit = index
+            break
+        request.limit = limit
+        loading = {name: set[ObjectKey]() for name in self._adapters}
+        for (name, _group), keys in assigned.items():
+            loading[name].update(keys)
+        for name, found in request.found.items():
+            self._unlock(name, found - loading[name])
+        for (name, group), keys in assigned.items():
+            self._budget_wait.append((request, name, group, keys))
+        self._launch_waiting()
+        if not request.pending_loads and not any(r is request for r, *_ in self._budget_wait):
+            self._finish(request)
+
+    def _launch_waiting(self) -> None:
+        while self._budget_wait:
+            request, name, group, keys = self._budget_wait[0]
+            size = request.layouts[group].object_bytes()
+            nbytes = size * len(keys)
+            if self._loads and self._inflight_bytes + nbytes > self.config.max_inflight_bytes:
+                return
+            self._budget_wait.popleft()
+            if request.done:
+                self._unlock(name, set(keys))
+                continue
+            self._start_load(request, name, request.layouts[group], keys)
+            if not request.pending_loads and not any(r is request for r, *_ in self._budget_wait):
+                self._finish(request)
+
+    def _start_load(
+        self, request: _Request, name: str, layout: KVLayout, keys: list[ObjectKey]
+    ) -> None:
+        tag = WriterTag(f"prefetch-{next(self._seq)}")
+        size = layout.object_bytes()
+        placements = self._l1.reserve_write(keys, [size] * len(keys), tag)
+        staged: list[ObjectKey] = []
+        for key, placement in zip(keys, placements, strict=True):
+            if placement.result is L1Result.SUCCESS:
+                staged.append(key)
+            elif placement.result is L1Result.NOT_WRITABLE:
+                self._take_resident(request, key)  # published meanwhile: read it from L1
+            else:
+                self._count("staging_out_of_memory")
+        self._unlock(name, set(keys) - set(staged))
+        if not staged:
+            return
+        _, fence = self._l1.fence(staged, tag)
+        views = [self._l1.view(p) for p in placements if p.result is L1Result.SUCCESS]
+        batch = _LoadBatch(name, tag, fence, size * len(staged), {k: [request] for k in staged})
+        for key in staged:
+            self._inflight[key] = batch
+            request.pending_loads.add(key)
+        self._inflight_bytes += batch.nbytes
+        task = self._adapters[name].submit_load(staged, views, layout.digest())
+        self._loads[(name, task)] = batch
+
+    def _take_resident(self, request: _Request, key: ObjectKey) -> None:
+        (placement,) = self._l1.reserve_read([key])
+        if placement.result is L1Result.SUCCESS:
+            request.locked[key] = placement
+            request.tier[key] = L1_TIER
+
+    def _on_load(self, result: TaskResult) -> None:
+        batch = self._loads.pop((result.adapter, result.task), None)
+        if batch is None:
+            log.error("prefetch: result for unknown load %s/%d", result.adapter, result.task)
+            return
+        self._l1.unfence(batch.fence)
+        self._inflight_bytes -= batch.nbytes
+        self._unlock(result.adapter, set(result.keys))
+        waiting: dict[int, list[ObjectKey]] = {}  # number of live subscribers -> keys
+        touched: set[_Request] = set()
+        for key, ok in zip(result.keys, result.ok, strict=True):
+            del self._inflight[key]
+            live = [r for r in batch.subscribers[key] if not r.done]
+            touched.update(live)
+            for request in live:
+                request.pending_loads.discard(key)
+            if ok:
+                waiting.setdefault(len(live), []).append(key)
+            else:
+                self._l1.abort_write([key], batch.tag)
+        self._count(f"loaded_objects.{result.adapter}", result.count)
+        self._count(f"failed_loads.{result.adapter}", len(result.ok) - result.count)
+        for n, keys in waiting.items():
+            if n == 0:
+                self._l1.finish_write(keys, batch.tag)  # late: warm the cache, lock nothing
+                continue
+            placements = self._l1.finish_write_and_reserve_read(keys, batch.tag, n)
+            for key, placement in zip(keys, placements, strict=True):
+                if placement.result is not L1Result.SUCCESS:
+                    continue  # the staging lease expired: a miss
+                for request in batch.subscribers[key]:
+                    if not request.done:
+                        request.locked[key] = placement
+                        request.tier[key] = result.adapter
+        for request in touched:
+            if not request.pending_loads and not any(r is request for r, *_ in self._budget_wait):
+                self._finish(request)
+
+    def _expire(self, now: float) -> None:
+        while self._deadlines and self._deadlines[0][0] <= now:
+            _, _, request = heapq.heappop(self._deadlines)
+            if not request.done:
+                self._count("deadline_misses")
+                if request in self._backlog:
+                    self._backlog.remove(request)
+                self._finish(request)
+
+    def _finish(self, request: _Request, give_up: bool = False) -> None:
+        """Answer a request the worker was handling and start the next one."""
+        self._active.discard(request)
+        self._answer(request, give_up)
+        while (
+            not self._stopping
+            and self._backlog
+            and len(self._active) < self.config.max_inflight_requests
+        ):
+            self._start(self._backlog.popleft())
+
+    def _answer(self, request: _Request, give_up: bool = False) -> None:
+        """Fold to the longest fully locked prefix, release the rest, set the result."""
+        if request.done:
+            return
+        request.done = True
+        hit = 0
+        if not give_up:
+            for chunk in request.chunks[: request.limit]:
+                if not all(key in request.locked for key in chunk):
+                    break
+                hit += 1
+        kept = [k for chunk in request.chunks[:hit] for k in chunk]  # in prompt order
+        kept_set = set(kept)
+        extra = [k for k in request.locked if k not in kept_set]
+        if extra:
+            self._l1.finish_read(extra)
+        placements = {k: request.locked[k] for k in kept}
+        tiers = Counter(request.tier[k] for k in kept)
+        temporary: frozenset[ObjectKey] = frozenset()
+        if not self.config.retain_loaded:
+            temporary = frozenset(k for k in kept if request.tier[k] != L1_TIER)
+        self._count("hit_chunks", hit)
+        for tier, n in tiers.items():
+            self._count(f"hit_objects.{tier}", n)
+        request.handle._set(LookupResult(hit, placements, dict(tiers), temporary))
+
+    # ------------------------------------------------------------- helpers
+
+    def _loadable_prefix(self, request: _Request) -> int:
+        """Chunks up to the first one with an L1-missing object of unknown layout."""
+        for index, chunk in enumerate(request.chunks):
+            for key in chunk:
+                if key not in request.locked and key.group not in request.layouts:
+                    return index
+        return len(request.chunks)
+
+    @staticmethod
+    def _all_locked(request: _Request) -> bool:
+        return all(k in request.locked for c in request.chunks[: request.limit] for k in c)
+
+    def _unlock(self, name: str, keys: set[ObjectKey]) -> None:
+        if keys:
+            self._adapters[name].unlock(list(keys))
+
+    def _count(self, name: str, n: int = 1) -> None:
+        if n:
+            with self._counters_lock:
+                self._counters[name] += n
+
+    def _set_gauges(self) -> None:
+        with self._counters_lock:
+            self._counters["active_requests"] = len(self._active)
+            self._counters["backlog_requests"] = len(self._backlog)
+            self._counters["inflight_bytes"] = self._inflight_bytes
+            self._counters["inflight_objects"] = len(self._inflight)

@@ -1,0 +1,398 @@
+"""The L2 adapter contract (prose and rationale in ``docs/l2-contract.md``).
+
+An adapter is non-blocking and batch-shaped, so no backend can stall a
+controller loop::
+
+    submit_store(keys, buffers, layout) -> TaskId   result: per-key stored bitmap + bytes written
+    submit_lookup(keys)                 -> TaskId   result: per-key found bitmap
+    submit_load(keys, buffers, layout)  -> TaskId   result: per-key loaded bitmap + bytes read
+    unlock(keys)                        fire-and-forget; drops leases a lookup took; never fails
+    close()                             waits for in-flight I/O, then releases the backend
+
+- Completion: each task's ``TaskResult`` is handed exactly once to the
+  ``on_complete`` callback given at construction: from an adapter thread, or
+  on the submitting thread during ``submit_*`` when the answer is known at
+  once (an in-memory lookup, a task refused while closed or backing off).
+  The callback must not block or take a lock the submitter may hold. A
+  controller points the callbacks of all its adapters at one
+  ``CompletionQueue`` and waits on that.
+- Buffer ownership: a buffer passed to a task belongs to the adapter until
+  that task's result is delivered. The result is delivered only after the
+  adapter has stopped touching the buffers (timeouts are enforced inside
+  the backend client, so every task does complete). ``close()`` waits for
+  in-flight tasks. Callers keep L1 memory fenced until the result arrives.
+- Failures are misses: an error, a timeout, an unreachable backend or a
+  corrupt copy sets that key's bit to False and counts the reason in
+  ``status()["failures"]``; nothing raises into the caller. After a
+  connection failure the adapter backs off (doubling, capped) and answers
+  submits at once as misses until the back-off ends, then reconnects.
+- Corrupt copies (``kvtier.l2.format``) are misses and are deleted or
+  quarantined by the adapter, counted as ``corrupt_objects``.
+
+``BlockingAdapter`` implements all of this over three blocking batch methods
+run on a small thread pool; most adapters only write those.
+"""
+
+from __future__ import annotations
+
+import enum
+import itertools
+import logging
+import queue
+import threading
+import time
+from abc import ABC, abstractmethod
+from collections import Counter
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import ClassVar, NewType
+
+import numpy as np
+import numpy.typing as npt
+
+from kvtier.keys import ObjectKey
+from kvtier.l2.format import CorruptObject
+
+log = logging.getLogger(__name__)
+
+TaskId = NewType("TaskId", int)
+Buffer = npt.NDArray[np.uint8]
+
+
+class TaskKind(enum.Enum):
+    STORE = "store"
+    LOOKUP = "lookup"
+    LOAD = "load"
+
+
+@dataclass(frozen=True, slots=True)
+class TaskResult:
+    """The outcome of one task, delivered once. ``ok[i]`` is for ``keys[i]``."""
+
+    adapter: str
+    task: TaskId
+    kind: TaskKind
+    keys: tuple[ObjectKey, ...]
+    ok: tuple[bool, ...]
+    nbytes: int = 0  # bytes really written (store) or read (load)
+
+    @property
+    def count(self) -> int:
+        return sum(self.ok)
+
+
+CompletionCallback = Callable[[TaskResult], None]
+
+
+class CompletionQueue:
+    """One queue for the results of several adapters; ``put`` is the callback."""
+
+    def __init__(self) -> None:
+        self._queue: queue.SimpleQueue[TaskResult] = queue.SimpleQueue()
+
+    def put(self, result: TaskResult) -> None:
+        self._queue.put(result)
+
+    def get(self, timeout: float | None = None) -> TaskResult | None:
+        """The next result, or None after ``timeout`` seconds."""
+        try:
+            return self._queue.get(timeout=timeout)
+        except queue.Empty:
+            return None
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class AdapterConfig:
+    """Options every adapter has. Durations in seconds."""
+
+    name: str = ""  # instance name in metrics and plans; defaults to the type
+    write: bool = True  # whether the store controller writes objects to this adapter
+    io_threads: int = 4
+    timeout_s: float = 5.0
+    backoff_initial_s: float = 0.5
+    backoff_max_s: float = 30.0
+
+    def __post_init__(self) -> None:
+        if self.io_threads <= 0:
+            raise ValueError(f"option 'io_threads' must be positive, got {self.io_threads}")
+        if self.timeout_s <= 0:
+            raise ValueError(f"option 'timeout_s' must be positive, got {self.timeout_s}")
+        if not 0 < self.backoff_initial_s <= self.backoff_max_s:
+            raise ValueError(
+                "options must satisfy 0 < backoff_initial_s <= backoff_max_s, got "
+                f"{self.backoff_initial_s} and {self.backoff_max_s}"
+            )
+
+
+class L2Adapter(ABC):
+    """The contract; see the module docstring."""
+
+    type_name: ClassVar[str]
+    config_class: ClassVar[type[AdapterConfig]]
+
+    name: str
+    writable: bool
+
+    @abstractmethod
+    def submit_store(
+        self, keys: Sequence[ObjectKey], buffers: Sequence[Buffer], layout: str = ""
+    ) -> TaskId: ...
+
+    @abstractmethod
+    def submit_lookup(self, keys: Sequence[ObjectKey]) -> TaskId: ...
+
+    @abstractmethod
+    def submit_load(
+        self, keys: Sequence[ObjectKey], buffers: Sequence[Buffer], layout: str = ""
+    ) -> TaskId: ...
+
+    @abstractmethod
+    def unlock(self, keys: Sequence[ObjectKey]) -> None: ...
+
+    @abstractmethod
+    def close(self) -> None: ...
+
+    @abstractmethod
+    def status(self) -> dict[str, object]: ...
+
+
+@dataclass(eq=False)
+class _Task:
+    """One submitted task while its parts run (fields under the adapter's lock)."""
+
+    kind: TaskKind
+    keys: tuple[ObjectKey, ...]
+    buffers: Sequence[Buffer]
+    layout: str
+    id: TaskId = TaskId(0)
+    ok: list[bool] = field(default_factory=list)
+    nbytes: int = 0
+    remaining: int = 0
+
+
+class BackendUnavailable(Exception):
+    """Raised by a backend method when it cannot reach its server (starts back-off)."""
+
+
+class BlockingAdapter(L2Adapter):
+    """Runs blocking batch I/O on thread pools and turns failures into misses.
+
+    Subclasses implement ``_store``, ``_lookup`` and ``_load`` (and may
+    override ``_unlock``, ``_reconnect``, ``_close_backend``). They may raise:
+    ``BackendUnavailable``, ``TimeoutError`` or ``ConnectionError`` for the
+    whole batch (a miss for every key, and back-off), any other exception
+    (a miss for every key, reason "error"), or return per-key results and
+    call ``_count_failure`` for the keys that failed. ``_load`` checks each
+    copy with ``kvtier.l2.format`` and calls ``_corrupt`` for bad ones.
+
+    Stores run on their own pool, so write-back never queues ahead of
+    lookups and loads. A store or load batch is split into up to
+    ``io_threads`` parts that run in parallel (``max_parts``); the task's
+    result is delivered once, by the part that finishes last. Adapters whose
+    lookup is an in-memory check set ``inline_lookup`` and answer at once.
+
+    Thread safety: ``_lock`` guards counters and the back-off state.
+    """
+
+    inline_lookup: ClassVar[bool] = False
+
+    def __init__(self, config: AdapterConfig, on_complete: CompletionCallback) -> None:
+        self.config = config
+        self.name = config.name or self.type_name
+        self.writable = config.write
+        self._on_complete = on_complete
+        self._tasks = itertools.count(1)
+        self._lock = threading.Lock()
+        threads = config.io_threads
+        self._read_pool = ThreadPoolExecutor(threads, thread_name_prefix=f"l2-{self.name}-r")
+        self._write_pool = ThreadPoolExecutor(threads, thread_name_prefix=f"l2-{self.name}-w")
+        self._closed = False
+        self._down_until = 0.0
+        self._backoff = config.backoff_initial_s
+        self._needs_reconnect = False
+        self._failures: Counter[str] = Counter()
+        self._counters = Counter[str]()
+
+    # ------------------------------------------------------------ contract
+
+    def submit_store(
+        self, keys: Sequence[ObjectKey], buffers: Sequence[Buffer], layout: str = ""
+    ) -> TaskId:
+        self._check_batch(keys, buffers)
+        return self._submit(_Task(TaskKind.STORE, tuple(keys), buffers, layout))
+
+    def submit_lookup(self, keys: Sequence[ObjectKey]) -> TaskId:
+        return self._submit(_Task(TaskKind.LOOKUP, tuple(keys), (), ""))
+
+    def submit_load(
+        self, keys: Sequence[ObjectKey], buffers: Sequence[Buffer], layout: str = ""
+    ) -> TaskId:
+        self._check_batch(keys, buffers)
+        return self._submit(_Task(TaskKind.LOAD, tuple(keys), buffers, layout))
+
+    def unlock(self, keys: Sequence[ObjectKey]) -> None:
+        try:
+            self._unlock(keys)
+        except Exception:
+            log.exception("L2 %s: unlock failed; leases expire on their own", self.name)
+
+    def close(self) -> None:
+        """Refuse new tasks, wait for in-flight ones, then release the backend."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+        self._read_pool.shutdown(wait=True)
+        self._write_pool.shutdown(wait=True)
+        try:
+            self._close_backend()
+        except Exception:
+            log.exception("L2 %s: closing the backend failed", self.name)
+
+    def status(self) -> dict[str, object]:
+        with self._lock:
+            return {
+                "type": self.type_name,
+                "name": self.name,
+                "healthy": time.monotonic() >= self._down_until,
+                "closed": self._closed,
+                "failures": dict(self._failures),
+                **self._counters,
+                **self._backend_status(),
+            }
+
+    # ---------------------------------------------------- for subclasses
+
+    @abstractmethod
+    def _store(
+        self, keys: Sequence[ObjectKey], buffers: Sequence[Buffer], layout: str
+    ) -> list[int | None]:
+        """Store each buffer; per key the bytes written, or None if it failed."""
+
+    @abstractmethod
+    def _lookup(self, keys: Sequence[ObjectKey]) -> list[bool]:
+        """Per key whether a copy exists (it may still fail to load)."""
+
+    @abstractmethod
+    def _load(
+        self, keys: Sequence[ObjectKey], buffers: Sequence[Buffer], layout: str
+    ) -> list[bool]:
+        """Read each payload into its buffer; per key whether it is there and valid."""
+
+    def _unlock(self, keys: Sequence[ObjectKey]) -> None:
+        return None
+
+    def _reconnect(self) -> None:
+        """Re-establish the backend connection after a failure (may raise)."""
+
+    def _close_backend(self) -> None:
+        return None
+
+    def _backend_status(self) -> dict[str, object]:
+        return {}
+
+    def _count_failure(self, reason: str, n: int = 1) -> None:
+        with self._lock:
+            self._failures[reason] += n
+
+    def _corrupt(self, key: ObjectKey, error: CorruptObject) -> None:
+        """Count a refused copy; the subclass deletes or quarantines it."""
+        log.warning("L2 %s: corrupt copy of %s (%s); treated as a miss", self.name, key, error)
+        with self._lock:
+            self._counters["corrupt_objects"] += 1
+            self._failures[f"corrupt_{error.reason.value}"] += 1
+
+    # ------------------------------------------------------------ internals
+
+    @staticmethod
+    def _check_batch(keys: Sequence[ObjectKey], buffers: Sequence[Buffer]) -> None:
+        if len(keys) != len(buffers):
+            raise ValueError("keys and buffers must have the same length")
+
+    def max_parts(self, kind: TaskKind, n: int) -> int:
+        """How many parallel parts a batch of ``n`` keys is split into."""
+        return 1 if kind is TaskKind.LOOKUP else max(1, min(self.config.io_threads, n))
+
+    def _submit(self, task: _Task) -> TaskId:
+        task.id = TaskId(next(self._tasks))
+        n = len(task.keys)
+        task.ok = [False] * n
+        inline = task.kind is TaskKind.LOOKUP and self.inline_lookup
+        parts = 1 if inline else self.max_parts(task.kind, n)
+        task.remaining = parts
+        with self._lock:  # close() sets _closed under it, so the pools are still up here
+            refused = "closed" if self._closed else None
+            if refused is None and time.monotonic() < self._down_until:
+                refused = "backoff"
+            if refused is None and not inline:
+                pool = self._write_pool if task.kind is TaskKind.STORE else self._read_pool
+                bounds = [n * i // parts for i in range(parts + 1)]
+                for lo, hi in itertools.pairwise(bounds):
+                    pool.submit(self._run_part, task, lo, hi)
+        if refused is not None:
+            self._count_failure(refused, n)
+            self._deliver(TaskResult(self.name, task.id, task.kind, task.keys, (False,) * n))
+        elif inline:
+            self._run_part(task, 0, n)
+        return task.id
+
+    def _run_part(self, task: _Task, lo: int, hi: int) -> None:
+        keys = task.keys[lo:hi]
+        buffers = task.buffers[lo:hi]
+        ok: Sequence[bool]
+        nbytes = 0
+        try:
+            if self._needs_reconnect:
+                self._reconnect()
+                self._needs_reconnect = False
+            if task.kind is TaskKind.STORE:
+                written = self._store(keys, buffers, task.layout)
+                ok = [w is not None for w in written]
+                nbytes = sum(w or 0 for w in written)
+            elif task.kind is TaskKind.LOAD:
+                ok = self._load(keys, buffers, task.layout)
+                nbytes = sum(b.nbytes for b, hit in zip(buffers, ok, strict=True) if hit)
+            else:
+                ok = self._lookup(keys)
+            self._backend_ok()
+        except (BackendUnavailable, TimeoutError, ConnectionError) as exc:
+            reason = "timeout" if isinstance(exc, TimeoutError) else "unreachable"
+            self._backend_down(reason, exc)
+            self._count_failure(reason, len(keys))
+            ok = [False] * len(keys)
+        except Exception:
+            log.exception("L2 %s: %s of %d keys failed", self.name, task.kind.value, len(keys))
+            self._count_failure("error", len(keys))
+            ok = [False] * len(keys)
+        with self._lock:
+            task.ok[lo:hi] = ok
+            task.nbytes += nbytes
+            task.remaining -= 1
+            if task.remaining:
+                return
+            kind = task.kind.value
+            self._counters[f"{kind}_keys"] += len(task.keys)
+            self._counters[f"{kind}_ok"] += sum(task.ok)
+            self._counters[f"{kind}_bytes"] += task.nbytes
+        result = TaskResult(self.name, task.id, task.kind, task.keys, tuple(task.ok), task.nbytes)
+        self._deliver(result)
+
+    def _deliver(self, result: TaskResult) -> None:
+        try:
+            self._on_complete(result)
+        except Exception:
+            log.exception("L2 %s: completion callback failed for task %d", self.name, result.task)
+
+    def _backend_ok(self) -> None:
+        with self._lock:
+            self._backoff = self.config.backoff_initial_s
+
+    def _backend_down(self, reason: str, exc: BaseException) -> None:
+        with self._lock:
+            self._down_until = time.monotonic() + self._backoff
+            log.warning(
+                "L2 %s: backend %s (%s); misses for %.1f s", self.name, reason, exc, self._backoff
+            )
+            self._backoff = min(2 * self._backoff, self.config.backoff_max_s)
+            self._needs_reconnect = True

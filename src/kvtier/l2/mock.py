@@ -1,0 +1,207 @@
+"""``mock``: an in-memory L2 with injected latency, bandwidth limits and faults.
+
+The tool for testing every failure path of the tiers above it. Objects are
+kept in the shared object format (``kvtier.l2.format``), so corruption is
+detected exactly as it is for real backends. Faults can be set in the config
+and changed at run time through ``adapter.faults``:
+
+=====================  ==========================================================
+``fail_store_rate``     fraction of stored keys that fail (reason "error")
+``fail_load_rate``      fraction of loaded keys that fail (reason "error")
+``corrupt_rate``        fraction of stored copies with one payload byte flipped
+``hang_s``              every task sleeps this long, then fails as a timeout
+``unreachable``         every task (and reconnect) fails as unreachable
+=====================  ==========================================================
+
+A lookup leases what it finds until ``unlock``; ``status()["leases"]`` lets
+tests check that callers unlock exactly what they looked up.
+"""
+
+from __future__ import annotations
+
+import random
+import threading
+import time
+from collections import Counter, OrderedDict
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from kvtier.keys import ObjectKey
+from kvtier.l2.base import (
+    AdapterConfig,
+    BackendUnavailable,
+    BlockingAdapter,
+    Buffer,
+    CompletionCallback,
+)
+from kvtier.l2.format import CorruptObject, decode_object, encode_header
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class MockConfig(AdapterConfig):
+    latency_s: float = 0.0  # added to every task
+    bandwidth_bytes_per_s: float = 0.0  # 0: unlimited
+    capacity_bytes: int = 0  # 0: unlimited; else oldest objects are dropped
+    fail_store_rate: float = 0.0
+    fail_load_rate: float = 0.0
+    corrupt_rate: float = 0.0
+    hang_s: float = 0.0
+    unreachable: bool = False
+    seed: int = 0
+
+
+@dataclass(slots=True)
+class MockFaults:
+    """The faults in force; tests change these fields while the adapter runs."""
+
+    fail_store_rate: float = 0.0
+    fail_load_rate: float = 0.0
+    corrupt_rate: float = 0.0
+    hang_s: float = 0.0
+    unreachable: bool = False
+
+
+class MockAdapter(BlockingAdapter):
+    type_name = "mock"
+    config_class = MockConfig
+
+    def __init__(self, config: MockConfig, on_complete: CompletionCallback) -> None:
+        super().__init__(config, on_complete)
+        self.mock_config = config
+        self.faults = MockFaults(
+            config.fail_store_rate,
+            config.fail_load_rate,
+            config.corrupt_rate,
+            config.hang_s,
+            config.unreachable,
+        )
+        self._rng = random.Random(config.seed)
+        self._data_lock = threading.Lock()  # guards _objects, _leases, _rng
+        self._objects: OrderedDict[ObjectKey, bytes] = OrderedDict()
+        self._leases: Counter[ObjectKey] = Counter()
+        self._used = 0
+
+    # -------------------------------------------------------- test hooks
+
+    def tamper(self, key: ObjectKey, change: Callable[[bytes], bytes]) -> None:
+        """Replace a stored copy by ``change(copy)`` (to plant bad data)."""
+        with self._data_lock:
+            value = change(self._objects[key])
+            self._used += len(value) - len(self._objects[key])
+            self._objects[key] = value
+
+    def keys(self) -> list[ObjectKey]:
+        with self._data_lock:
+            return list(self._objects)
+
+    # ----------------------------------------------------------- backend
+
+    def _store(
+        self, keys: Sequence[ObjectKey], buffers: Sequence[Buffer], layout: str
+    ) -> list[int | None]:
+        self._delay(sum(b.nbytes for b in buffers))
+        written: list[int | None] = []
+        for key, buffer in zip(keys, buffers, strict=True):
+            if self._chance(self.faults.fail_store_rate):
+                self._count_failure("error")
+                written.append(None)
+                continue
+            value = bytearray(encode_header(key, layout, buffer) + buffer.tobytes())
+            cap = self.mock_config.capacity_bytes
+            if cap and len(value) > cap:
+                self._count_failure("capacity")
+                written.append(None)
+                continue
+            if buffer.nbytes and self._chance(self.faults.corrupt_rate):
+                value[-1 - self._rng.randrange(buffer.nbytes)] ^= 0xFF
+            self._put(key, bytes(value))
+            written.append(len(value))
+        return written
+
+    def _lookup(self, keys: Sequence[ObjectKey]) -> list[bool]:
+        self._delay(0)
+        with self._data_lock:
+            found = [key in self._objects for key in keys]
+            self._leases.update(k for k, f in zip(keys, found, strict=True) if f)
+        return found
+
+    def _load(
+        self, keys: Sequence[ObjectKey], buffers: Sequence[Buffer], layout: str
+    ) -> list[bool]:
+        self._delay(sum(b.nbytes for b in buffers))
+        loaded = []
+        for key, buffer in zip(keys, buffers, strict=True):
+            with self._data_lock:
+                value = self._objects.get(key)
+            if value is None:
+                self._count_failure("not_found")
+                loaded.append(False)
+            elif self._chance(self.faults.fail_load_rate):
+                self._count_failure("error")
+                loaded.append(False)
+            else:
+                loaded.append(self._decode(key, value, layout, buffer))
+        return loaded
+
+    def _unlock(self, keys: Sequence[ObjectKey]) -> None:
+        with self._data_lock:
+            for key in keys:
+                if self._leases[key] > 0:
+                    self._leases[key] -= 1
+                if self._leases[key] == 0:
+                    del self._leases[key]
+
+    def _reconnect(self) -> None:
+        if self.faults.unreachable:
+            raise BackendUnavailable("mock backend is unreachable")
+
+    def _backend_status(self) -> dict[str, object]:
+        with self._data_lock:
+            return {
+                "objects": len(self._objects),
+                "used_bytes": self._used,
+                "leases": sum(self._leases.values()),
+            }
+
+    # ---------------------------------------------------------- internals
+
+    def _decode(self, key: ObjectKey, value: bytes, layout: str, buffer: Buffer) -> bool:
+        try:
+            decode_object(value, key, layout, buffer)
+        except CorruptObject as error:
+            self._corrupt(key, error)
+            with self._data_lock:
+                if self._objects.get(key) is value:
+                    self._drop(key)
+            return False
+        return True
+
+    def _put(self, key: ObjectKey, value: bytes) -> None:
+        cap = self.mock_config.capacity_bytes
+        with self._data_lock:
+            if key in self._objects:
+                self._drop(key)
+            self._objects[key] = value
+            self._used += len(value)
+            while cap and self._used > cap and self._objects:
+                self._drop(next(iter(self._objects)))
+
+    def _drop(self, key: ObjectKey) -> None:
+        self._used -= len(self._objects.pop(key))
+
+    def _chance(self, rate: float) -> bool:
+        if rate <= 0:
+            return False
+        with self._data_lock:
+            return self._rng.random() < rate
+
+    def _delay(self, nbytes: int) -> None:
+        if self.faults.unreachable:
+            raise BackendUnavailable("mock backend is unreachable")
+        if self.faults.hang_s:
+            time.sleep(self.faults.hang_s)
+            raise TimeoutError(f"mock backend hung for {self.faults.hang_s} s")
+        rate = self.mock_config.bandwidth_bytes_per_s
+        pause = self.mock_config.latency_s + (nbytes / rate if rate else 0.0)
+        if pause:
+            time.sleep(pause)
