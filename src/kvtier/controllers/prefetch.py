@@ -407,6 +407,10 @@ class PrefetchController:
         if request.done:
             return
         request.done = True
+        if request.waiting_lookups:  # answered before the plan: return what was found
+            for name, found in request.found.items():
+                if name not in request.waiting_lookups:
+                    self._unlock(name, found)
         hit = 0
         if not give_up:
             for chunk in request.chunks[: request.limit]:

@@ -201,9 +201,9 @@ class StoreController:
         self._queued.extend(items)
 
     def _launch(self) -> None:
-        while self._queued and (
-            self._inflight_bytes < self.config.max_inflight_bytes or not self._batches
-        ):
+        """Start batches in queue order while each one fits the in-flight bound
+        (one batch may always run, so an oversized one cannot stall the queue)."""
+        while self._queued:
             layout = self._queued[0][1]
             keys: list[ObjectKey] = []
             while (
@@ -212,23 +212,30 @@ class StoreController:
                 and len(keys) < self.config.batch_objects
             ):
                 keys.append(self._queued.popleft()[0])
-            self._start_batch(keys, layout)
+            if not self._start_batch(keys, layout):
+                self._queued.extendleft((key, layout) for key in reversed(keys))
+                return
 
-    def _start_batch(self, keys: list[ObjectKey], layout: str) -> None:
+    def _start_batch(self, keys: list[ObjectKey], layout: str) -> bool:
+        """Lock, fence and submit one batch; False (nothing held) if it does not fit."""
         placements = self._l1.reserve_read(keys)
-        present = [p for p in placements if p.result is L1Result.SUCCESS]
         locked = [k for k, p in zip(keys, placements, strict=True) if p.result is L1Result.SUCCESS]
+        views = [self._l1.view(p) for p in placements if p.result is L1Result.SUCCESS]
+        nbytes = sum(v.nbytes for v in views)
+        if self._batches and self._inflight_bytes + nbytes > self.config.max_inflight_bytes:
+            self._l1.finish_read(locked)
+            return False
         self._count("skipped_evicted", len(keys) - len(locked))
         if not locked:
-            return
+            return True
         codes, fence = self._l1.fence(locked)
         assert all(c is L1Result.SUCCESS for c in codes)  # read-locked objects cannot vanish
-        views = [self._l1.view(p) for p in present]
-        batch = _Batch(locked, fence, sum(v.nbytes for v in views), len(self._adapters))
-        self._inflight_bytes += batch.nbytes
+        batch = _Batch(locked, fence, nbytes, len(self._adapters))
+        self._inflight_bytes += nbytes
         for adapter in self._adapters:
             task = adapter.submit_store(locked, views, layout)
             self._batches[(adapter.name, task)] = batch
+        return True
 
     def _complete(self, result: TaskResult) -> None:
         batch = self._batches.pop((result.adapter, result.task), None)
