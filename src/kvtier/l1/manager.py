@@ -38,7 +38,9 @@ Rules:
   exception is logged and counted, and costs only that eviction round.
 
 Every method takes a batch and returns one result per key; caller mistakes
-(mismatched lengths, duplicate keys, bad sizes) raise ValueError. Thread
+(mismatched lengths, bad sizes, a key twice in one write transition) raise
+ValueError. Read-side methods apply a repeated key once per occurrence
+(``reserve_read([k, k])`` takes two locks). Thread
 safety: one lock guards every field below; nothing under it does I/O (the
 arena's bookkeeping is in-memory arithmetic).
 """
@@ -93,6 +95,7 @@ class L1Manager:
         self._staging: dict[tuple[ObjectKey, WriterTag], L1Object] = {}
         self._zombies: set[L1Object] = set()  # expired while fenced, memory not yet freed
         self._leases: list[tuple[float, int, L1Object]] = []  # heap of (expiry, seq, object)
+        self._leased: set[L1Object] = set()  # objects whose lease_expiry is set
         self._lease_seq = itertools.count()
         self._staging_bytes = 0
         self._locked_bytes = 0
@@ -176,6 +179,7 @@ class L1Manager:
                     )
                     self._staging[(keys[i], tag)] = obj
                     self._staging_bytes += obj.reserved
+                    self._leased.add(obj)
                     self._arm_lease(obj)
                     results[i] = Placement(L1Result.SUCCESS, offset, sizes[i])
             return [r for r in results if r is not None]
@@ -205,6 +209,7 @@ class L1Manager:
                     results.append(L1Result.NOT_FOUND)
                     continue
                 self._staging_bytes -= obj.reserved
+                self._end_lease(obj)
                 self._release_memory(obj)
                 results.append(L1Result.SUCCESS)
             return results
@@ -245,7 +250,7 @@ class L1Manager:
                 else:
                     obj.read_locks -= n
                     if obj.read_locks == 0:
-                        obj.lease_expiry = None
+                        self._end_lease(obj)
                         self._locked_bytes -= obj.reserved
                     results.append(L1Result.SUCCESS)
             return results
@@ -392,11 +397,13 @@ class L1Manager:
                 self._staging_bytes -= obj.reserved
                 winner = self._resident.get(key)
                 if winner is None:
-                    obj.state, obj.tag, obj.lease_expiry = ObjectState.RESIDENT, None, None
+                    obj.state, obj.tag = ObjectState.RESIDENT, None
+                    self._end_lease(obj)
                     self._resident[key] = winner = obj
                     admitted.append(obj)
                 else:
                     self._counters["duplicate_writes"] += 1
+                    self._end_lease(obj)
                     self._release_memory(obj)
                 if read_locks:
                     self._lock_read(winner, read_locks, now)
@@ -411,8 +418,11 @@ class L1Manager:
 
     def _allocate(self, sizes: list[int]) -> list[int] | None:
         offsets = self._arena.allocate(sizes)
+        need = sum(self._arena.reserved_bytes(s) for s in sizes)
+        pinned = self._staging_bytes + self._locked_bytes  # eviction cannot free these
+        if offsets is None and need > self._arena.capacity - pinned:
+            return None  # cannot fit even if everything evictable went: evict nothing
         while offsets is None:
-            need = sum(self._arena.reserved_bytes(s) for s in sizes)
             if self._evict(max(need - (self._arena.capacity - self._arena.used_bytes), 1)) == 0:
                 return None
             offsets = self._arena.allocate(sizes)
@@ -455,6 +465,7 @@ class L1Manager:
             self._locked_bytes += obj.reserved
         obj.read_locks += n
         obj.lease_expiry = now + self.config.read_lease_s
+        self._leased.add(obj)
         self._arm_lease(obj)
 
     def _arm_lease(self, obj: L1Object) -> None:
@@ -468,6 +479,24 @@ class L1Manager:
         if expiry is not None and (obj.armed_at is None or expiry < obj.armed_at):
             obj.armed_at = expiry
             heapq.heappush(self._leases, (expiry, next(self._lease_seq), obj))
+            if len(self._leases) > 2 * len(self._leased) + 1024:
+                self._compact_leases()
+
+    def _end_lease(self, obj: L1Object) -> None:
+        obj.lease_expiry = None
+        self._leased.discard(obj)
+
+    def _compact_leases(self) -> None:
+        """Drop heap entries of objects whose lease ended (published writes,
+        released reads), which would otherwise stay until their old due time."""
+        for _, _, obj in self._leases:
+            obj.armed_at = None
+        self._leases = []
+        for obj in self._leased:
+            assert obj.lease_expiry is not None
+            obj.armed_at = obj.lease_expiry
+            self._leases.append((obj.lease_expiry, next(self._lease_seq), obj))
+        heapq.heapify(self._leases)
 
     def _reap(self, now: float) -> None:
         while self._leases and self._leases[0][0] <= now:
@@ -486,14 +515,14 @@ class L1Manager:
                     continue
                 del self._staging[(obj.key, obj.tag)]
                 self._staging_bytes -= obj.reserved
-                obj.lease_expiry = None
+                self._end_lease(obj)
                 self._release_memory(obj)
                 self._counters["expired_write_leases"] += 1
                 log.warning("L1: write lease of %s (tag %s) expired; reclaimed", obj.key, obj.tag)
             elif self._resident.get(obj.key) is obj and obj.read_locks:
                 log.warning("L1: %d read lock(s) on %s expired", obj.read_locks, obj.key)
                 obj.read_locks = 0
-                obj.lease_expiry = None
+                self._end_lease(obj)
                 self._locked_bytes -= obj.reserved
                 self._counters["expired_read_leases"] += 1
 

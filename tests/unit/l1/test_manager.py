@@ -439,3 +439,35 @@ def test_policies_keep_bytes_consistent(make_l1: MakeL1, policy: str) -> None:
             l1.touch([make_key(int(rng.integers(0, 40)))])
     assert l1.status()["evictions"] > 0
     assert_clean(l1)
+
+
+def test_lease_heap_forgets_published_writes(make_l1: MakeL1, clock: FakeClock) -> None:
+    l1 = make_l1(size_bytes=64 * PAGE)
+    for i in range(5000):
+        key = make_key(i)
+        put(l1, [key])
+        assert l1.delete([key]) == [S]
+    # Without compaction every published write would keep its heap entry for
+    # write_lease_s (600 s); the heap stays bounded instead.
+    assert len(l1._leases) <= 1024 + 2
+    l1.reserve_write([make_key(1)], [PAGE], A)
+    clock.advance(601)
+    assert l1.finish_write([make_key(1)], A) == [NF]  # compaction kept the live lease
+    assert l1.status()["expired_write_leases"] == 1
+    assert_clean(l1)
+
+
+def test_a_batch_that_can_never_fit_evicts_nothing(make_l1: MakeL1) -> None:
+    l1 = make_l1(size_bytes=16 * PAGE, high_watermark=1.0, low_watermark=0.9)
+    big, small = make_key(0), [make_key(i) for i in range(1, 7)]
+    put(l1, [big], size=8 * PAGE)
+    l1.reserve_read([big])
+    put(l1, small)
+    assert [p.result for p in l1.reserve_write([make_key(9)], [9 * PAGE], B)] == [OOM]
+    assert resident(l1, small) == [True] * 6  # 9 pages never fit beside 8 locked ones
+    assert l1.status()["evictions"] == 0
+    assert [p.result for p in l1.reserve_write([make_key(9)], [7 * PAGE], B)] == [S]
+    assert sum(resident(l1, small)) == 1  # now eviction makes room
+    l1.finish_read([big])
+    l1.abort_write([make_key(9)], B)
+    assert_clean(l1)
