@@ -48,7 +48,7 @@ def main() -> None:
             return timed(lambda: storage.store(keys, sources))
 
         def get() -> None:
-            assert storage.lookup(keys) == len(keys)
+            assert storage.lookup(keys).hit_chunks == len(keys)
             for view, dst in zip(storage.retrieve(keys), outputs, strict=True):
                 np.copyto(dst, view)
             storage.release(keys)

@@ -66,7 +66,7 @@ def main() -> None:
         lookup_s = []
         for keys in picks:
             start = time.perf_counter()
-            hit = storage.lookup(keys)
+            hit = storage.lookup(keys).hit_chunks
             storage.release(keys[:hit])
             lookup_s.append(time.perf_counter() - start)
             assert hit == PROMPT_CHUNKS

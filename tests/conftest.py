@@ -6,8 +6,17 @@ from typing import Any
 import pytest
 
 from kvtier.keys import ObjectKey
-from kvtier.l1 import L1Config, L1Manager
+from kvtier.l1 import L1Config, L1Manager, L1Result
 
+# Short names for L1 result codes in expected-outcome lists.
+S, NF, NW, OOM, LK, WS = (
+    L1Result.SUCCESS,
+    L1Result.NOT_FOUND,
+    L1Result.NOT_WRITABLE,
+    L1Result.OUT_OF_MEMORY,
+    L1Result.LOCKED,
+    L1Result.WRONG_STATE,
+)
 KiB = 1 << 10
 MiB = 1 << 20
 

@@ -28,7 +28,7 @@ For one request (a prompt's chunks, each one or more objects: ranks x groups)::
 
 Thread safety: ``submit`` runs step 1 on the caller's thread (L1 has its own
 lock) and hands the rest to the worker thread through ``_events``. Every
-field below except ``_counters`` (``_counters_lock``) is the worker's.
+field below except ``_counters`` (thread-safe) is the worker's.
 """
 
 from __future__ import annotations
@@ -43,6 +43,7 @@ from collections import Counter, deque
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
+from kvtier.counters import Counters
 from kvtier.keys import ObjectKey
 from kvtier.l1 import IOFence, L1Manager, L1Result, Placement, WriterTag
 from kvtier.l2.base import L2Adapter, TaskId, TaskKind, TaskResult
@@ -143,8 +144,7 @@ class PrefetchController:
         self._inflight_bytes = 0
         self._stopping = False  # the worker's view
         self._closed = False  # set by stop(), read by submit() on callers' threads
-        self._counters_lock = threading.Lock()
-        self._counters: Counter[str] = Counter()
+        self._counters = Counters()
         self._thread = threading.Thread(target=self._run, name="kvtier-prefetch", daemon=True)
         self._thread.start()
 
@@ -171,7 +171,7 @@ class PrefetchController:
                 request.locked[key] = placement
                 request.tier[key] = L1_TIER
         request.limit = self._loadable_prefix(request)
-        self._count("lookups")
+        self._counters.add("lookups")
         if self._closed or not self._adapters or self._all_locked(request):
             self._answer(request)  # the worker never sees this request
         else:
@@ -189,8 +189,7 @@ class PrefetchController:
         self._thread.join()
 
     def status(self) -> dict[str, object]:
-        with self._counters_lock:
-            return dict(self._counters)
+        return dict(self._counters.snapshot())
 
     # --------------------------------------------------------------- worker
 
@@ -324,7 +323,7 @@ class PrefetchController:
             elif placement.result is L1Result.NOT_WRITABLE:
                 self._take_resident(request, key)  # published meanwhile: read it from L1
             else:
-                self._count("staging_out_of_memory")
+                self._counters.add("staging_out_of_memory")
         self._unlock(name, set(keys) - set(staged))
         if not staged:
             return
@@ -364,8 +363,8 @@ class PrefetchController:
                 waiting.setdefault(len(live), []).append(key)
             else:
                 self._l1.abort_write([key], batch.tag)
-        self._count(f"loaded_objects.{result.adapter}", result.count)
-        self._count(f"failed_loads.{result.adapter}", len(result.ok) - result.count)
+        self._counters.add(f"loaded_objects.{result.adapter}", result.count)
+        self._counters.add(f"failed_loads.{result.adapter}", len(result.ok) - result.count)
         for n, keys in waiting.items():
             if n == 0:
                 self._l1.finish_write(keys, batch.tag)  # late: warm the cache, lock nothing
@@ -386,7 +385,7 @@ class PrefetchController:
         while self._deadlines and self._deadlines[0][0] <= now:
             _, _, request = heapq.heappop(self._deadlines)
             if not request.done:
-                self._count("deadline_misses")
+                self._counters.add("deadline_misses")
                 if request in self._backlog:
                     self._backlog.remove(request)
                 self._finish(request)
@@ -427,9 +426,9 @@ class PrefetchController:
         temporary: frozenset[ObjectKey] = frozenset()
         if not self.config.retain_loaded:
             temporary = frozenset(k for k in kept if request.tier[k] != L1_TIER)
-        self._count("hit_chunks", hit)
+        self._counters.add("hit_chunks", hit)
         for tier, n in tiers.items():
-            self._count(f"hit_objects.{tier}", n)
+            self._counters.add(f"hit_objects.{tier}", n)
         request.handle._set(LookupResult(hit, placements, dict(tiers), temporary))
 
     # ------------------------------------------------------------- helpers
@@ -450,14 +449,10 @@ class PrefetchController:
         if keys:
             self._adapters[name].unlock(list(keys))
 
-    def _count(self, name: str, n: int = 1) -> None:
-        if n:
-            with self._counters_lock:
-                self._counters[name] += n
-
     def _set_gauges(self) -> None:
-        with self._counters_lock:
-            self._counters["active_requests"] = len(self._active)
-            self._counters["backlog_requests"] = len(self._backlog)
-            self._counters["inflight_bytes"] = self._inflight_bytes
-            self._counters["inflight_objects"] = len(self._inflight)
+        self._counters.set(
+            active_requests=len(self._active),
+            backlog_requests=len(self._backlog),
+            inflight_bytes=self._inflight_bytes,
+            inflight_objects=len(self._inflight),
+        )

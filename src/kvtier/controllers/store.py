@@ -16,7 +16,7 @@ flight. Objects evicted from L1 before their turn are skipped (counted).
 always complete their tasks) and releases every lock it took.
 
 Thread safety: callers only put events on ``_events``; every other field is
-owned by the worker thread, except the counters (``_counters_lock``).
+owned by the worker thread, except the counters (thread-safe).
 """
 
 from __future__ import annotations
@@ -25,10 +25,11 @@ import logging
 import queue
 import re
 import threading
-from collections import Counter, OrderedDict, deque
+from collections import OrderedDict, deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from kvtier.counters import Counters
 from kvtier.keys import ObjectKey
 from kvtier.l1 import IOFence, L1Manager, L1Result
 from kvtier.l2.base import L2Adapter, TaskId, TaskResult
@@ -94,8 +95,7 @@ class StoreController:
         self._batches: dict[tuple[str, TaskId], _Batch] = {}
         self._inflight_bytes = 0
         self._flushes: list[_Flush] = []
-        self._counters_lock = threading.Lock()
-        self._counters: Counter[str] = Counter()
+        self._counters = Counters()
         self._stopping = False
         self._thread = threading.Thread(target=self._run, name="kvtier-store", daemon=True)
         self._thread.start()
@@ -130,8 +130,7 @@ class StoreController:
         self._thread.join()
 
     def status(self) -> dict[str, object]:
-        with self._counters_lock:
-            return {"policy": self.config.policy, **self._counters}
+        return {"policy": self.config.policy, **self._counters.snapshot()}
 
     # --------------------------------------------------------------- worker
 
@@ -140,7 +139,7 @@ class StoreController:
             event = self._events.get()
             if event == "stop":
                 self._stopping = True
-                self._count("dropped_at_stop", len(self._queued))
+                self._counters.add("dropped_at_stop", len(self._queued))
                 self._queued.clear()
             elif isinstance(event, TaskResult):
                 self._complete(event)
@@ -196,7 +195,7 @@ class StoreController:
     def _enqueue(self, items: list[tuple[ObjectKey, str]]) -> None:
         room = self.config.max_queued_objects - len(self._queued)
         if len(items) > room:
-            self._count("dropped_queue_full", len(items) - max(room, 0))
+            self._counters.add("dropped_queue_full", len(items) - max(room, 0))
             items = items[: max(room, 0)]
         self._queued.extend(items)
 
@@ -225,7 +224,7 @@ class StoreController:
         if self._batches and self._inflight_bytes + nbytes > self.config.max_inflight_bytes:
             self._l1.finish_read(locked)
             return False
-        self._count("skipped_evicted", len(keys) - len(locked))
+        self._counters.add("skipped_evicted", len(keys) - len(locked))
         if not locked:
             return True
         codes, fence = self._l1.fence(locked)
@@ -242,22 +241,18 @@ class StoreController:
         if batch is None:
             log.error("store: result for unknown task %s/%d", result.adapter, result.task)
             return
-        self._count(f"stored_objects.{result.adapter}", result.count)
-        self._count(f"failed_objects.{result.adapter}", len(result.ok) - result.count)
-        self._count(f"stored_bytes.{result.adapter}", result.nbytes)
+        self._counters.add(f"stored_objects.{result.adapter}", result.count)
+        self._counters.add(f"failed_objects.{result.adapter}", len(result.ok) - result.count)
+        self._counters.add(f"stored_bytes.{result.adapter}", result.nbytes)
         batch.waiting -= 1
         if batch.waiting == 0:
             self._l1.unfence(batch.fence)
             self._l1.finish_read(batch.keys)
             self._inflight_bytes -= batch.nbytes
 
-    def _count(self, name: str, n: int = 1) -> None:
-        if n:
-            with self._counters_lock:
-                self._counters[name] += n
-
     def _set_gauges(self) -> None:
-        with self._counters_lock:
-            self._counters["queued_objects"] = len(self._queued)
-            self._counters["inflight_bytes"] = self._inflight_bytes
-            self._counters["candidates"] = len(self._candidates)
+        self._counters.set(
+            queued_objects=len(self._queued),
+            inflight_bytes=self._inflight_bytes,
+            candidates=len(self._candidates),
+        )

@@ -8,19 +8,11 @@ import numpy as np
 import pytest
 
 from kvtier.keys import ObjectKey
-from kvtier.l1 import L1Config, L1Manager, L1Result, WriterTag
+from kvtier.l1 import L1Config, L1Manager, WriterTag
 from kvtier.l1.eviction import EVICTION_POLICIES, LRUPolicy
-from tests.conftest import FakeClock, make_key
+from tests.conftest import LK, NF, NW, OOM, WS, FakeClock, S, make_key
 from tests.ledger import assert_clean
 
-S, NF, NW, OOM, LK, WS = (
-    L1Result.SUCCESS,
-    L1Result.NOT_FOUND,
-    L1Result.NOT_WRITABLE,
-    L1Result.OUT_OF_MEMORY,
-    L1Result.LOCKED,
-    L1Result.WRONG_STATE,
-)
 A, B = WriterTag("a"), WriterTag("b")
 PAGE = 4096
 MakeL1 = Callable[..., L1Manager]

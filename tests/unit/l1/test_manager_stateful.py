@@ -35,17 +35,9 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, ru
 from kvtier.keys import ObjectKey
 from kvtier.l1 import L1Config, L1Manager, L1Result, Placement, WriterTag
 from kvtier.l1.eviction import LRUPolicy
-from tests.conftest import FakeClock, KiB, make_key
+from tests.conftest import LK, NF, NW, OOM, WS, FakeClock, KiB, S, make_key
 from tests.ledger import assert_clean
 
-S, NF, NW, OOM, LK, WS = (
-    L1Result.SUCCESS,
-    L1Result.NOT_FOUND,
-    L1Result.NOT_WRITABLE,
-    L1Result.OUT_OF_MEMORY,
-    L1Result.LOCKED,
-    L1Result.WRONG_STATE,
-)
 PAGE = 4096
 CONFIG = L1Config(
     size_bytes=64 * KiB,

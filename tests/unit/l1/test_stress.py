@@ -30,18 +30,10 @@ import numpy.typing as npt
 import pytest
 
 from kvtier.keys import ObjectKey
-from kvtier.l1 import L1Config, L1Manager, L1Result, Placement, WriterTag
-from tests.conftest import FakeClock, KiB, MiB, make_key
+from kvtier.l1 import L1Config, L1Manager, Placement, WriterTag
+from tests.conftest import LK, NF, NW, OOM, WS, FakeClock, KiB, MiB, S, make_key
 from tests.ledger import assert_clean
 
-S, NF, NW, OOM, LK, WS = (
-    L1Result.SUCCESS,
-    L1Result.NOT_FOUND,
-    L1Result.NOT_WRITABLE,
-    L1Result.OUT_OF_MEMORY,
-    L1Result.LOCKED,
-    L1Result.WRONG_STATE,
-)
 T = TypeVar("T")
 PAGE = 4096
 THREADS = 6

@@ -1,0 +1,36 @@
+"""Every benchmark script still runs (tiny sizes; the numbers are not checked)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
+TINY = {
+    "bench_hashing.py": ["--tokens", "4096", "--repeats", "3"],
+    "bench_l1_copy.py": ["--objects", "2", "--object-mib", "1", "--repeats", "2"],
+    "bench_l1_metadata.py": ["--objects", "2048", "--lookups", "20"],
+    "bench_fs_adapter.py": ["--objects", "2", "--object-mib", "1", "--repeats", "1"],
+    "bench_prefetch.py": ["--chunks", "4", "--object-kib", "64", "--rounds", "2"],
+}
+
+
+def test_every_benchmark_has_a_smoke_run() -> None:
+    assert {p.name for p in BENCHMARKS.glob("bench_*.py")} == set(TINY)
+
+
+@pytest.mark.parametrize("script", sorted(TINY))
+def test_benchmark_runs_and_reports_json(script: str) -> None:
+    out = subprocess.run(
+        [sys.executable, str(BENCHMARKS / script), *TINY[script]],
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=120,
+    ).stdout
+    (line,) = [line for line in out.splitlines() if line.startswith("json: ")]
+    assert json.loads(line.removeprefix("json: "))
