@@ -28,6 +28,27 @@ def _selfcheck(args: argparse.Namespace) -> int:
     return 0 if report.ok else 1
 
 
+def _serve(args: argparse.Namespace) -> int:
+    import logging
+
+    from kvtier.server.config import load_config
+    from kvtier.server.main import serve
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
+    flags = {
+        "host": args.host,
+        "port": args.port,
+        "http_port": args.http_port,
+        "l1_size_bytes": args.l1_size,
+        "cache_dir": args.cache_dir,
+        "chunk_size": args.chunk_size,
+        "auth_token": args.auth_token,
+        "shm_dir": args.shm_dir,
+    }
+    serve(load_config(flags, args.config))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvtier", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
@@ -38,6 +59,19 @@ def build_parser() -> argparse.ArgumentParser:
     check.add_argument("--l1-size", default="256MiB", help="L1 arena size (default 256MiB)")
     check.add_argument("--json", action="store_true", help="print the result as JSON")
     check.set_defaults(run=_selfcheck)
+    srv = commands.add_parser("serve", help="run the node's shared cache server")
+    srv.add_argument("--config", help="TOML file with any of the options below")
+    srv.add_argument("--host", help="bind address (default 127.0.0.1)")
+    srv.add_argument("--port", type=int, help="RPC port (default 5555; 0 picks one)")
+    srv.add_argument("--http-port", type=int, help="admin HTTP port (default 8765; -1: off)")
+    srv.add_argument("--l1-size", help="L1 size, e.g. 2GiB (default: a quarter of RAM, <= 16GiB)")
+    srv.add_argument("--cache-dir", help="fs L2 directory (default ~/.cache/kvtier/l2; none: off)")
+    srv.add_argument("--chunk-size", type=int, help="minimum chunk size in tokens (default 256)")
+    srv.add_argument(
+        "--auth-token", help="required from clients and admin HTTP (env KVTIER_AUTH_TOKEN)"
+    )
+    srv.add_argument("--shm-dir", help="tmpfs directory for the L1 arena (default /dev/shm)")
+    srv.set_defaults(run=_serve)
     return parser
 
 

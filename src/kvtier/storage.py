@@ -38,7 +38,7 @@ from kvtier.controllers import (
     StoreController,
 )
 from kvtier.keys import ObjectKey
-from kvtier.l1 import L1Config, L1Manager, L1Result, Placement, WriterTag
+from kvtier.l1 import IOFence, L1Config, L1Manager, L1Result, Placement, WriterTag
 from kvtier.l2 import L2Adapter, TaskKind, TaskResult, make_adapter
 from kvtier.layout import KVLayout
 
@@ -142,6 +142,40 @@ class StorageManager:
             else:
                 results.append(published.get(key, placement.result))
         return results
+
+    def reserve_store(
+        self, keys: Sequence[ObjectKey], sizes: Sequence[int]
+    ) -> tuple[WriterTag, list[Placement], IOFence]:
+        """First half of a store whose bytes another process writes into the
+        arena: stage ``keys`` and fence their memory. Per key the placement is
+        SUCCESS (write there), NOT_WRITABLE (resident already: skip) or
+        OUT_OF_MEMORY. Finish with ``commit_store`` or ``abort_store``."""
+        tag = WriterTag(f"store-{next(self._tags)}")
+        placements = self.l1.reserve_write(keys, sizes, tag)
+        staged = [k for k, p in zip(keys, placements, strict=True) if p.result is L1Result.SUCCESS]
+        _, fence = self.l1.fence(staged, tag)
+        return tag, placements, fence
+
+    def commit_store(
+        self,
+        keys: Sequence[ObjectKey],
+        tag: WriterTag,
+        fence: IOFence,
+        layout: KVLayout | None = None,
+    ) -> int:
+        """Publish what ``reserve_store`` staged (its bytes are written) and
+        queue it for L2; return how many objects this call admitted."""
+        self.l1.unfence(fence)
+        staged = [obj.key for obj in fence.objects]
+        results = self.l1.finish_write(staged, tag)
+        admitted = [k for k, r in zip(staged, results, strict=True) if r is L1Result.SUCCESS]
+        self.store_controller.on_admitted(admitted, layout.digest() if layout else "")
+        return len(admitted)
+
+    def abort_store(self, tag: WriterTag, fence: IOFence) -> None:
+        """Drop what ``reserve_store`` staged."""
+        self.l1.unfence(fence)
+        self.l1.abort_write([obj.key for obj in fence.objects], tag)
 
     # ----------------------------------------------------------------- read
 

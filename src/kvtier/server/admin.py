@@ -1,0 +1,117 @@
+"""The admin HTTP endpoint of ``kvtier serve`` (127.0.0.1 by default).
+
+``GET /healthz`` (open, for liveness probes), ``GET /status`` (JSON),
+``GET /metrics`` (Prometheus text), ``POST /clear`` (drops every unlocked
+object from L1). With an auth token configured, everything but ``/healthz``
+needs ``Authorization: Bearer <token>``. Status and metrics come from the
+snapshot the server loop refreshes every tick, so this thread never touches
+the loop's tables.
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+import threading
+from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from kvtier.server.transport import ServerTransport
+
+
+class SnapshotCollector(Collector):
+    """Every number in the status snapshot, as a gauge.
+
+    ``{"storage": {"prefetch": {"hit_objects.L1": 3}}}`` becomes
+    ``kvtier_storage_prefetch_hit_objects{key="L1"} 3``: a dotted counter name
+    splits into a metric and a ``key`` label (tier, adapter, reason).
+    """
+
+    def __init__(self, transport: ServerTransport) -> None:
+        self._transport = transport
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        families: dict[str, GaugeMetricFamily] = {}
+        for path, value in _numbers(self._transport.snapshot, ["kvtier"]):
+            name, _, key = path.partition(".")
+            family = families.get(name)
+            if family is None:
+                family = GaugeMetricFamily(name, name.replace("_", " "), labels=["key"])
+                families[name] = family
+            family.add_metric([key], float(value))
+        yield from families.values()
+
+
+def _numbers(data: dict[str, Any], prefix: list[str]) -> Iterator[tuple[str, float]]:
+    for name, value in data.items():
+        if isinstance(value, dict):
+            yield from _numbers(value, [*prefix, _clean(name)])
+        elif isinstance(value, int | float) and not isinstance(value, bool):
+            base, dot, key = name.partition(".")
+            yield "_".join([*prefix, _clean(base)]) + (dot + key if dot else ""), value
+
+
+def _clean(name: str) -> str:
+    return "".join(c if c.isalnum() else "_" for c in name)
+
+
+class AdminHTTP:
+    """Serves the admin endpoints on a daemon thread until ``close()``."""
+
+    def __init__(self, transport: ServerTransport, host: str, port: int, token: str = "") -> None:
+        registry = CollectorRegistry()
+        registry.register(SnapshotCollector(transport))
+        storage = transport.core.storage
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_GET(self) -> None:
+                if self.path == "/healthz":
+                    self._send(200, b"ok\n", "text/plain")
+                elif not self._authorized():
+                    self._send(401, b"unauthorized\n", "text/plain")
+                elif self.path == "/status":
+                    body = json.dumps(transport.snapshot, default=str, indent=1).encode()
+                    self._send(200, body, "application/json")
+                elif self.path == "/metrics":
+                    self._send(200, generate_latest(registry), "text/plain; version=0.0.4")
+                else:
+                    self._send(404, b"not found\n", "text/plain")
+
+            def do_POST(self) -> None:
+                if not self._authorized():
+                    self._send(401, b"unauthorized\n", "text/plain")
+                elif self.path == "/clear":
+                    cleared = storage.l1.clear()
+                    self._send(200, json.dumps({"cleared": cleared}).encode(), "application/json")
+                else:
+                    self._send(404, b"not found\n", "text/plain")
+
+            def _authorized(self) -> bool:
+                if not token:
+                    return True
+                given = self.headers.get("Authorization", "")
+                return hmac.compare_digest(given, f"Bearer {token}")
+
+            def _send(self, code: int, body: bytes, kind: str) -> None:
+                self.send_response(code)
+                self.send_header("Content-Type", kind)
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, format: str, *args: Any) -> None:
+                return None  # no request lines in the server log
+
+        self._server = ThreadingHTTPServer((host, port), Handler)
+        self.port = self._server.server_address[1]
+        self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)
+        self._thread.start()
+
+    def close(self) -> None:
+        self._server.shutdown()
+        self._server.server_close()

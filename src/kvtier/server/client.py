@@ -1,0 +1,308 @@
+"""``CacheClient``: an engine's connection to the node's cache server.
+
+Never raises into the engine's request path for anything the server or the
+network does: a server that does not answer within ``request_timeout_s``
+puts the client in degraded mode, where lookups answer 0 at once and stores
+are skipped, until a reconnect (tried at most every ``retry_s``) succeeds. A
+server restart is seen through its boot id (or a ``no_hello`` error) and the
+client registers again. Local clients copy KV through the shared-memory
+arena (one copy each way); others, or ``shm=False``, send bytes in frames.
+
+Thread safety: one lock serialises use of the socket (requests and the
+heartbeat thread).
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+import numpy.typing as npt
+import zmq
+
+from kvtier.l1 import SharedRegion
+from kvtier.server import protocol as p
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ClientConfig:
+    address: str  # e.g. "tcp://127.0.0.1:5555"
+    model: str
+    layouts: tuple[p.LayoutSpec, ...]
+    num_ranks: int = 1
+    block_alignment: int = 1
+    revision: str = ""
+    lora: str = ""
+    salt: str = ""
+    token: str = ""
+    shm: bool = True
+    shm_dir: str = "/dev/shm"
+    client_id: str = "engine"
+    request_timeout_s: float = 2.0
+    retry_s: float = 1.0
+    heartbeat_s: float = 0.0  # 0: no heartbeat thread
+
+
+@dataclass(slots=True)
+class LookupState:
+    """One request's lookup: submitted -> acked -> pending -> done(n).
+    ``hit`` is None until done; 0 is a miss."""
+
+    request_id: str
+    acked: bool = False
+    hit: int | None = None
+    polls: int = 0
+
+    @property
+    def done(self) -> bool:
+        return self.hit is not None
+
+
+@dataclass(slots=True)
+class ClientStats:
+    degraded_requests: int = 0
+    reconnects: int = 0
+    server_restarts: int = 0
+    errors: dict[str, int] = field(default_factory=dict)
+
+
+class CacheClient:
+    """Talks to one cache server; see the module docstring."""
+
+    def __init__(self, config: ClientConfig) -> None:
+        self.config = config
+        self.stats = ClientStats()
+        self.chunk_size: int | None = None
+        self.boot_id: str | None = None
+        self._lock = threading.Lock()
+        self._context: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
+        self._socket: zmq.Socket[bytes] | None = None
+        self._region: SharedRegion | None = None
+        self._degraded_until = 0.0
+        self._ids = itertools.count()
+        self._stop = threading.Event()
+        self._heartbeat: threading.Thread | None = None
+        with self._lock:
+            self._connect()
+        if config.heartbeat_s > 0:
+            self._heartbeat = threading.Thread(target=self._beat, daemon=True)
+            self._heartbeat.start()
+
+    @property
+    def degraded(self) -> bool:
+        return self.chunk_size is None
+
+    # ---------------------------------------------------------------- lookup
+
+    def lookup(self, request_id: str, hashes: Sequence[bytes], group: int = 0) -> LookupState:
+        """Start a lookup; an unreachable server makes it a finished miss."""
+        state = LookupState(request_id)
+        reply = self._call(p.Lookup(request_id, list(hashes), group))
+        if isinstance(reply, p.Ack):
+            state.acked = True
+        else:
+            state.hit = 0
+        return state
+
+    def query(self, state: LookupState, timeout_s: float = 0.0) -> int | None:
+        """None while pending; the hit chunk count once done (asked once only)."""
+        if state.done:
+            return state.hit
+        state.polls += 1
+        message: p.Message = (
+            p.Wait(state.request_id, timeout_s) if timeout_s > 0 else p.Query(state.request_id)
+        )
+        reply = self._call(message, timeout_s + self.config.request_timeout_s)
+        if isinstance(reply, p.QueryResult):
+            state.hit = reply.hit_chunks
+        else:
+            state.hit = 0  # an error or no server: treat as a miss, never wait forever
+        return state.hit
+
+    def retrieve_into(
+        self, request_id: str, start: int, end: int, out: Sequence[npt.NDArray[np.uint8]]
+    ) -> bool:
+        """Copy the objects of hit chunks [start, end) into ``out`` (chunk-major,
+        rank-minor) and release their locks. False if anything failed: the
+        engine then recomputes those chunks."""
+        reply, frames = self._call_frames(p.Retrieve(request_id, start, end))
+        ok = isinstance(reply, p.Objects) and len(reply.sizes) == len(out)
+        if ok:
+            assert isinstance(reply, p.Objects)
+            ok = self._copy_out(reply, frames, out)
+        self._call(p.Release(request_id, start, end))
+        return ok
+
+    def release(self, request_id: str, start: int, end: int) -> None:
+        """Drop locks on hit chunks [start, end) the engine will compute itself."""
+        self._call(p.Release(request_id, start, end))
+
+    def end_session(self, request_id: str) -> None:
+        self._call(p.EndSession(request_id))
+
+    # ----------------------------------------------------------------- store
+
+    def store(
+        self,
+        request_id: str,
+        hashes: Sequence[bytes],
+        buffers: Sequence[npt.NDArray[np.uint8]],
+        group: int = 0,
+    ) -> int:
+        """Store one buffer per (chunk, rank), chunk-major; return objects stored
+        (0 when degraded: the store is skipped)."""
+        if self._region is not None:
+            reply = self._call(p.StoreReserve(request_id, list(hashes), group))
+            if not isinstance(reply, p.Reserved):
+                return 0
+            arena = self._region.array
+            for offset, size, buf in zip(reply.offsets, reply.sizes, buffers, strict=True):
+                if offset >= 0:
+                    np.copyto(arena[offset : offset + size], buf.reshape(-1).view(np.uint8))
+            done = self._call(p.StoreCommit(reply.reservation))
+        else:
+            done = self._call(p.Store(request_id, list(hashes), group), frames=buffers)
+        return done.stored if isinstance(done, p.Committed) else 0
+
+    # ------------------------------------------------------------ management
+
+    def ping(self) -> bool:
+        """True if the server answered; re-registers after a restart."""
+        reply = self._call(p.Ping())
+        if isinstance(reply, p.Pong) and reply.boot_id != self.boot_id:
+            with self._lock:
+                self.stats.server_restarts += 1
+                self._hello()
+        return isinstance(reply, p.Pong)
+
+    def status(self) -> dict[str, object] | None:
+        reply = self._call(p.Status())
+        return reply.status if isinstance(reply, p.StatusReply) else None
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._heartbeat is not None:
+            self._heartbeat.join()
+        with self._lock:
+            self._disconnect()
+
+    # ------------------------------------------------------------- internals
+
+    def _call(
+        self, message: p.Message, timeout_s: float | None = None, frames: Sequence[object] = ()
+    ) -> p.Reply | None:
+        return self._call_frames(message, timeout_s, frames)[0]
+
+    def _call_frames(
+        self, message: p.Message, timeout_s: float | None = None, frames: Sequence[object] = ()
+    ) -> tuple[p.Reply | None, list[zmq.Frame]]:
+        with self._lock:
+            disconnected = self._socket is None or self.chunk_size is None
+            if disconnected and (time.monotonic() < self._degraded_until or not self._connect()):
+                self.stats.degraded_requests += 1
+                return None, []
+            reply, data = self._exchange(message, timeout_s, frames)
+            if isinstance(reply, p.Error) and reply.code == "no_hello":  # the server restarted
+                self.stats.server_restarts += 1
+                if self._hello():
+                    reply, data = self._exchange(message, timeout_s, frames)
+            if isinstance(reply, p.Error):
+                self.stats.errors[reply.code] = self.stats.errors.get(reply.code, 0) + 1
+                log.debug("client: %s refused: %s", type(message).__name__, reply.message)
+            return reply, data
+
+    def _exchange(
+        self, message: p.Message, timeout_s: float | None, frames: Sequence[object]
+    ) -> tuple[p.Reply | None, list[zmq.Frame]]:
+        assert self._socket is not None
+        timeout = self.config.request_timeout_s if timeout_s is None else timeout_s
+        try:
+            self._socket.send_multipart([p.encode(message), *frames], copy=False)  # type: ignore[list-item]
+            if not self._socket.poll(int(timeout * 1000)):
+                raise TimeoutError
+            parts = self._socket.recv_multipart(copy=False)
+            return p.decode_reply(parts[0].buffer), parts[1:]
+        except (TimeoutError, zmq.ZMQError, ValueError) as exc:
+            log.warning("client: no usable answer from %s (%r); degraded", self.config.address, exc)
+            self._go_degraded()
+            return None, []
+
+    def _connect(self) -> bool:
+        self._disconnect()
+        self._socket = self._context.socket(zmq.DEALER)
+        self._socket.setsockopt(zmq.LINGER, 0)
+        self._socket.connect(self.config.address)
+        self.stats.reconnects += 1
+        return self._hello()
+
+    def _hello(self) -> bool:
+        c = self.config
+        hello = p.Hello(
+            p.PROTOCOL_VERSION,
+            c.client_id,
+            c.model,
+            list(c.layouts),
+            c.num_ranks,
+            c.block_alignment,
+            c.revision,
+            c.lora,
+            c.salt,
+            c.token,
+            c.shm,
+        )
+        reply, _ = self._exchange(hello, None, ())
+        if not isinstance(reply, p.Welcome):
+            if isinstance(reply, p.Error):
+                log.error("client: the server refused hello: %s", reply.message)
+            self._go_degraded()
+            return False
+        self.chunk_size, self.boot_id = reply.chunk_size, reply.boot_id
+        if self._region is not None:
+            self._region.close()
+            self._region = None
+        if reply.arena is not None:
+            try:
+                self._region = SharedRegion.attach(reply.arena, shm_dir=c.shm_dir)
+            except OSError:  # another host, or another /dev/shm: use the bytes path
+                log.info("client: arena %s is not mapped here; sending bytes", reply.arena)
+        return True
+
+    def _go_degraded(self) -> None:
+        self.chunk_size = None
+        self._degraded_until = time.monotonic() + self.config.retry_s
+        if self._socket is not None:  # drop late replies with the socket
+            self._socket.close(linger=0)
+            self._socket = None
+
+    def _disconnect(self) -> None:
+        if self._socket is not None:
+            self._socket.close(linger=0)
+            self._socket = None
+        if self._region is not None:
+            self._region.close()
+            self._region = None
+
+    def _copy_out(
+        self, reply: p.Objects, frames: list[zmq.Frame], out: Sequence[npt.NDArray[np.uint8]]
+    ) -> bool:
+        if self._region is not None:
+            arena = self._region.array
+            for offset, size, dst in zip(reply.offsets, reply.sizes, out, strict=True):
+                np.copyto(dst.reshape(-1).view(np.uint8), arena[offset : offset + size])
+            return True
+        if len(frames) != len(out):
+            return False
+        for frame, dst in zip(frames, out, strict=True):
+            np.copyto(dst.reshape(-1).view(np.uint8), np.frombuffer(frame.buffer, np.uint8))
+        return True
+
+    def _beat(self) -> None:
+        while not self._stop.wait(self.config.heartbeat_s):
+            self.ping()

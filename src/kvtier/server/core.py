@@ -1,0 +1,475 @@
+"""``CacheServer``: the operations of the shared cache server, without transport.
+
+The transport (``kvtier.server.transport``) feeds it one decoded request at a
+time from one thread, with the sender's identity; every method here runs on
+that thread, so the tables below need no lock. Sessions::
+
+    LOOKUP ──► pending ──QUERY/WAIT──► done(n) (consumed once) ──RETRIEVE──► copy
+                                                   │                          │
+                                                   └── RELEASE / FREE_LOCKS ◄─┘
+    END_SESSION, or the session's or client's time-to-live, releases whatever
+    the session still holds (locks, store reservations, a lookup in flight),
+    exactly once.
+
+A hit counts only chunks whose objects every rank has (the prefetch fold);
+locks on the rest are released before the answer.
+"""
+
+from __future__ import annotations
+
+import hmac
+import itertools
+import logging
+import secrets
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+import numpy.typing as npt
+
+from kvtier.controllers import LookupResult, PrefetchHandle
+from kvtier.keys import HASH_BYTES, ObjectKey, model_label
+from kvtier.l1 import IOFence, L1Result, WriterTag
+from kvtier.layout import KVLayout
+from kvtier.server import protocol as p
+from kvtier.server.negotiation import ChunkSizeNegotiator
+from kvtier.storage import StorageManager
+
+log = logging.getLogger(__name__)
+
+Frames = list[npt.NDArray[np.uint8]]
+Buffer = bytes | memoryview
+
+
+class RequestError(Exception):
+    """A request the server refuses; becomes an ``Error`` reply."""
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+@dataclass(frozen=True, slots=True)
+class ServerLimits:
+    session_ttl_s: float = 300.0  # a session untouched this long is ended
+    client_ttl_s: float = 60.0  # a client silent this long (no ping) is dropped
+    max_chunks_per_request: int = 1 << 16
+    max_wait_s: float = 30.0
+
+
+@dataclass(eq=False)
+class _Session:
+    request_id: str
+    keys: list[list[ObjectKey]]  # per chunk, per rank
+    handle: PrefetchHandle | None = None
+    result: LookupResult | None = None
+    answered: bool = False
+    locked: list[bool] = field(default_factory=list)  # per hit chunk: lock still held
+    reservations: set[int] = field(default_factory=set)
+    touched: float = 0.0
+
+
+@dataclass(eq=False)
+class _Reservation:
+    client: _Client
+    request_id: str
+    keys: list[ObjectKey]
+    tag: WriterTag
+    fence: IOFence
+    layout: KVLayout
+
+
+@dataclass(eq=False)
+class _Client:
+    peer: bytes
+    client_id: str
+    model: str
+    salt: str
+    layouts: dict[int, KVLayout]
+    num_ranks: int
+    shm: bool
+    sessions: dict[str, _Session] = field(default_factory=dict)
+    last_seen: float = 0.0
+
+
+class CacheServer:
+    """Operations by name over one ``StorageManager``; see the module docstring."""
+
+    def __init__(
+        self,
+        storage: StorageManager,
+        chunk_size: int = 256,
+        auth_token: str = "",
+        limits: ServerLimits | None = None,
+    ) -> None:
+        self.storage = storage
+        self.boot_id = secrets.token_hex(8)
+        self.chunks = ChunkSizeNegotiator(chunk_size)
+        self.limits = limits or ServerLimits()
+        self._token = auth_token
+        self._clock = time.monotonic
+        self._clients: dict[bytes, _Client] = {}
+        self._reservations: dict[int, _Reservation] = {}
+        self._reservation_ids = itertools.count(1)
+        self._orphans: list[PrefetchHandle] = []  # lookups whose session ended in flight
+        self.counters: dict[str, int] = {}
+
+    # ------------------------------------------------------------ dispatch
+
+    def handle(
+        self, peer: bytes, request: p.Request, frames: Sequence[Buffer]
+    ) -> tuple[p.Reply, Frames]:
+        """Run one request; never raises for anything a client can send."""
+        op = type(request).__name__
+        try:
+            if isinstance(request, p.Hello):
+                return self._hello(peer, request), []
+            if isinstance(request, p.Ping):
+                self._touch_client(peer)
+                return p.Pong(self.boot_id), []
+            if isinstance(request, p.Status):
+                return p.StatusReply(self.status()), []
+            client = self._client(peer)
+            handler = getattr(self, f"_op_{type(request).__name__.lower()}")
+            return handler(client, request, frames)  # type: ignore[no-any-return]
+        except RequestError as exc:
+            self._count(f"errors.{exc.code}")
+            return p.Error(exc.code, str(exc)), []
+        except ValueError as exc:
+            self._count("errors.bad_request")
+            return p.Error("bad_request", f"{op}: {exc}"), []
+
+    def error(self, code: str, message: str) -> p.Error:
+        """An error reply for requests that could not be decoded."""
+        self._count(f"errors.{code}")
+        return p.Error(code, message)
+
+    # ---------------------------------------------------------- operations
+
+    def _hello(self, peer: bytes, hello: p.Hello) -> p.Reply:
+        if hello.version != p.PROTOCOL_VERSION:
+            raise RequestError(
+                "version", f"protocol {hello.version} is not {p.PROTOCOL_VERSION}; upgrade kvtier"
+            )
+        if self._token and not hmac.compare_digest(hello.token, self._token):
+            raise RequestError("unauthorized", "wrong or missing auth token")
+        if hello.num_ranks <= 0 or hello.num_ranks > 1024:
+            raise RequestError("bad_request", f"num_ranks {hello.num_ranks} is out of range")
+        if not hello.layouts:
+            raise RequestError("bad_request", "hello needs at least one layout")
+        chunk_size = self.chunks.negotiate(hello.block_alignment)
+        layouts = {
+            spec.group: KVLayout(
+                spec.num_layers,
+                spec.kv_heads,
+                spec.head_dim,
+                spec.dtype,
+                chunk_size,
+                kind=spec.kind,  # type: ignore[arg-type]
+                num_ranks=hello.num_ranks,
+            )
+            for spec in hello.layouts
+        }
+        label = model_label(hello.model)
+        ObjectKey(bytes(HASH_BYTES), label, 0, 0, hello.salt)  # validates model and salt
+        old = self._clients.pop(peer, None)
+        if old is not None:
+            self._drop_client(old)
+        client = _Client(
+            peer, hello.client_id, label, hello.salt, layouts, hello.num_ranks, hello.shm
+        )
+        client.last_seen = self._clock()
+        self._clients[peer] = client
+        self._count("hellos")
+        arena = self.storage.l1.arena_name if hello.shm else None
+        return p.Welcome(chunk_size, self.boot_id, arena)
+
+    def _op_lookup(
+        self, client: _Client, req: p.Lookup, frames: Sequence[Buffer]
+    ) -> tuple[p.Reply, Frames]:
+        layout = self._layout(client, req.group)
+        keys = self._keys(client, req.hashes, req.group)
+        session = self._new_session(client, req.request_id, keys)
+        layouts = {req.group: layout}
+        session.handle = self.storage.submit_lookup(keys, layouts)
+        self._count("lookups")
+        return p.Ack(), []
+
+    def _op_query(
+        self, client: _Client, req: p.Query, frames: Sequence[Buffer]
+    ) -> tuple[p.Reply, Frames]:
+        return p.QueryResult(self._poll(self._session(client, req.request_id), 0.0)), []
+
+    def _op_wait(
+        self, client: _Client, req: p.Wait, frames: Sequence[Buffer]
+    ) -> tuple[p.Reply, Frames]:
+        timeout = min(max(req.timeout_s, 0.0), self.limits.max_wait_s)
+        return p.QueryResult(self._poll(self._session(client, req.request_id), timeout)), []
+
+    def _op_retrieve(
+        self, client: _Client, req: p.Retrieve, frames: Sequence[Buffer]
+    ) -> tuple[p.Reply, Frames]:
+        session = self._session(client, req.request_id)
+        self._check_range(session, req.start, req.end, "retrieve")
+        keys = [k for chunk in session.keys[req.start : req.end] for k in chunk]
+        views = self.storage.retrieve(keys)
+        assert session.result is not None
+        placements = [session.result.placements[k] for k in keys]
+        offsets = [pl.offset if pl.offset is not None else -1 for pl in placements]
+        sizes = [pl.size for pl in placements]
+        self._count("retrieved_objects", len(keys))
+        return p.Objects(offsets, sizes), [] if client.shm else views
+
+    def _op_release(
+        self, client: _Client, req: p.Release, frames: Sequence[Buffer]
+    ) -> tuple[p.Reply, Frames]:
+        session = self._session(client, req.request_id)
+        if session.result is None or not session.answered:
+            raise RequestError("not_ready", f"request {req.request_id!r} has no finished lookup")
+        end = min(req.end, len(session.locked))
+        if not 0 <= req.start <= end:
+            raise RequestError("bad_range", f"release range [{req.start}, {req.end}) is invalid")
+        self._release(session, req.start, end)
+        return p.Ack(), []
+
+    def _op_storereserve(
+        self, client: _Client, req: p.StoreReserve, frames: Sequence[Buffer]
+    ) -> tuple[p.Reply, Frames]:
+        layout = self._layout(client, req.group)
+        keys = [k for chunk in self._keys(client, req.hashes, req.group) for k in chunk]
+        tag, placements, fence = self.storage.reserve_store(
+            keys, [layout.object_bytes()] * len(keys)
+        )
+        rid = next(self._reservation_ids)
+        staged = [
+            k for k, pl in zip(keys, placements, strict=True) if pl.result is L1Result.SUCCESS
+        ]
+        self._reservations[rid] = _Reservation(client, req.request_id, staged, tag, fence, layout)
+        self._session_for_store(client, req.request_id).reservations.add(rid)
+        offsets = [
+            pl.offset if pl.result is L1Result.SUCCESS and pl.offset is not None else -1
+            for pl in placements
+        ]
+        self._count("store_reserved_objects", len(staged))
+        return p.Reserved(rid, offsets, [layout.object_bytes()] * len(keys)), []
+
+    def _op_storecommit(
+        self, client: _Client, req: p.StoreCommit, frames: Sequence[Buffer]
+    ) -> tuple[p.Reply, Frames]:
+        res = self._take_reservation(client, req.reservation)
+        stored = self.storage.commit_store(res.keys, res.tag, res.fence, res.layout)
+        self._count("stored_objects", stored)
+        return p.Committed(stored), []
+
+    def _op_storeabort(
+        self, client: _Client, req: p.StoreAbort, frames: Sequence[Buffer]
+    ) -> tuple[p.Reply, Frames]:
+        res = self._take_reservation(client, req.reservation)
+        self.storage.abort_store(res.tag, res.fence)
+        return p.Ack(), []
+
+    def _op_store(
+        self, client: _Client, req: p.Store, frames: Sequence[Buffer]
+    ) -> tuple[p.Reply, Frames]:
+        layout = self._layout(client, req.group)
+        keys = [k for chunk in self._keys(client, req.hashes, req.group) for k in chunk]
+        if len(frames) != len(keys):
+            raise RequestError(
+                "bad_request", f"store of {len(keys)} objects came with {len(frames)} data frames"
+            )
+        results = self.storage.store(keys, list(frames), layout)
+        stored = sum(r is L1Result.SUCCESS for r in results)
+        self._count("stored_objects", stored)
+        return p.Committed(stored), []
+
+    def _op_endsession(
+        self, client: _Client, req: p.EndSession, frames: Sequence[Buffer]
+    ) -> tuple[p.Reply, Frames]:
+        session = client.sessions.pop(req.request_id, None)
+        if session is None:
+            raise RequestError("no_session", f"no session {req.request_id!r}")
+        self._end(session)
+        return p.Ack(), []
+
+    # ------------------------------------------------------------- upkeep
+
+    def tick(self) -> None:
+        """Expire silent clients and idle sessions; finish orphaned lookups."""
+        now = self._clock()
+        for client in list(self._clients.values()):
+            if now - client.last_seen > self.limits.client_ttl_s:
+                log.warning(
+                    "server: client %s went silent; releasing its sessions", client.client_id
+                )
+                self._count("expired_clients")
+                del self._clients[client.peer]
+                self._drop_client(client)
+                continue
+            for session in list(client.sessions.values()):
+                if now - session.touched > self.limits.session_ttl_s:
+                    self._count("expired_sessions")
+                    del client.sessions[session.request_id]
+                    self._end(session)
+        still = []
+        for handle in self._orphans:
+            if handle.result() is None:
+                still.append(handle)
+                continue
+            result = self.storage.collect(handle, 0)
+            if result is not None:
+                self.storage.release(list(result.placements))
+        self._orphans = still
+
+    def lookup_settled(self, peer: bytes, request_id: str) -> bool:
+        """Whether a WAIT for this lookup can be answered now (done, or unknown:
+        then the answer is an error). The transport parks WAITs until then."""
+        client = self._clients.get(peer)
+        session = client.sessions.get(request_id) if client else None
+        return session is None or session.handle is None or session.handle.result() is not None
+
+    def status(self) -> dict[str, object]:
+        return {
+            "boot_id": self.boot_id,
+            "protocol": p.PROTOCOL_VERSION,
+            "hash_algorithm": p.HASH_ALGORITHM,
+            "chunk_size": self.chunks.frozen or self.chunks.minimum,
+            "chunk_size_frozen": self.chunks.frozen is not None,
+            "clients": len(self._clients),
+            "sessions": sum(len(c.sessions) for c in self._clients.values()),
+            "store_reservations": len(self._reservations),
+            "namespaces": sorted({f"{c.model}@{c.salt}" for c in self._clients.values()}),
+            "server": dict(self.counters),
+            "storage": self.storage.status(),
+        }
+
+    def close(self) -> None:
+        """End every session (releasing what it holds)."""
+        for client in list(self._clients.values()):
+            self._drop_client(client)
+        self._clients.clear()
+
+    # ---------------------------------------------------------- internals
+
+    def _client(self, peer: bytes) -> _Client:
+        client = self._clients.get(peer)
+        if client is None:
+            raise RequestError("no_hello", "send hello first (or again, after a server restart)")
+        client.last_seen = self._clock()
+        return client
+
+    def _touch_client(self, peer: bytes) -> None:
+        client = self._clients.get(peer)
+        if client is not None:
+            client.last_seen = self._clock()
+
+    def _layout(self, client: _Client, group: int) -> KVLayout:
+        layout = client.layouts.get(group)
+        if layout is None:
+            raise RequestError("bad_request", f"group {group} was not registered in hello")
+        return layout
+
+    def _keys(self, client: _Client, hashes: list[bytes], group: int) -> list[list[ObjectKey]]:
+        if len(hashes) > self.limits.max_chunks_per_request:
+            raise RequestError(
+                "bad_request",
+                f"{len(hashes)} chunks in one request; the limit is "
+                f"{self.limits.max_chunks_per_request}",
+            )
+        return [
+            [
+                ObjectKey(h, client.model, rank, group, client.salt)
+                for rank in range(client.num_ranks)
+            ]
+            for h in hashes
+        ]
+
+    def _new_session(
+        self, client: _Client, request_id: str, keys: list[list[ObjectKey]]
+    ) -> _Session:
+        if not request_id or len(request_id) > 256:
+            raise RequestError("bad_request", "request_id must be 1-256 characters")
+        old = client.sessions.pop(request_id, None)
+        if old is not None:
+            self._end(old)
+        session = _Session(request_id, keys, touched=self._clock())
+        client.sessions[request_id] = session
+        return session
+
+    def _session_for_store(self, client: _Client, request_id: str) -> _Session:
+        session = client.sessions.get(request_id)
+        if session is None:
+            session = self._new_session(client, request_id, [])
+        session.touched = self._clock()
+        return session
+
+    def _session(self, client: _Client, request_id: str) -> _Session:
+        session = client.sessions.get(request_id)
+        if session is None:
+            raise RequestError("no_session", f"no session {request_id!r}; send lookup first")
+        session.touched = self._clock()
+        return session
+
+    def _poll(self, session: _Session, timeout: float) -> int | None:
+        if session.answered:
+            raise RequestError(
+                "consumed", f"the lookup of {session.request_id!r} was already answered"
+            )
+        if session.handle is None:
+            raise RequestError("no_lookup", f"session {session.request_id!r} has no lookup")
+        result = self.storage.collect(session.handle, timeout)
+        if result is None:
+            return None
+        session.result = result
+        session.answered = True
+        session.locked = [True] * result.hit_chunks
+        self._count("hit_chunks", result.hit_chunks)
+        return result.hit_chunks
+
+    def _check_range(self, session: _Session, start: int, end: int, what: str) -> None:
+        if session.result is None or not session.answered:
+            raise RequestError("not_ready", f"{what}: the lookup has not been answered yet")
+        if not 0 <= start < end <= len(session.locked):
+            raise RequestError(
+                "bad_range",
+                f"{what} range [{start}, {end}) is outside the hit of {len(session.locked)}",
+            )
+        if not all(session.locked[start:end]):
+            raise RequestError("released", f"{what}: part of [{start}, {end}) was released")
+
+    def _release(self, session: _Session, start: int, end: int) -> None:
+        keys = [k for i in range(start, end) if session.locked[i] for k in session.keys[i]]
+        for i in range(start, end):
+            session.locked[i] = False
+        if keys:
+            self.storage.release(keys)
+
+    def _end(self, session: _Session) -> None:
+        if session.answered:
+            self._release(session, 0, len(session.locked))
+        elif session.handle is not None:
+            self._orphans.append(session.handle)
+        for rid in list(session.reservations):
+            res = self._reservations.pop(rid, None)
+            if res is not None:
+                self.storage.abort_store(res.tag, res.fence)
+        session.reservations.clear()
+
+    def _drop_client(self, client: _Client) -> None:
+        for session in list(client.sessions.values()):
+            self._end(session)
+        client.sessions.clear()
+
+    def _take_reservation(self, client: _Client, rid: int) -> _Reservation:
+        res = self._reservations.get(rid)
+        if res is None or res.client is not client:
+            raise RequestError("no_reservation", f"no store reservation {rid}")
+        del self._reservations[rid]
+        session = client.sessions.get(res.request_id)
+        if session is not None:
+            session.reservations.discard(rid)
+        return res
+
+    def _count(self, name: str, n: int = 1) -> None:
+        if n:
+            self.counters[name] = self.counters.get(name, 0) + n

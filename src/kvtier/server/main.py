@@ -1,0 +1,60 @@
+"""``kvtier serve``: one cache server process per node."""
+
+from __future__ import annotations
+
+import logging
+import signal
+import threading
+from types import FrameType
+
+from kvtier.l1 import L1Config
+from kvtier.server.admin import AdminHTTP
+from kvtier.server.config import ServerConfig
+from kvtier.server.core import CacheServer, ServerLimits
+from kvtier.server.transport import ServerTransport
+from kvtier.storage import StorageConfig, StorageManager
+from kvtier.units import format_size
+
+log = logging.getLogger(__name__)
+
+
+def storage_config(config: ServerConfig) -> StorageConfig:
+    l2 = () if config.l2_dir is None else ({"type": "fs", "path": config.l2_dir},)
+    return StorageConfig(l1=L1Config(size_bytes=config.l1_bytes, shm_dir=config.shm_dir), l2=l2)
+
+
+def serve(config: ServerConfig, stop: threading.Event | None = None) -> None:
+    """Run until ``stop`` is set, SIGTERM or SIGINT; release everything on the way out."""
+    stop = stop or threading.Event()
+    storage = StorageManager(storage_config(config))
+    core = CacheServer(
+        storage,
+        config.chunk_size,
+        config.auth_token,
+        ServerLimits(session_ttl_s=config.session_ttl_s, client_ttl_s=config.client_ttl_s),
+    )
+    admin = None
+    try:
+        transport = ServerTransport(core, f"tcp://{config.host}:{config.port}")
+        if config.http_port >= 0:
+            admin = AdminHTTP(transport, config.host, config.http_port, config.auth_token)
+        if threading.current_thread() is threading.main_thread():
+
+            def on_signal(signum: int, frame: FrameType | None) -> None:
+                stop.set()
+
+            signal.signal(signal.SIGTERM, on_signal)
+            signal.signal(signal.SIGINT, on_signal)
+        http = f"http://{config.host}:{admin.port}" if admin else "off"
+        l2 = config.l2_dir or "none"
+        print(
+            f"kvtier serve: rpc {transport.address} http {http} boot {core.boot_id} "
+            f"l1 {format_size(config.l1_bytes)} arena {storage.l1.arena_name} l2 {l2}",
+            flush=True,
+        )
+        transport.serve(stop)
+    finally:
+        if admin is not None:
+            admin.close()
+        core.close()
+        storage.close()

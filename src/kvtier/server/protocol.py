@@ -1,0 +1,203 @@
+"""The cache server's wire protocol: msgspec-typed messages over ZeroMQ.
+
+A request is one or more ZeroMQ frames from a DEALER: a MessagePack body,
+then (for ``Store`` from clients without shared memory) one data frame per
+object. Each body is a struct tagged with its operation name in the ``op``
+field; the names are stable. The server answers every request with exactly
+one reply body (plus data frames for a bytes ``Retrieve``), or ``Error``.
+No pickle anywhere. ``Hello`` carries ``PROTOCOL_VERSION``; a mismatch is
+refused.
+
+Keys on the wire are chunk hashes (32 bytes) plus ranks; the server builds
+the ``ObjectKey``s from the session's registered namespace, so a client can
+name only its own model's and tenant's objects.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+PROTOCOL_VERSION = 1
+HASH_ALGORITHM = "blake3-chain-v1"
+
+
+class Message(msgspec.Struct, tag_field="op", forbid_unknown_fields=True):
+    """Base of every request and reply."""
+
+
+class LayoutSpec(msgspec.Struct, forbid_unknown_fields=True):
+    """One object group's layout (``kvtier.layout.KVLayout`` fields, per rank)."""
+
+    group: int
+    num_layers: int
+    kv_heads: int
+    head_dim: int
+    dtype: str
+    kind: str = "kv"
+
+
+# ------------------------------------------------------------------ requests
+
+
+class Hello(Message, tag="hello"):
+    version: int
+    client_id: str
+    model: str
+    layouts: list[LayoutSpec]
+    num_ranks: int = 1
+    block_alignment: int = 1
+    revision: str = ""
+    lora: str = ""
+    salt: str = ""
+    token: str = ""
+    shm: bool = True
+
+
+class Lookup(Message, tag="lookup"):
+    request_id: str
+    hashes: list[bytes]
+    group: int = 0
+
+
+class Query(Message, tag="query"):
+    request_id: str
+
+
+class Wait(Message, tag="wait"):
+    request_id: str
+    timeout_s: float
+
+
+class Retrieve(Message, tag="retrieve"):
+    request_id: str
+    start: int
+    end: int
+
+
+class Release(Message, tag="release"):
+    """Drop the locks of chunks [start, end): after RETRIEVE's copy, or for
+    chunks the engine computes itself (FREE_LOCKS)."""
+
+    request_id: str
+    start: int
+    end: int
+
+
+class StoreReserve(Message, tag="store_reserve"):
+    request_id: str
+    hashes: list[bytes]
+    group: int = 0
+
+
+class StoreCommit(Message, tag="store_commit"):
+    reservation: int
+
+
+class StoreAbort(Message, tag="store_abort"):
+    reservation: int
+
+
+class Store(Message, tag="store"):
+    """Bytes path: one data frame per (chunk, rank) object, chunk-major."""
+
+    request_id: str
+    hashes: list[bytes]
+    group: int = 0
+
+
+class EndSession(Message, tag="end_session"):
+    request_id: str
+
+
+class Ping(Message, tag="ping"):
+    pass
+
+
+class Status(Message, tag="status"):
+    pass
+
+
+Request = (
+    Hello
+    | Lookup
+    | Query
+    | Wait
+    | Retrieve
+    | Release
+    | StoreReserve
+    | StoreCommit
+    | StoreAbort
+    | Store
+    | EndSession
+    | Ping
+    | Status
+)
+
+# ------------------------------------------------------------------- replies
+
+
+class Welcome(Message, tag="welcome"):
+    chunk_size: int
+    boot_id: str
+    arena: str | None
+    hash_algorithm: str = HASH_ALGORITHM
+    version: int = PROTOCOL_VERSION
+
+
+class Ack(Message, tag="ack"):
+    pass
+
+
+class QueryResult(Message, tag="query_result"):
+    hit_chunks: int | None  # None: still pending; 0: done, a miss
+
+
+class Objects(Message, tag="objects"):
+    """Arena offsets and sizes, chunk-major (chunk 0 rank 0, chunk 0 rank 1, ...);
+    for bytes clients the data frames follow in the same order."""
+
+    offsets: list[int]
+    sizes: list[int]
+
+
+class Reserved(Message, tag="reserved"):
+    reservation: int
+    offsets: list[int]  # -1: this object needs no write (resident already, or no room)
+    sizes: list[int]
+
+
+class Committed(Message, tag="committed"):
+    stored: int
+
+
+class Pong(Message, tag="pong"):
+    boot_id: str
+
+
+class StatusReply(Message, tag="status_reply"):
+    status: dict[str, object]
+
+
+class Error(Message, tag="error"):
+    code: str  # "bad_request", "unknown_op", "unauthorized", "version", "no_session", ...
+    message: str
+
+
+Reply = Welcome | Ack | QueryResult | Objects | Reserved | Committed | Pong | StatusReply | Error
+
+_encoder = msgspec.msgpack.Encoder()
+_requests = msgspec.msgpack.Decoder(Request)
+_replies = msgspec.msgpack.Decoder(Reply)
+
+
+def encode(message: Message) -> bytes:
+    return _encoder.encode(message)
+
+
+def decode_request(body: bytes | memoryview) -> Request:
+    """Raises msgspec.DecodeError / ValidationError for anything malformed."""
+    return _requests.decode(body)
+
+
+def decode_reply(body: bytes | memoryview) -> Reply:
+    return _replies.decode(body)
