@@ -16,6 +16,18 @@ TINY = {
     "bench_l1_metadata.py": ["--objects", "2048", "--lookups", "20"],
     "bench_fs_adapter.py": ["--objects", "2", "--object-mib", "1", "--repeats", "1"],
     "bench_prefetch.py": ["--chunks", "4", "--object-kib", "64", "--rounds", "2"],
+    "bench_server.py": [
+        "--objects",
+        "2",
+        "--object-mib",
+        "1",
+        "--rounds",
+        "1",
+        "--clients",
+        "2",
+        "--lookups",
+        "5",
+    ],
 }
 
 

@@ -110,15 +110,19 @@ class SharedRegion:
         return cls(path, size, mapping, owner=True)
 
     @classmethod
-    def attach(cls, name: str, *, shm_dir: str = DEFAULT_SHM_DIR) -> SharedRegion:
-        """Map an existing region by name (read-write); never unlinks it."""
+    def attach(
+        cls, name: str, *, shm_dir: str = DEFAULT_SHM_DIR, populate: bool = True
+    ) -> SharedRegion:
+        """Map an existing region by name (read-write); never unlinks it.
+        ``populate`` maps every page now, so copies never pay page faults."""
         if _NAME.fullmatch(name) is None:
             raise ValueError(f"{name!r} is not a kvtier region name (kvtier-<pid>-<hex>)")
         path = Path(shm_dir) / name
         fd = os.open(path, os.O_RDWR)
         try:
             size = os.fstat(fd).st_size
-            mapping = mmap.mmap(fd, size, flags=mmap.MAP_SHARED)
+            flags = mmap.MAP_SHARED | (mmap.MAP_POPULATE if populate else 0)
+            mapping = mmap.mmap(fd, size, flags=flags)
         finally:
             os.close(fd)
         return cls(path, size, mapping, owner=False)

@@ -17,7 +17,7 @@ from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
-from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client import generate_latest
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
@@ -64,7 +64,7 @@ class AdminHTTP:
     """Serves the admin endpoints on a daemon thread until ``close()``."""
 
     def __init__(self, transport: ServerTransport, host: str, port: int, token: str = "") -> None:
-        registry = CollectorRegistry()
+        registry = transport.core.metrics.registry
         registry.register(SnapshotCollector(transport))
         storage = transport.core.storage
 

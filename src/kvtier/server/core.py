@@ -33,6 +33,7 @@ from kvtier.keys import HASH_BYTES, ObjectKey, model_label
 from kvtier.l1 import IOFence, L1Result, WriterTag
 from kvtier.layout import KVLayout
 from kvtier.server import protocol as p
+from kvtier.server.metrics import ServerMetrics
 from kvtier.server.negotiation import ChunkSizeNegotiator
 from kvtier.storage import StorageManager
 
@@ -68,6 +69,7 @@ class _Session:
     locked: list[bool] = field(default_factory=list)  # per hit chunk: lock still held
     reservations: set[int] = field(default_factory=set)
     touched: float = 0.0
+    started: float = 0.0  # when the lookup was submitted
 
 
 @dataclass(eq=False)
@@ -78,6 +80,7 @@ class _Reservation:
     tag: WriterTag
     fence: IOFence
     layout: KVLayout
+    started: float
 
 
 @dataclass(eq=False)
@@ -113,6 +116,7 @@ class CacheServer:
         self._reservations: dict[int, _Reservation] = {}
         self._reservation_ids = itertools.count(1)
         self._orphans: list[PrefetchHandle] = []  # lookups whose session ended in flight
+        self.metrics = ServerMetrics()
         self.counters: dict[str, int] = {}
 
     # ------------------------------------------------------------ dispatch
@@ -193,6 +197,7 @@ class CacheServer:
         session = self._new_session(client, req.request_id, keys)
         layouts = {req.group: layout}
         session.handle = self.storage.submit_lookup(keys, layouts)
+        session.started = time.monotonic()
         self._count("lookups")
         return p.Ack(), []
 
@@ -210,6 +215,7 @@ class CacheServer:
     def _op_retrieve(
         self, client: _Client, req: p.Retrieve, frames: Sequence[Buffer]
     ) -> tuple[p.Reply, Frames]:
+        started = time.monotonic()
         session = self._session(client, req.request_id)
         self._check_range(session, req.start, req.end, "retrieve")
         keys = [k for chunk in session.keys[req.start : req.end] for k in chunk]
@@ -219,6 +225,7 @@ class CacheServer:
         offsets = [pl.offset if pl.offset is not None else -1 for pl in placements]
         sizes = [pl.size for pl in placements]
         self._count("retrieved_objects", len(keys))
+        self.metrics.retrieve_seconds.observe(time.monotonic() - started)
         return p.Objects(offsets, sizes), [] if client.shm else views
 
     def _op_release(
@@ -245,7 +252,9 @@ class CacheServer:
         staged = [
             k for k, pl in zip(keys, placements, strict=True) if pl.result is L1Result.SUCCESS
         ]
-        self._reservations[rid] = _Reservation(client, req.request_id, staged, tag, fence, layout)
+        self._reservations[rid] = _Reservation(
+            client, req.request_id, staged, tag, fence, layout, time.monotonic()
+        )
         self._session_for_store(client, req.request_id).reservations.add(rid)
         offsets = [
             pl.offset if pl.result is L1Result.SUCCESS and pl.offset is not None else -1
@@ -259,6 +268,7 @@ class CacheServer:
     ) -> tuple[p.Reply, Frames]:
         res = self._take_reservation(client, req.reservation)
         stored = self.storage.commit_store(res.keys, res.tag, res.fence, res.layout)
+        self.metrics.store_seconds.observe(time.monotonic() - res.started)
         self._count("stored_objects", stored)
         return p.Committed(stored), []
 
@@ -278,7 +288,8 @@ class CacheServer:
             raise RequestError(
                 "bad_request", f"store of {len(keys)} objects came with {len(frames)} data frames"
             )
-        results = self.storage.store(keys, list(frames), layout)
+        with self.metrics.store_seconds.time():
+            results = self.storage.store(keys, list(frames), layout)
         stored = sum(r is L1Result.SUCCESS for r in results)
         self._count("stored_objects", stored)
         return p.Committed(stored), []
@@ -423,7 +434,13 @@ class CacheServer:
         session.result = result
         session.answered = True
         session.locked = [True] * result.hit_chunks
+        self.metrics.lookup_seconds.observe(time.monotonic() - session.started)
         self._count("hit_chunks", result.hit_chunks)
+        ranks = max(1, len(session.keys[0]) if session.keys else 1)
+        chunk = self.chunks.frozen or self.chunks.minimum
+        for tier, objects in result.objects_by_tier.items():
+            self._count(f"hit_tokens.{tier}", objects * chunk // ranks)
+        self._count("lookup_tokens", len(session.keys) * chunk)
         return result.hit_chunks
 
     def _check_range(self, session: _Session, start: int, end: int, what: str) -> None:
