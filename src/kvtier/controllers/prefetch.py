@@ -170,8 +170,14 @@ class PrefetchController:
             if placement.result is L1Result.SUCCESS:
                 request.locked[key] = placement
                 request.tier[key] = L1_TIER
-        request.limit = self._loadable_prefix(request)
         self._counters.add("lookups")
+        if len(request.locked) == len(flat):  # a full L1 hit: the common, hot case
+            self._counters.add("hit_chunks", len(frozen))
+            self._counters.add(f"hit_objects.{L1_TIER}", len(flat))
+            request.done = True
+            handle._set(LookupResult(len(frozen), request.locked, {L1_TIER: len(flat)}))
+            return handle
+        request.limit = self._loadable_prefix(request)
         if self._closed or not self._adapters or self._all_locked(request):
             self._answer(request)  # the worker never sees this request
         else:
