@@ -48,12 +48,14 @@ class ClientConfig:
     request_timeout_s: float = 2.0
     retry_s: float = 1.0
     heartbeat_s: float = 0.0  # 0: no heartbeat thread
+    max_polls: int = 1000  # a lookup still pending after this many polls is a miss
 
 
 @dataclass(slots=True)
 class LookupState:
     """One request's lookup: submitted -> acked -> pending -> done(n).
-    ``hit`` is None until done; 0 is a miss."""
+    ``hit`` is None until done; 0 is a miss. Once done it never changes, so
+    polling again never counts a hit twice."""
 
     request_id: str
     acked: bool = False
@@ -116,6 +118,14 @@ class CacheClient:
         if state.done:
             return state.hit
         state.polls += 1
+        if state.polls > self.config.max_polls:
+            log.warning(
+                "client: lookup %s still pending after %d polls; a miss",
+                state.request_id,
+                state.polls - 1,
+            )
+            state.hit = 0
+            return 0
         message: p.Message = (
             p.Wait(state.request_id, timeout_s) if timeout_s > 0 else p.Query(state.request_id)
         )

@@ -22,7 +22,7 @@ import itertools
 import logging
 import secrets
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -105,13 +105,14 @@ class CacheServer:
         chunk_size: int = 256,
         auth_token: str = "",
         limits: ServerLimits | None = None,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.storage = storage
         self.boot_id = secrets.token_hex(8)
         self.chunks = ChunkSizeNegotiator(chunk_size)
         self.limits = limits or ServerLimits()
         self._token = auth_token
-        self._clock = time.monotonic
+        self._clock = clock
         self._clients: dict[bytes, _Client] = {}
         self._reservations: dict[int, _Reservation] = {}
         self._reservation_ids = itertools.count(1)
