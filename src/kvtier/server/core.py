@@ -133,9 +133,9 @@ class CacheServer:
             if isinstance(request, p.Ping):
                 self._touch_client(peer)
                 return p.Pong(self.boot_id), []
+            client = self._client(peer)  # everything else needs a registered client
             if isinstance(request, p.Status):
                 return p.StatusReply(self.status()), []
-            client = self._client(peer)
             handler = getattr(self, f"_op_{type(request).__name__.lower()}")
             return handler(client, request, frames)  # type: ignore[no-any-return]
         except RequestError as exc:
@@ -163,7 +163,7 @@ class CacheServer:
             raise RequestError("bad_request", f"num_ranks {hello.num_ranks} is out of range")
         if not hello.layouts:
             raise RequestError("bad_request", "hello needs at least one layout")
-        chunk_size = self.chunks.negotiate(hello.block_alignment)
+        chunk_size = self.chunks.propose(hello.block_alignment)
         layouts = {
             spec.group: KVLayout(
                 spec.num_layers,
@@ -178,6 +178,7 @@ class CacheServer:
         }
         label = model_label(hello.model)
         ObjectKey(bytes(HASH_BYTES), label, 0, 0, hello.salt)  # validates model and salt
+        self.chunks.freeze(chunk_size)  # only a hello that is accepted fixes it
         old = self._clients.pop(peer, None)
         if old is not None:
             self._drop_client(old)
@@ -210,8 +211,9 @@ class CacheServer:
     def _op_wait(
         self, client: _Client, req: p.Wait, frames: Sequence[Buffer]
     ) -> tuple[p.Reply, Frames]:
-        timeout = min(max(req.timeout_s, 0.0), self.limits.max_wait_s)
-        return p.QueryResult(self._poll(self._session(client, req.request_id), timeout)), []
+        # The transport parks a WAIT until ``lookup_settled`` or its timeout, so
+        # answering never blocks the loop: still pending at the deadline is None.
+        return p.QueryResult(self._poll(self._session(client, req.request_id), 0.0)), []
 
     def _op_retrieve(
         self, client: _Client, req: p.Retrieve, frames: Sequence[Buffer]
@@ -246,6 +248,7 @@ class CacheServer:
     ) -> tuple[p.Reply, Frames]:
         layout = self._layout(client, req.group)
         keys = [k for chunk in self._keys(client, req.hashes, req.group) for k in chunk]
+        session = self._session_for_store(client, req.request_id)  # validates the id
         tag, placements, fence = self.storage.reserve_store(
             keys, [layout.object_bytes()] * len(keys)
         )
@@ -256,7 +259,7 @@ class CacheServer:
         self._reservations[rid] = _Reservation(
             client, req.request_id, staged, tag, fence, layout, time.monotonic()
         )
-        self._session_for_store(client, req.request_id).reservations.add(rid)
+        session.reservations.add(rid)
         offsets = [
             pl.offset if pl.result is L1Result.SUCCESS and pl.offset is not None else -1
             for pl in placements

@@ -31,12 +31,11 @@ class ChunkSizeNegotiator:
         self.minimum = minimum
         self.frozen: int | None = None
 
-    def negotiate(self, alignment: int) -> int:
-        """The chunk size for an engine with this block alignment (ValueError if
-        it cannot use the frozen one)."""
+    def propose(self, alignment: int) -> int:
+        """The chunk size for an engine with this block alignment, without
+        freezing it (ValueError if it cannot use the frozen one)."""
         if self.frozen is None:
-            self.frozen = round_up(self.minimum, alignment)
-            return self.frozen
+            return round_up(self.minimum, alignment)
         if alignment <= 0 or self.frozen % alignment:
             raise ValueError(
                 f"block alignment {alignment} does not divide the chunk size {self.frozen} "
@@ -44,3 +43,14 @@ class ChunkSizeNegotiator:
                 "multiple of your engines' block sizes"
             )
         return self.frozen
+
+    def freeze(self, chunk_size: int) -> None:
+        """Fix the chunk size once the first engine is registered."""
+        if self.frozen is None:
+            self.frozen = chunk_size
+
+    def negotiate(self, alignment: int) -> int:
+        """``propose`` and ``freeze`` in one step."""
+        chunk_size = self.propose(alignment)
+        self.freeze(chunk_size)
+        return chunk_size

@@ -1,0 +1,1 @@
+"""Integration tests: real ``kvtier serve`` processes, clients in and out of process."""

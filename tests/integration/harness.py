@@ -1,0 +1,339 @@
+"""Helpers that run real ``kvtier serve`` processes and peer client processes.
+
+``ServerFactory.start(...)`` launches
+``python -m kvtier.cli serve`` on 127.0.0.1 with ``--port 0 --http-port 0``, a
+64 MiB L1 and an fs L2 under ``tmp_path``, waits for its ready line and parses
+the addresses from it. ``ServerFactory.restart(server)`` starts another on the
+same cache directory and RPC port. Every server is stopped by PID at teardown
+(SIGTERM, a deadline, then SIGKILL), whatever the test did; a shared-memory
+arena left by a killed server is removed.
+
+``PeerFactory.spawn(...)`` runs ``python -m tests.integration.peer ...`` (a second
+client process) and ``PeerFactory.read(proc)`` takes the JSON line it prints.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, TypeVar
+
+ROOT = Path(__file__).resolve().parents[2]
+SHM_DIR = Path("/dev/shm")
+READY = re.compile(
+    r"kvtier serve: rpc (?P<rpc>tcp://127\.0\.0\.1:(?P<port>\d+)) "
+    r"http (?P<http>http://127\.0\.0\.1:\d+) boot (?P<boot>[0-9a-f]+) "
+    r"l1 .+ arena (?P<arena>kvtier-\d+-[0-9a-f]+) l2 (?P<l2>\S+)"
+)
+START_TIMEOUT_S = 20.0
+STOP_TIMEOUT_S = 10.0
+
+T = TypeVar("T")
+
+
+def wait_for(
+    probe: Callable[[], T],
+    done: Callable[[T], bool],
+    timeout_s: float = 15.0,
+    every_s: float = 0.05,
+) -> T:
+    """Call ``probe`` until ``done(value)``; return the last value either way
+    (the caller asserts on it, so a failure shows what was seen last)."""
+    deadline = time.monotonic() + timeout_s
+    value = probe()
+    while not done(value) and time.monotonic() < deadline:
+        time.sleep(every_s)
+        value = probe()
+    return value
+
+
+def clean_env(extra: dict[str, str] | None = None) -> dict[str, str]:
+    """The environment without KVTIER_* settings (they would override flags and files)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KVTIER_")}
+    env["PYTHONUNBUFFERED"] = "1"
+    env.update(extra or {})
+    return env
+
+
+def _read_line(stream: Any, timeout_s: float) -> str | None:
+    """One line from a pipe, or None if none came within the timeout."""
+    lines: queue.Queue[str] = queue.Queue()
+    threading.Thread(target=lambda: lines.put(stream.readline()), daemon=True).start()
+    try:
+        return lines.get(timeout=timeout_s)
+    except queue.Empty:
+        return None
+
+
+def _stop_process(proc: subprocess.Popen[str], sig: int, timeout_s: float) -> int:
+    """Signal by PID, wait until the deadline, then SIGKILL; return the exit status."""
+    if proc.poll() is None:
+        os.kill(proc.pid, sig)
+        try:
+            proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            os.kill(proc.pid, signal.SIGKILL)
+            proc.wait()
+    return proc.returncode
+
+
+@dataclass(eq=False)
+class Server:
+    """One running ``kvtier serve`` and what its ready line said."""
+
+    proc: subprocess.Popen[str]
+    args: list[str]
+    cache_dir: Path
+    log_path: Path
+    rpc: str
+    port: int
+    http: str
+    boot_id: str
+    arena: str
+    l2: str
+    token: str = ""
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    @property
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def http_get(
+        self, path: str, token: str | None = None, method: str = "GET"
+    ) -> tuple[int, bytes]:
+        """Status code and body; ``token`` None means this server's own token."""
+        token = self.token if token is None else token
+        headers = {"Authorization": f"Bearer {token}"} if token else {}
+        request = urllib.request.Request(self.http + path, headers=headers, method=method)
+        try:
+            with urllib.request.urlopen(request, timeout=10) as response:
+                return response.status, response.read()
+        except urllib.error.HTTPError as exc:
+            return exc.code, exc.read()
+
+    def status(self) -> dict[str, Any]:
+        code, body = self.http_get("/status")
+        assert code == 200, (code, body)
+        result: dict[str, Any] = json.loads(body)
+        return result
+
+    def metrics(self) -> str:
+        code, body = self.http_get("/metrics")
+        assert code == 200, (code, body)
+        return body.decode()
+
+
+@dataclass(eq=False)
+class ServerFactory:
+    tmp_path: Path
+    started: list[Server] = field(default_factory=list)
+
+    def start(
+        self,
+        *extra: str,
+        cache_dir: Path | None = None,
+        port: int = 0,
+        config: str | None = None,
+        env: dict[str, str] | None = None,
+        token: str = "",
+        l1_size: str = "64MiB",
+    ) -> Server:
+        """Start a server and wait for its ready line. ``config`` is TOML text
+        written to a file and passed with --config; ``token`` goes to --auth-token."""
+        n = len(self.started)
+        cache_dir = cache_dir or self.tmp_path / f"l2-{n}"
+        args = [
+            sys.executable,
+            "-m",
+            "kvtier.cli",
+            "serve",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--http-port",
+            "0",
+            "--l1-size",
+            l1_size,
+            "--cache-dir",
+            str(cache_dir),
+        ]
+        if config is not None:
+            config_path = self.tmp_path / f"server-{n}.toml"
+            config_path.write_text(config)
+            args += ["--config", str(config_path)]
+        if token:
+            args += ["--auth-token", token]
+        args += list(extra)
+        log_path = self.tmp_path / f"server-{n}.log"
+        with log_path.open("w") as log_file:
+            proc = subprocess.Popen(
+                args,
+                stdout=subprocess.PIPE,
+                stderr=log_file,
+                stdin=subprocess.DEVNULL,
+                text=True,
+                cwd=self.tmp_path,
+                env=clean_env(env),
+            )
+        try:
+            line = _read_line(proc.stdout, START_TIMEOUT_S)
+            match = READY.fullmatch(line.strip()) if line else None
+            if match is None:
+                raise RuntimeError(
+                    f"kvtier serve did not become ready (exit status {proc.poll()}); "
+                    f"stdout {line!r}; log:\n{log_path.read_text(errors='replace')}"
+                )
+        except BaseException:
+            _stop_process(proc, signal.SIGKILL, STOP_TIMEOUT_S)
+            raise
+        server = Server(
+            proc,
+            args,
+            cache_dir,
+            log_path,
+            match["rpc"],
+            int(match["port"]),
+            match["http"],
+            match["boot"],
+            match["arena"],
+            match["l2"],
+            token,
+        )
+        self.started.append(server)
+        return server
+
+    def stop(self, server: Server, sig: int = signal.SIGTERM) -> int:
+        """Stop by PID (SIGTERM by default; SIGKILL after the deadline)."""
+        code = _stop_process(server.proc, sig, STOP_TIMEOUT_S)
+        if server.proc.stdout is not None:
+            server.proc.stdout.close()
+        return code
+
+    def kill(self, server: Server) -> None:
+        """SIGKILL, as a crash: the arena file stays behind until removed here."""
+        assert self.stop(server, signal.SIGKILL) == -signal.SIGKILL
+        (SHM_DIR / server.arena).unlink(missing_ok=True)
+
+    def restart(self, server: Server, *extra: str, kill: bool = True, **options: Any) -> Server:
+        """Stop ``server`` (SIGKILL unless ``kill`` is False) and start another on
+        the same cache directory and RPC port, with the same flags by default."""
+        if kill:
+            self.kill(server)
+        else:
+            self.stop(server)
+        options.setdefault("token", server.token)
+        return self.start(*extra, cache_dir=server.cache_dir, port=server.port, **options)
+
+    def close(self) -> list[str]:
+        """Stop every server still running (SIGTERM, then SIGKILL after the
+        deadline) and remove leftover arenas. Returns what went wrong: a server
+        that did not exit 0 on SIGTERM, or logged a traceback."""
+        problems = []
+        for server in self.started:
+            running = server.proc.poll() is None
+            code = self.stop(server)
+            (SHM_DIR / server.arena).unlink(missing_ok=True)
+            if running and code != 0:
+                problems.append(f"server {server.pid} exited {code} on SIGTERM:\n{server.log}")
+            if "Traceback" in server.log:
+                problems.append(f"server {server.pid} logged a traceback:\n{server.log}")
+        return problems
+
+
+# ------------------------------------------------------------------ peers
+
+
+@dataclass(eq=False)
+class PeerFactory:
+    tmp_path: Path
+    procs: list[subprocess.Popen[str]] = field(default_factory=list)
+
+    def spawn(self, *args: str) -> subprocess.Popen[str]:
+        log = (self.tmp_path / f"peer-{len(self.procs)}.log").open("w")
+        with log:
+            proc = subprocess.Popen(
+                [sys.executable, "-m", "tests.integration.peer", *args],
+                stdout=subprocess.PIPE,
+                stderr=log,
+                stdin=subprocess.DEVNULL,
+                text=True,
+                cwd=ROOT,
+                env=clean_env(),
+            )
+        self.procs.append(proc)
+        return proc
+
+    def read(self, proc: subprocess.Popen[str], timeout_s: float = 30.0) -> dict[str, Any]:
+        """The JSON line the peer prints (fails with its log if none comes)."""
+        line = _read_line(proc.stdout, timeout_s)
+        if not line:
+            index = self.procs.index(proc)
+            log = (self.tmp_path / f"peer-{index}.log").read_text(errors="replace")
+            raise AssertionError(f"peer printed nothing (exit status {proc.poll()}); log:\n{log}")
+        result: dict[str, Any] = json.loads(line)
+        return result
+
+    def run(self, *args: str, timeout_s: float = 30.0) -> dict[str, Any]:
+        """Spawn, take its line, and require a clean exit."""
+        proc = self.spawn(*args)
+        result = self.read(proc, timeout_s)
+        assert proc.wait(timeout=timeout_s) == 0
+        return result
+
+    def kill(self, proc: subprocess.Popen[str]) -> None:
+        assert _stop_process(proc, signal.SIGKILL, STOP_TIMEOUT_S) == -signal.SIGKILL
+
+    def close(self) -> None:
+        for proc in self.procs:
+            _stop_process(proc, signal.SIGKILL, STOP_TIMEOUT_S)
+            if proc.stdout is not None:
+                proc.stdout.close()
+
+
+def spawn_args(**options: object) -> Sequence[str]:
+    """``--name value`` flags for a peer (True -> ``--name``, False/None -> nothing)."""
+    out: list[str] = []
+    for name, value in options.items():
+        flag = "--" + name.replace("_", "-")
+        if value is True:
+            out.append(flag)
+        elif value not in (False, None):
+            out += [flag, str(value)]
+    return out
+
+
+def wait_written_back(probe: Callable[[], dict[str, Any] | None], objects: int) -> dict[str, Any]:
+    """Wait until the fs L2 has stored ``objects`` objects in all and the store
+    controller has let go of them (it counts a write before it unlocks).
+    ``probe`` must read the live tables (``CacheClient.status``), so that the
+    second wait sees a state later than the first."""
+
+    def written(s: dict[str, Any] | None) -> int:
+        return 0 if s is None else int(s["storage"]["store"].get("stored_objects.fs", 0))
+
+    status = wait_for(probe, lambda s: written(s) >= objects)
+    assert written(status) == objects, status
+
+    def let_go(s: dict[str, Any] | None) -> bool:
+        l1 = {} if s is None else s["storage"]["l1"]
+        return l1.get("locked_objects") == 0 and l1.get("fenced_objects") == 0
+
+    status = wait_for(probe, let_go)
+    assert status is not None and let_go(status), status
+    return status

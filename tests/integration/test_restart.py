@@ -1,0 +1,102 @@
+"""The server goes away and comes back: clients degrade without raising, then
+register again and find what was stored before in the fs L2."""
+
+from __future__ import annotations
+
+import signal
+
+import numpy as np
+
+from kvtier.server.client import CacheClient
+from tests.integration import workload as w
+from tests.integration.harness import SHM_DIR, ServerFactory, wait_for, wait_written_back
+
+CHUNKS = 4
+SIZE = w.object_bytes(256)
+
+
+def store_and_flush(client: CacheClient, seed: int, n: int) -> list[bytes]:
+    """Store ``n`` chunks and wait until the fs L2 has every one of them."""
+    hashes = w.chunk_hashes(256, seed, n)
+    assert client.store(f"store-{seed}", hashes, w.payloads(seed, n, SIZE)) == n
+    wait_written_back(client.status, n)
+    return hashes
+
+
+def test_client_degrades_while_down_then_hits_after_restart(
+    kvtier_server: ServerFactory,
+) -> None:
+    server = kvtier_server.start()
+    client = CacheClient(w.client_config(server.rpc, shm=True, request_timeout_s=1.5, retry_s=0.2))
+    try:
+        assert client.boot_id == server.boot_id
+        hashes = store_and_flush(client, seed=31, n=CHUNKS)
+        kvtier_server.kill(server)
+
+        # Down: a miss / nothing stored (the first call after request_timeout_s).
+        state = client.lookup("down", hashes)
+        assert (state.acked, state.hit) == (False, 0)
+        assert client.query(state) == 0
+        assert client.store("down", hashes[:1], w.payloads(31, 1, SIZE)) == 0
+        assert client.ping() is False
+        assert client.status() is None
+        assert client.degraded and client.chunk_size is None
+        assert client.stats.degraded_requests >= 1
+
+        restarted = kvtier_server.restart(server, kill=False)
+        assert restarted.port == server.port and restarted.boot_id != server.boot_id
+        assert wait_for(client.ping, bool) is True
+        assert client.boot_id == restarted.boot_id
+        assert client.chunk_size == 256 and not client.degraded
+
+        state = client.lookup("up", hashes)
+        assert state.acked
+        assert client.query(state, timeout_s=10.0) == CHUNKS
+        out = w.empty_buffers(CHUNKS, SIZE)
+        assert client.retrieve_into("up", 0, CHUNKS, out)
+        for got, want in zip(out, w.payloads(31, CHUNKS, SIZE), strict=True):
+            assert np.array_equal(got, want)
+        status = client.status()
+        assert status is not None
+        assert status["storage"]["prefetch"]["hit_objects.fs"] == CHUNKS
+        assert status["storage"]["held_lookup_locks"] == 0
+
+        # Stores work again too (a chunk never stored before).
+        new = w.chunk_hashes(256, 32, 1)
+        assert client.store("after", new, w.payloads(32, 1, SIZE)) == 1
+    finally:
+        client.close()
+
+
+def test_idle_client_registers_again_on_its_next_call(kvtier_server: ServerFactory) -> None:
+    """No call while the server is down: the socket reconnects by itself, the new
+    server answers ``no_hello`` and the client says hello again, transparently."""
+    server = kvtier_server.start()
+    client = CacheClient(w.client_config(server.rpc, shm=False, request_timeout_s=5.0))
+    try:
+        hashes = store_and_flush(client, seed=41, n=2)
+        restarted = kvtier_server.restart(server)  # SIGKILL, then the same port and dir
+        state = client.lookup("again", hashes)
+        assert state.acked
+        assert client.query(state, timeout_s=10.0) == 2
+        assert client.stats.server_restarts == 1
+        assert client.boot_id == restarted.boot_id
+        assert client.stats.degraded_requests == 0
+        client.release("again", 0, 2)
+    finally:
+        client.close()
+
+
+def test_sigterm_stops_cleanly_with_locks_held(kvtier_server: ServerFactory) -> None:
+    server = kvtier_server.start()
+    client = CacheClient(w.client_config(server.rpc, shm=True))
+    try:
+        hashes = w.chunk_hashes(256, 51, 2)
+        assert client.store("s", hashes, w.payloads(51, 2, SIZE)) == 2
+        assert client.query(client.lookup("held", hashes), timeout_s=10.0) == 2
+        assert (SHM_DIR / server.arena).exists()
+    finally:
+        client.close()
+    assert kvtier_server.stop(server, signal.SIGTERM) == 0
+    assert not (SHM_DIR / server.arena).exists()
+    assert "Traceback" not in server.log

@@ -1,0 +1,230 @@
+"""Lookup sessions over ZeroMQ: QUERY answers once, WAIT returns a QueryResult,
+pending (None) is not a miss (0), and refused requests leave nothing behind.
+
+The pending cases need a lookup that stays pending until the test says so:
+those run the real ``ServerTransport`` and ``CacheServer`` in this process over
+a mock L2 whose lookups wait on a gate.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import pytest
+import zmq
+
+from kvtier.controllers import PrefetchHandle
+from kvtier.keys import ObjectKey
+from kvtier.l1 import L1Config
+from kvtier.server import protocol as p
+from kvtier.server.client import CacheClient
+from kvtier.server.core import CacheServer
+from kvtier.server.transport import ServerTransport
+from kvtier.storage import StorageConfig, StorageManager
+from tests.integration import workload as w
+from tests.integration.harness import Server
+
+SIZE = w.object_bytes(256)
+
+
+@dataclass
+class Gated:
+    address: str
+    core: CacheServer
+    storage: StorageManager
+    gate: threading.Event  # L2 lookups wait for this
+
+
+@pytest.fixture
+def gated(monkeypatch: pytest.MonkeyPatch) -> Iterator[Gated]:
+    storage = StorageManager(
+        StorageConfig(l1=L1Config(size_bytes=8 << 20, populate=False), l2=({"type": "mock"},))
+    )
+    gate = threading.Event()
+    adapter: Any = storage.adapters[0]
+    real_lookup = adapter._lookup
+
+    def gated_lookup(keys: Sequence[ObjectKey]) -> list[bool]:
+        assert gate.wait(30), "the test never opened the gate"
+        result: list[bool] = real_lookup(keys)
+        return result
+
+    monkeypatch.setattr(adapter, "_lookup", gated_lookup)
+    core = CacheServer(storage, chunk_size=256)
+    transport = ServerTransport(core, "tcp://127.0.0.1:0")
+    stop = threading.Event()
+    thread = threading.Thread(target=transport.serve, args=(stop,), daemon=True)
+    thread.start()
+    try:
+        yield Gated(transport.address, core, storage, gate)
+    finally:
+        gate.set()
+        stop.set()
+        thread.join(10)
+        core.close()
+        storage.close()
+
+
+def registered(socket: zmq.Socket[bytes]) -> None:
+    reply, _ = w.call(socket, w.hello())
+    assert isinstance(reply, p.Welcome), reply
+
+
+def error_code(reply: p.Reply) -> str:
+    assert isinstance(reply, p.Error), reply
+    return reply.code
+
+
+def test_pending_is_none_then_miss_is_zero_then_consumed(gated: Gated) -> None:
+    hashes = w.chunk_hashes(256, seed=1, n_chunks=2)
+    with w.raw_dealer(gated.address) as socket:
+        registered(socket)
+        assert w.call(socket, p.Lookup("r", hashes))[0] == p.Ack()
+        # Pending: QUERY says None, and asking again is allowed while pending.
+        assert w.call(socket, p.Query("r"))[0] == p.QueryResult(None)
+        assert w.call(socket, p.Query("r"))[0] == p.QueryResult(None)
+        # A WAIT that times out answers None too (it is parked, then answered).
+        assert w.call(socket, p.Wait("r", 0.05))[0] == p.QueryResult(None)
+        gated.gate.set()
+        # Done: the L2 has nothing, so a miss, 0 and not None.
+        assert w.call(socket, p.Wait("r", 10.0))[0] == p.QueryResult(0)
+        assert error_code(w.call(socket, p.Query("r"))[0]) == "consumed"
+        assert error_code(w.call(socket, p.Wait("r", 1.0))[0]) == "consumed"
+        assert error_code(w.call(socket, p.Retrieve("r", 0, 1))[0]) == "bad_range"
+
+
+def test_parked_wait_is_answered_when_the_lookup_settles(gated: Gated) -> None:
+    hashes = w.chunk_hashes(256, seed=2, n_chunks=1)
+    with w.raw_dealer(gated.address) as waiter, w.raw_dealer(gated.address) as other:
+        registered(waiter)
+        assert w.call(waiter, p.Lookup("r", hashes))[0] == p.Ack()
+        w.send_raw(waiter, [p.encode(p.Wait("r", 30.0))])
+        # The parked WAIT does not hold up another client...
+        assert isinstance(w.call(other, p.Ping())[0], p.Pong)
+        registered(other)
+        assert w.call(other, p.Query("none"))[0] == p.Error(
+            "no_session", "no session 'none'; send lookup first"
+        )
+        assert waiter.poll(0) == 0  # ...and is still unanswered: the gate is shut
+        gated.gate.set()
+        assert w.recv_reply(waiter)[0] == p.QueryResult(0)
+
+
+def test_client_lookup_state_pending_then_done(gated: Gated) -> None:
+    client = CacheClient(w.client_config(gated.address, shm=False))
+    try:
+        state = client.lookup("r", w.chunk_hashes(256, seed=3, n_chunks=2))
+        assert state.acked and not state.done and state.hit is None
+        assert client.query(state) is None
+        assert (state.done, state.polls) == (False, 1)
+        gated.gate.set()
+        assert client.query(state, timeout_s=10.0) == 0
+        assert (state.done, state.hit, state.polls) == (True, 0, 2)
+        assert client.query(state) == 0  # answered from the state: no third round trip
+        assert state.polls == 2
+        assert client.stats.errors == {}
+    finally:
+        client.close()
+
+
+def test_parked_wait_never_blocks_the_loop(gated: Gated, monkeypatch: pytest.MonkeyPatch) -> None:
+    """At its deadline a parked WAIT answers None at once. Regression: the loop
+    used to call ``collect(handle, timeout_s)`` on the still-pending lookup and
+    sit in it for another ``timeout_s``, serving nobody (the transport's
+    docstring: "a WAIT never blocks other clients")."""
+    blocking: list[float | None] = []
+    collect = gated.storage.collect
+
+    def spy(handle: PrefetchHandle, timeout: float | None = None) -> Any:
+        if handle.result() is None and (timeout is None or timeout > 0):
+            blocking.append(timeout)
+        return collect(handle, timeout)
+
+    monkeypatch.setattr(gated.storage, "collect", spy)
+    with w.raw_dealer(gated.address) as socket:
+        registered(socket)
+        assert w.call(socket, p.Lookup("r", w.chunk_hashes(256, seed=4, n_chunks=1)))[0] == p.Ack()
+        assert w.call(socket, p.Wait("r", 0.2))[0] == p.QueryResult(None)
+    assert blocking == []  # was [0.2]: the loop waited another 0.2 s
+
+
+# ------------------------------------------------------------------ live
+
+
+def test_query_answers_once_and_retrieve_follows(server: Server) -> None:
+    hashes = w.chunk_hashes(256, seed=5, n_chunks=3)
+    data = [d.tobytes() for d in w.payloads(5, 3, SIZE)]
+    with w.raw_dealer(server.rpc) as socket:
+        registered(socket)
+        assert w.call(socket, p.Store("s", hashes), data)[0] == p.Committed(3)
+        assert w.call(socket, p.Lookup("r", hashes))[0] == p.Ack()
+        assert w.call(socket, p.Wait("r", 10.0))[0] == p.QueryResult(3)
+        assert error_code(w.call(socket, p.Query("r"))[0]) == "consumed"
+        # Consumed does not drop the locks: the hit can still be retrieved.
+        objects, frames = w.call(socket, p.Retrieve("r", 1, 3))
+        assert isinstance(objects, p.Objects) and frames == data[1:]
+        assert w.call(socket, p.Release("r", 0, 3))[0] == p.Ack()
+        assert error_code(w.call(socket, p.Retrieve("r", 0, 1))[0]) == "released"
+
+        # A miss is 0, answered once as well.
+        other = w.chunk_hashes(256, seed=6, n_chunks=2)
+        assert w.call(socket, p.Lookup("m", other))[0] == p.Ack()
+        assert w.call(socket, p.Wait("m", 10.0))[0] == p.QueryResult(0)
+        assert error_code(w.call(socket, p.Wait("m", 1.0))[0]) == "consumed"
+
+        # A session made by STORE_RESERVE has no lookup to ask about.
+        reserved, _ = w.call(socket, p.StoreReserve("w", w.chunk_hashes(256, seed=9, n_chunks=1)))
+        assert isinstance(reserved, p.Reserved)
+        assert w.call(socket, p.StoreAbort(reserved.reservation))[0] == p.Ack()
+        assert error_code(w.call(socket, p.Query("w"))[0]) == "no_lookup"
+        assert error_code(w.call(socket, p.Query("s"))[0]) == "no_session"  # bytes STORE: none
+        assert error_code(w.call(socket, p.Query("never"))[0]) == "no_session"
+
+
+def test_end_session_and_a_new_lookup_release_locks(server: Server) -> None:
+    hashes = w.chunk_hashes(256, seed=7, n_chunks=2)
+    data = [d.tobytes() for d in w.payloads(7, 2, SIZE)]
+
+    def held(socket: zmq.Socket[bytes]) -> int:
+        return int(w.status_via(socket)["storage"]["held_lookup_locks"])
+
+    with w.raw_dealer(server.rpc) as socket:
+        registered(socket)
+        assert w.call(socket, p.Store("s", hashes), data)[0] == p.Committed(2)
+        assert w.call(socket, p.Lookup("r", hashes))[0] == p.Ack()
+        assert w.call(socket, p.Wait("r", 10.0))[0] == p.QueryResult(2)
+        assert held(socket) == 2
+        # The same request id again replaces the session and drops its locks.
+        assert w.call(socket, p.Lookup("r", hashes[:1]))[0] == p.Ack()
+        assert w.call(socket, p.Wait("r", 10.0))[0] == p.QueryResult(1)
+        assert held(socket) == 1
+        assert w.call(socket, p.EndSession("r"))[0] == p.Ack()
+        assert held(socket) == 0
+        assert error_code(w.call(socket, p.EndSession("r"))[0]) == "no_session"
+        assert error_code(w.call(socket, p.Retrieve("r", 0, 1))[0]) == "no_session"
+        # A second hello from the same socket ends its sessions too.
+        assert w.call(socket, p.Lookup("q", hashes))[0] == p.Ack()
+        assert w.call(socket, p.Wait("q", 10.0))[0] == p.QueryResult(2)
+        assert held(socket) == 2
+        registered(socket)
+        assert held(socket) == 0
+
+
+def test_refused_store_reserve_leaves_no_reservation(server: Server) -> None:
+    """Regression: STORE_RESERVE with an invalid request_id was refused after its
+    reservation was made, leaking the reservation and its staged L1 memory."""
+    hashes = w.chunk_hashes(256, seed=8, n_chunks=2)
+    with w.raw_dealer(server.rpc) as socket:
+        assert isinstance(w.call(socket, w.hello(shm=True))[0], p.Welcome)
+        for request_id in ("", "x" * 257):
+            reply, _ = w.call(socket, p.StoreReserve(request_id, hashes))
+            assert error_code(reply) == "bad_request"
+        tables = w.status_via(socket)
+        assert tables["store_reservations"] == 0  # was 2
+        assert tables["storage"]["l1"]["staging_objects"] == 0
+        # (When they leaked, not even dropping the client gave them back.)
+        assert isinstance(w.call(socket, w.hello(shm=True))[0], p.Welcome)
+        assert w.status_via(socket)["store_reservations"] == 0
