@@ -96,6 +96,11 @@ class _Client:
     last_seen: float = 0.0
 
 
+def _check_request_id(request_id: str) -> None:
+    if not request_id or len(request_id) > 256:
+        raise RequestError("bad_request", "request_id must be 1-256 characters")
+
+
 class CacheServer:
     """Operations by name over one ``StorageManager``; see the module docstring."""
 
@@ -196,9 +201,10 @@ class CacheServer:
     ) -> tuple[p.Reply, Frames]:
         layout = self._layout(client, req.group)
         keys = self._keys(client, req.hashes, req.group)
+        _check_request_id(req.request_id)
+        handle = self.storage.submit_lookup(keys, {req.group: layout})  # may refuse the keys
         session = self._new_session(client, req.request_id, keys)
-        layouts = {req.group: layout}
-        session.handle = self.storage.submit_lookup(keys, layouts)
+        session.handle = handle
         session.started = time.monotonic()
         self._count("lookups")
         return p.Ack(), []
@@ -402,8 +408,7 @@ class CacheServer:
     def _new_session(
         self, client: _Client, request_id: str, keys: list[list[ObjectKey]]
     ) -> _Session:
-        if not request_id or len(request_id) > 256:
-            raise RequestError("bad_request", "request_id must be 1-256 characters")
+        _check_request_id(request_id)
         old = client.sessions.pop(request_id, None)
         if old is not None:
             self._end(old)

@@ -179,3 +179,12 @@ def test_bad_requests_get_errors(server: CacheServer) -> None:
     assert call(server, b"A", p.Query("r")) == p.QueryResult(0)
     err = call(server, b"A", p.Retrieve("r", 0, 1))
     assert isinstance(err, p.Error) and err.code == "bad_range"
+
+
+def test_refused_lookup_leaves_no_session(server: CacheServer, storage: StorageManager) -> None:
+    hello(server)
+    h = hashes(1)
+    err = call(server, b"A", p.Lookup("r", h + h))  # the same chunk twice
+    assert isinstance(err, p.Error) and err.code == "bad_request"
+    assert server.status()["sessions"] == 0
+    assert_clean(storage.l1)
