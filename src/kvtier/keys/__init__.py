@@ -8,7 +8,7 @@ from kvtier.keys.hasher import (
     token_array,
 )
 from kvtier.keys.namespace import Namespace
-from kvtier.keys.object_key import ObjectKey, model_label
+from kvtier.keys.object_key import ObjectKey, chunk_keys, model_label
 
 __all__ = [
     "HASH_BYTES",
@@ -16,6 +16,7 @@ __all__ = [
     "Namespace",
     "ObjectKey",
     "TokenHasher",
+    "chunk_keys",
     "model_label",
     "root_hash",
     "token_array",

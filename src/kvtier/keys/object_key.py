@@ -16,6 +16,7 @@ that a tier can list or drop one model's or one tenant's objects.
 from __future__ import annotations
 
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from kvtier.keys.hasher import HASH_BYTES
@@ -129,3 +130,36 @@ class ObjectKey:
         if key.to_str() != text:
             raise ValueError(f"object key {text!r} is not in canonical form (leading zeros?)")
         return key
+
+
+def chunk_keys(
+    hashes: Sequence[bytes], model: str, ranks: int, group: int = 0, salt: str = ""
+) -> list[list[ObjectKey]]:
+    """Keys for every rank of every chunk: ``[[chunk 0 rank 0, rank 1, ...], ...]``.
+
+    ``model``, ``salt``, ``ranks`` and ``group`` are validated once, each hash
+    for its length; the keys are then built without re-checking the labels
+    (a lookup of 128 chunks builds hundreds of keys on the request path).
+    """
+    template = ObjectKey(bytes(HASH_BYTES), model, max(ranks - 1, 0), group, salt)
+    rank_hash = [r * 0x9E3779B1 + group for r in range(ranks)]
+    out = []
+    for chunk_hash in hashes:
+        if not isinstance(chunk_hash, bytes) or len(chunk_hash) != HASH_BYTES:
+            ObjectKey(chunk_hash, model, 0, group, salt)  # raises the precise error
+        base = hash(chunk_hash)
+        row = []
+        for rank in range(ranks):
+            key = object.__new__(ObjectKey)
+            for name, value in (
+                ("chunk_hash", chunk_hash),
+                ("model", template.model),
+                ("kv_rank", rank),
+                ("group", group),
+                ("salt", template.salt),
+                ("_hash", base ^ rank_hash[rank]),
+            ):
+                object.__setattr__(key, name, value)
+            row.append(key)
+        out.append(row)
+    return out

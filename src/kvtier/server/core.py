@@ -29,7 +29,7 @@ import numpy as np
 import numpy.typing as npt
 
 from kvtier.controllers import LookupResult, PrefetchHandle
-from kvtier.keys import HASH_BYTES, ObjectKey, model_label
+from kvtier.keys import HASH_BYTES, ObjectKey, chunk_keys, model_label
 from kvtier.l1 import IOFence, L1Result, WriterTag
 from kvtier.layout import KVLayout
 from kvtier.server import protocol as p
@@ -397,13 +397,7 @@ class CacheServer:
                 f"{len(hashes)} chunks in one request; the limit is "
                 f"{self.limits.max_chunks_per_request}",
             )
-        return [
-            [
-                ObjectKey(h, client.model, rank, group, client.salt)
-                for rank in range(client.num_ranks)
-            ]
-            for h in hashes
-        ]
+        return chunk_keys(hashes, client.model, client.num_ranks, group, client.salt)
 
     def _new_session(
         self, client: _Client, request_id: str, keys: list[list[ObjectKey]]

@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kvtier.keys import ObjectKey, model_label
+from kvtier.keys import ObjectKey, chunk_keys, model_label
 
 HASH = bytes(range(32))
 SAFE = st.text(alphabet="abcXYZ019._-", max_size=20)
@@ -86,3 +86,29 @@ def test_invalid_fields_raise_clear_errors(kwargs: dict[str, object], message: s
 def test_from_str_rejects_malformed_keys(text: str, message: str) -> None:
     with pytest.raises(ValueError, match=message):
         ObjectKey.from_str(text)
+
+
+def test_chunk_keys_equal_validated_keys() -> None:
+    hashes = [bytes([i]) * 32 for i in range(3)]
+    fast = chunk_keys(hashes, "org--m", ranks=2, group=1, salt="t")
+    slow = [[ObjectKey(h, "org--m", r, 1, "t") for r in range(2)] for h in hashes]
+    assert fast == slow
+    assert [[hash(k) for k in row] for row in fast] == [[hash(k) for k in row] for row in slow]
+    assert [[k.to_str() for k in row] for row in fast] == [
+        [k.to_str() for k in row] for row in slow
+    ]
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"hashes": [b"x" * 31]}, "31 bytes"),
+        ({"model": "a/b"}, "model_label"),
+        ({"salt": "x@y"}, "ObjectKey.salt"),
+        ({"group": -1}, "group is -1"),
+    ],
+)
+def test_chunk_keys_validate_their_input(kwargs: dict[str, object], message: str) -> None:
+    args: dict[str, object] = {"hashes": [bytes(32)], "model": "m", "ranks": 1, **kwargs}
+    with pytest.raises((ValueError, TypeError), match=message):
+        chunk_keys(**args)  # type: ignore[arg-type]
