@@ -47,7 +47,7 @@ class ClientConfig:
     client_id: str = "engine"
     request_timeout_s: float = 2.0
     retry_s: float = 1.0
-    heartbeat_s: float = 0.0  # 0: no heartbeat thread
+    heartbeat_s: float = 10.0  # ping this often (keeps the client alive, spots restarts); 0: off
     max_polls: int = 1000  # a lookup still pending after this many polls is a miss
 
 

@@ -80,7 +80,18 @@ def load_config(flags: Mapping[str, Any], config_file: str | None = None) -> Ser
         if value is not None:
             merged[name] = _from_text(value, f.type)
     merged.update({k: v for k, v in flags.items() if v is not None})
-    return from_mapping(ServerConfig, merged, "kvtier serve")
+    try:
+        return from_mapping(ServerConfig, merged, "kvtier serve")
+    except ValueError as exc:  # name the flag, not the field
+        message = str(exc).removeprefix("kvtier serve: ")  # the CLI names the command
+        for name in names:
+            message = message.replace(f"option {name!r}", flag_name(name))
+        raise ValueError(message) from None
+
+
+def flag_name(option: str) -> str:
+    """``l1_size_bytes`` -> ``--l1-size``."""
+    return "--" + option.removesuffix("_bytes").replace("_", "-")
 
 
 def _from_text(value: str, hint: object) -> object:

@@ -36,7 +36,8 @@ def test_flags_beat_environment_beat_file(tmp_path: Path, monkeypatch: pytest.Mo
         ({"port": 70000}, "--port 70000"),
         ({"http_port": -5}, "--http-port"),
         ({"chunk_size": 0}, "--chunk-size"),
-        ({"l1_size_bytes": "lots"}, "cannot read 'lots' as a size"),
+        ({"l1_size_bytes": "lots"}, "--l1-size: cannot read 'lots' as a size"),
+        ({"session_ttl_s": "soon"}, "--session-ttl-s must be float"),
         ({"bogus": 1}, "unknown option 'bogus'"),
     ],
 )
