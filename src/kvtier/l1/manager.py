@@ -47,8 +47,6 @@ arena's bookkeeping is in-memory arithmetic).
 
 from __future__ import annotations
 
-import heapq
-import itertools
 import logging
 import threading
 import time
@@ -61,6 +59,7 @@ from kvtier.keys import ObjectKey
 from kvtier.l1.arena import Arena
 from kvtier.l1.config import L1Config
 from kvtier.l1.eviction import make_policy
+from kvtier.l1.leases import LeaseHeap
 from kvtier.l1.objects import (
     IOFence,
     L1Object,
@@ -94,9 +93,7 @@ class L1Manager:
         self._resident: dict[ObjectKey, L1Object] = {}
         self._staging: dict[tuple[ObjectKey, WriterTag], L1Object] = {}
         self._zombies: set[L1Object] = set()  # expired while fenced, memory not yet freed
-        self._leases: list[tuple[float, int, L1Object]] = []  # heap of (expiry, seq, object)
-        self._leased: set[L1Object] = set()  # objects whose lease_expiry is set
-        self._lease_seq = itertools.count()
+        self._leases = LeaseHeap()
         self._staging_bytes = 0
         self._locked_bytes = 0
         self._counters = dict.fromkeys(
@@ -175,12 +172,10 @@ class L1Manager:
                         state=ObjectState.STAGING,
                         tag=tag,
                         cost=None if costs is None else costs[i],
-                        lease_expiry=expiry,
                     )
                     self._staging[(keys[i], tag)] = obj
                     self._staging_bytes += obj.reserved
-                    self._leased.add(obj)
-                    self._arm_lease(obj)
+                    self._leases.start(obj, expiry)
                     results[i] = Placement(L1Result.SUCCESS, offset, sizes[i])
             return [r for r in results if r is not None]
 
@@ -209,7 +204,7 @@ class L1Manager:
                     results.append(L1Result.NOT_FOUND)
                     continue
                 self._staging_bytes -= obj.reserved
-                self._end_lease(obj)
+                self._leases.end(obj)
                 self._release_memory(obj)
                 results.append(L1Result.SUCCESS)
             return results
@@ -250,7 +245,7 @@ class L1Manager:
                 else:
                     obj.read_locks -= n
                     if obj.read_locks == 0:
-                        self._end_lease(obj)
+                        self._leases.end(obj)
                         self._locked_bytes -= obj.reserved
                     results.append(L1Result.SUCCESS)
             return results
@@ -398,12 +393,12 @@ class L1Manager:
                 winner = self._resident.get(key)
                 if winner is None:
                     obj.state, obj.tag = ObjectState.RESIDENT, None
-                    self._end_lease(obj)
+                    self._leases.end(obj)
                     self._resident[key] = winner = obj
                     admitted.append(obj)
                 else:
                     self._counters["duplicate_writes"] += 1
-                    self._end_lease(obj)
+                    self._leases.end(obj)
                     self._release_memory(obj)
                 if read_locks:
                     self._lock_read(winner, read_locks, now)
@@ -464,65 +459,23 @@ class L1Manager:
         if obj.read_locks == 0:
             self._locked_bytes += obj.reserved
         obj.read_locks += n
-        obj.lease_expiry = now + self.config.read_lease_s
-        self._leased.add(obj)
-        self._arm_lease(obj)
-
-    def _arm_lease(self, obj: L1Object) -> None:
-        """Keep one live heap entry per object, due no later than its lease.
-
-        A lease that is only extended keeps its entry, which re-arms itself
-        when it comes due; so the heap holds about one entry per object, not
-        one per ``reserve_read``.
-        """
-        expiry = obj.lease_expiry
-        if expiry is not None and (obj.armed_at is None or expiry < obj.armed_at):
-            obj.armed_at = expiry
-            heapq.heappush(self._leases, (expiry, next(self._lease_seq), obj))
-            if len(self._leases) > 2 * len(self._leased) + 1024:
-                self._compact_leases()
-
-    def _end_lease(self, obj: L1Object) -> None:
-        obj.lease_expiry = None
-        self._leased.discard(obj)
-
-    def _compact_leases(self) -> None:
-        """Drop heap entries of objects whose lease ended (published writes,
-        released reads), which would otherwise stay until their old due time."""
-        for _, _, obj in self._leases:
-            obj.armed_at = None
-        self._leases = []
-        for obj in self._leased:
-            assert obj.lease_expiry is not None
-            obj.armed_at = obj.lease_expiry
-            self._leases.append((obj.lease_expiry, next(self._lease_seq), obj))
-        heapq.heapify(self._leases)
+        self._leases.start(obj, now + self.config.read_lease_s)
 
     def _reap(self, now: float) -> None:
-        while self._leases and self._leases[0][0] <= now:
-            due, _, obj = heapq.heappop(self._leases)
-            if obj.armed_at != due:
-                continue  # superseded by an earlier entry
-            obj.armed_at = None
-            if obj.lease_expiry is None:
-                continue  # released normally
-            if obj.lease_expiry > now:
-                self._arm_lease(obj)  # extended since this entry was pushed
-                continue
+        for obj in self._leases.expired(now):
+            self._leases.end(obj)
             if obj.state is ObjectState.STAGING:
                 assert obj.tag is not None
                 if self._staging.get((obj.key, obj.tag)) is not obj:
                     continue
                 del self._staging[(obj.key, obj.tag)]
                 self._staging_bytes -= obj.reserved
-                self._end_lease(obj)
                 self._release_memory(obj)
                 self._counters["expired_write_leases"] += 1
                 log.warning("L1: write lease of %s (tag %s) expired; reclaimed", obj.key, obj.tag)
             elif self._resident.get(obj.key) is obj and obj.read_locks:
                 log.warning("L1: %d read lock(s) on %s expired", obj.read_locks, obj.key)
                 obj.read_locks = 0
-                self._end_lease(obj)
                 self._locked_bytes -= obj.reserved
                 self._counters["expired_read_leases"] += 1
 
