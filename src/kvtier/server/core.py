@@ -81,6 +81,7 @@ class _Reservation:
     fence: IOFence
     layout: KVLayout
     started: float
+    already: int  # objects that were resident already (counted as stored, as the bytes path does)
 
 
 @dataclass(eq=False)
@@ -262,8 +263,9 @@ class CacheServer:
         staged = [
             k for k, pl in zip(keys, placements, strict=True) if pl.result is L1Result.SUCCESS
         ]
+        already = sum(pl.result is L1Result.NOT_WRITABLE for pl in placements)
         self._reservations[rid] = _Reservation(
-            client, req.request_id, staged, tag, fence, layout, time.monotonic()
+            client, req.request_id, staged, tag, fence, layout, time.monotonic(), already
         )
         session.reservations.add(rid)
         offsets = [
@@ -277,7 +279,7 @@ class CacheServer:
         self, client: _Client, req: p.StoreCommit, frames: Sequence[Buffer]
     ) -> tuple[p.Reply, Frames]:
         res = self._take_reservation(client, req.reservation)
-        stored = self.storage.commit_store(res.keys, res.tag, res.fence, res.layout)
+        stored = self.storage.commit_store(res.keys, res.tag, res.fence, res.layout) + res.already
         self.metrics.store_seconds.observe(time.monotonic() - res.started)
         self._count("stored_objects", stored)
         return p.Committed(stored), []

@@ -167,7 +167,7 @@ class Reserved(Message, tag="reserved"):
 
 
 class Committed(Message, tag="committed"):
-    stored: int
+    stored: int  # objects of the request now in the cache (stored now, or resident already)
 
 
 class Pong(Message, tag="pong"):

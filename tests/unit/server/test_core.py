@@ -188,3 +188,17 @@ def test_refused_lookup_leaves_no_session(server: CacheServer, storage: StorageM
     assert isinstance(err, p.Error) and err.code == "bad_request"
     assert server.status()["sessions"] == 0
     assert_clean(storage.l1)
+
+
+def test_both_store_paths_count_resident_objects_as_stored(
+    server: CacheServer, storage: StorageManager
+) -> None:
+    hello(server)
+    hs = hashes(2)
+    assert store(server, b"A", hs) == 2
+    assert store(server, b"A", hs) == 2  # bytes path: resident already, still stored
+    more = hs + hashes(1, seed=3)
+    reserved = call(server, b"A", p.StoreReserve("w", more))
+    assert isinstance(reserved, p.Reserved) and reserved.offsets[:2] == [-1, -1]
+    assert call(server, b"A", p.StoreCommit(reserved.reservation)) == p.Committed(3)
+    assert_clean(storage.l1)
