@@ -42,6 +42,7 @@ def main() -> None:
 
     config = StorageConfig(l1=L1Config(size_bytes=2 * total, high_watermark=0.9))
     with StorageManager(config) as storage:
+        assert storage.l1.wait_mapped(120)  # as a server would be a few seconds after start
 
         def put() -> float:
             storage.l1.clear()  # untimed: every put stores new objects

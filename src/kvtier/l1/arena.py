@@ -64,6 +64,10 @@ class Arena:
         """A writable uint8 view of ``size`` bytes at ``offset`` (no copy)."""
         return self._region.array[offset : offset + size]
 
+    def wait_mapped(self, timeout: float | None = None) -> bool:
+        """Wait until the background pre-faulting of the region is done."""
+        return self._region.prefaulted.wait(timeout)
+
     def stats(self) -> dict[str, int | float]:
         return self._allocator.stats()
 

@@ -120,6 +120,10 @@ class L1Manager:
     def capacity(self) -> int:
         return self._arena.capacity
 
+    def wait_mapped(self, timeout: float | None = None) -> bool:
+        """Wait until every arena page is mapped (``L1Config.populate``)."""
+        return self._arena.wait_mapped(timeout)
+
     def view(self, placement: Placement) -> npt.NDArray[np.uint8]:
         """The bytes of a successful placement, as a writable view (no copy)."""
         if placement.result is not L1Result.SUCCESS or placement.offset is None:

@@ -26,6 +26,13 @@ def storage_config(config: ServerConfig) -> StorageConfig:
 def serve(config: ServerConfig, stop: threading.Event | None = None) -> None:
     """Run until ``stop`` is set, SIGTERM or SIGINT; release everything on the way out."""
     stop = stop or threading.Event()
+    if threading.current_thread() is threading.main_thread():  # before the slow start-up
+
+        def on_signal(signum: int, frame: FrameType | None) -> None:
+            stop.set()
+
+        signal.signal(signal.SIGTERM, on_signal)
+        signal.signal(signal.SIGINT, on_signal)
     storage = StorageManager(storage_config(config))
     core = CacheServer(
         storage,
@@ -38,13 +45,6 @@ def serve(config: ServerConfig, stop: threading.Event | None = None) -> None:
         transport = ServerTransport(core, f"tcp://{config.host}:{config.port}")
         if config.http_port >= 0:
             admin = AdminHTTP(transport, config.host, config.http_port, config.auth_token)
-        if threading.current_thread() is threading.main_thread():
-
-            def on_signal(signum: int, frame: FrameType | None) -> None:
-                stop.set()
-
-            signal.signal(signal.SIGTERM, on_signal)
-            signal.signal(signal.SIGINT, on_signal)
         http = f"http://{config.host}:{admin.port}" if admin else "off"
         l2 = config.l2_dir or "none"
         print(

@@ -79,6 +79,7 @@ def test_populated_region_is_allocated_up_front(tmp_path: Path) -> None:
     region = SharedRegion.create(1 << 20, shm_dir=str(tmp_path), populate=True)
     try:
         assert os.stat(region.path).st_blocks * 512 >= 1 << 20
+        assert region.prefaulted.wait(60)  # mapped on a background thread
     finally:
         region.close()
     sparse = SharedRegion.create(1 << 20, shm_dir=str(tmp_path), populate=False)
