@@ -1,0 +1,39 @@
+"""Pipelined requests: a bytes-path store split over several messages, and a
+LOOKUP with its WAIT sent in one round trip."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from kvtier.server import client as client_module
+from kvtier.server.client import CacheClient
+from tests.integration import workload as w
+from tests.integration.harness import Server
+
+
+def test_bytes_store_in_several_messages_round_trips(
+    server: Server, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    writer = CacheClient(w.client_config(server.rpc, shm=False))
+    reader = CacheClient(w.client_config(server.rpc, shm=False, client_id="reader"))
+    try:
+        assert writer.chunk_size is not None
+        size = w.object_bytes(writer.chunk_size)
+        monkeypatch.setattr(client_module, "PIPELINE_BYTES", 2 * size)  # 2 chunks a message
+        hashes = w.chunk_hashes(writer.chunk_size, seed=21, n_chunks=7)
+        data = w.payloads(21, 7, size)
+        assert writer.store("s", hashes, data) == 7  # four messages in flight
+        state = reader.lookup("r", hashes, wait_s=5.0)  # LOOKUP and WAIT pipelined
+        assert state.done and state.hit == 7 and state.polls == 1
+        out = w.empty_buffers(7, size)
+        assert reader.retrieve_into("r", 0, 7, out)
+        assert all(np.array_equal(a, b) for a, b in zip(out, data, strict=True))
+        reader.end_session("r")
+        missing = reader.lookup(
+            "m", w.chunk_hashes(writer.chunk_size, seed=22, n_chunks=2), wait_s=5.0
+        )
+        assert missing.done and missing.hit == 0  # done with a miss, not pending
+    finally:
+        writer.close()
+        reader.close()
