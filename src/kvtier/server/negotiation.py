@@ -48,9 +48,3 @@ class ChunkSizeNegotiator:
         """Fix the chunk size once the first engine is registered."""
         if self.frozen is None:
             self.frozen = chunk_size
-
-    def negotiate(self, alignment: int) -> int:
-        """``propose`` and ``freeze`` in one step."""
-        chunk_size = self.propose(alignment)
-        self.freeze(chunk_size)
-        return chunk_size
