@@ -6,13 +6,13 @@ from typing import Any
 import pytest
 from hypothesis import settings
 
+from kvtier.keys import ObjectKey
+from kvtier.l1 import L1Config, L1Manager, L1Result
+
 # Hypothesis's per-example deadline is a timed assertion: a slow CI machine
 # would fail correct code. Off for every test.
 settings.register_profile("kvtier", deadline=None)
 settings.load_profile("kvtier")
-
-from kvtier.keys import ObjectKey
-from kvtier.l1 import L1Config, L1Manager, L1Result
 
 # Short names for L1 result codes in expected-outcome lists.
 S, NF, NW, OOM, LK, WS = (
