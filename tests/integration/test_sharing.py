@@ -15,7 +15,7 @@ from kvtier.server.client import CacheClient
 from kvtier.server.core import CacheServer
 from kvtier.storage import StorageConfig, StorageManager
 from tests.integration import workload as w
-from tests.integration.harness import PeerFactory, Server, spawn_args
+from tests.integration.harness import PeerFactory, Server, spawn_args, wait_written_back
 from tests.ledger import assert_clean
 
 CHUNKS = 4
@@ -67,9 +67,9 @@ def test_in_process_clients_share_objects(server: Server, shm: bool) -> None:
         for got, want in zip(out, buffers[:5], strict=True):
             assert np.array_equal(got, want)
 
-        # The locks went with the retrieve's release.
-        status = reader.status()
-        assert status is not None
+        # The locks went with the retrieve's release (and the fs write-back,
+        # which locks objects while it copies them, is waited for).
+        status = wait_written_back(reader.status, 5)
         assert status["storage"]["held_lookup_locks"] == 0
         assert status["storage"]["l1"]["locked_bytes"] == 0
         assert status["storage"]["l1"]["resident_objects"] == 5

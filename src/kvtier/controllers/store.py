@@ -241,14 +241,16 @@ class StoreController:
         if batch is None:
             log.error("store: result for unknown task %s/%d", result.adapter, result.task)
             return
-        self._counters.add(f"stored_objects.{result.adapter}", result.count)
-        self._counters.add(f"failed_objects.{result.adapter}", len(result.ok) - result.count)
-        self._counters.add(f"stored_bytes.{result.adapter}", result.nbytes)
         batch.waiting -= 1
         if batch.waiting == 0:
             self._l1.unfence(batch.fence)
             self._l1.finish_read(batch.keys)
             self._inflight_bytes -= batch.nbytes
+        # Counted after the locks go, so that once a status shows an object
+        # written to every adapter, the store controller holds nothing of it.
+        self._counters.add(f"stored_objects.{result.adapter}", result.count)
+        self._counters.add(f"failed_objects.{result.adapter}", len(result.ok) - result.count)
+        self._counters.add(f"stored_bytes.{result.adapter}", result.nbytes)
 
     def _set_gauges(self) -> None:
         self._counters.set(
