@@ -23,6 +23,7 @@ def assert_clean(manager: L1Manager, *, staging_ok: bool = False) -> dict[str, i
     assert audit["policy_entries"] == audit["resident_objects"], audit
     status = manager.status()
     assert status["locked_bytes"] == 0, status
+    assert status["locked_objects"] == status["fenced_objects"] == 0, status
     if not staging_ok:
         assert status["staging_bytes"] == 0, status
     return audit

@@ -111,7 +111,7 @@ def run_selfcheck(
             storage.release(other[:other_hits])
         with StorageManager(config) as restarted:
             l2_hits, from_l2, same_l2, l2_s = _read_back(restarted, wanted, payloads)
-            status = restarted.status()
+            locks_left = restarted.held_locks()
 
     return SelfCheckReport(
         prompt_tokens=prompt_tokens,
@@ -127,7 +127,7 @@ def run_selfcheck(
         store_s=store_s,
         l1_lookup_s=l1_s,
         l2_lookup_s=l2_s,
-        locks_left=int(str(status["held_lookup_locks"])),
+        locks_left=locks_left,
     )
 
 

@@ -121,26 +121,23 @@ class StorageManager:
                     f"store: buffer {wrong[0]} has {sources[wrong[0]].nbytes} bytes; "
                     f"the layout says {expected}"
                 )
-        tag = WriterTag(f"store-{next(self._tags)}")
-        placements = self.l1.reserve_write(keys, [s.nbytes for s in sources], tag)
-        staged = [i for i, p in enumerate(placements) if p.result is L1Result.SUCCESS]
-        staged_keys = [keys[i] for i in staged]
-        fenced, fence = self.l1.fence(staged_keys, tag)
+        tag, placements, fence = self.reserve_store(keys, [s.nbytes for s in sources])
         try:
-            for i, ok in zip(staged, fenced, strict=True):
-                if ok is L1Result.SUCCESS:
-                    np.copyto(self.l1.view(placements[i]), sources[i])
-        finally:
-            self.l1.unfence(fence)
-        published = dict(zip(staged_keys, self.l1.finish_write(staged_keys, tag), strict=True))
-        admitted = [k for k, r in published.items() if r is L1Result.SUCCESS]
-        self.store_controller.on_admitted(admitted, layout.digest() if layout else "")
+            for placement, source in zip(placements, sources, strict=True):
+                if placement.result is L1Result.SUCCESS:
+                    np.copyto(self.l1.view(placement), source)
+        except BaseException:
+            self.abort_store(tag, fence)
+            raise
+        admitted = set(self.commit_store(tag, fence, layout))
         results = []
         for key, placement in zip(keys, placements, strict=True):
-            if placement.result is L1Result.NOT_WRITABLE:
-                results.append(L1Result.SUCCESS)  # someone stored it already
+            if placement.result is L1Result.NOT_WRITABLE or key in admitted:
+                results.append(L1Result.SUCCESS)  # stored now, or by someone before
+            elif placement.result is L1Result.SUCCESS:
+                results.append(L1Result.NOT_FOUND)  # its write lease ran out meanwhile
             else:
-                results.append(published.get(key, placement.result))
+                results.append(placement.result)
         return results
 
     def reserve_store(
@@ -157,20 +154,16 @@ class StorageManager:
         return tag, placements, fence
 
     def commit_store(
-        self,
-        keys: Sequence[ObjectKey],
-        tag: WriterTag,
-        fence: IOFence,
-        layout: KVLayout | None = None,
-    ) -> int:
-        """Publish what ``reserve_store`` staged (its bytes are written) and
-        queue it for L2; return how many objects this call admitted."""
+        self, tag: WriterTag, fence: IOFence, layout: KVLayout | None = None
+    ) -> list[ObjectKey]:
+        """Publish what ``reserve_store`` staged (its bytes are written), queue
+        it for L2, and return the keys this call admitted."""
         self.l1.unfence(fence)
         staged = [obj.key for obj in fence.objects]
         results = self.l1.finish_write(staged, tag)
         admitted = [k for k, r in zip(staged, results, strict=True) if r is L1Result.SUCCESS]
         self.store_controller.on_admitted(admitted, layout.digest() if layout else "")
-        return len(admitted)
+        return admitted
 
     def abort_store(self, tag: WriterTag, fence: IOFence) -> None:
         """Drop what ``reserve_store`` staged."""
@@ -263,11 +256,14 @@ class StorageManager:
         """Wait until every queued L2 store has finished."""
         return self.store_controller.flush(timeout)
 
-    def status(self) -> dict[str, object]:
+    def held_locks(self) -> int:
+        """Lookup locks this manager holds for callers (0 once all are released)."""
         with self._lock:
-            held = sum(h.locks for h in self._held.values())
+            return sum(h.locks for h in self._held.values())
+
+    def status(self) -> dict[str, object]:
         return {
-            "held_lookup_locks": held,
+            "held_lookup_locks": self.held_locks(),
             "l1": self.l1.status(),
             "l2": {a.name: a.status() for a in self.adapters},
             "store": self.store_controller.status(),

@@ -172,10 +172,7 @@ class PrefetchController:
                 request.tier[key] = L1_TIER
         self._counters.add("lookups")
         if len(request.locked) == len(flat):  # a full L1 hit: the common, hot case
-            self._counters.add("hit_chunks", len(frozen))
-            self._counters.add(f"hit_objects.{L1_TIER}", len(flat))
-            request.done = True
-            handle._set(LookupResult(len(frozen), request.locked, {L1_TIER: len(flat)}))
+            self._answer(request)
             return handle
         request.limit = self._loadable_prefix(request)
         if self._closed or not self._adapters or self._all_locked(request):
@@ -416,22 +413,28 @@ class PrefetchController:
             for name, found in request.found.items():
                 if name not in request.waiting_lookups:
                     self._unlock(name, found)
-        hit = 0
-        if not give_up:
-            for chunk in request.chunks[: request.limit]:
-                if not all(key in request.locked for key in chunk):
-                    break
-                hit += 1
-        kept = [k for chunk in request.chunks[:hit] for k in chunk]  # in prompt order
-        kept_set = set(kept)
-        extra = [k for k in request.locked if k not in kept_set]
-        if extra:
-            self._l1.finish_read(extra)
-        placements = {k: request.locked[k] for k in kept}
-        tiers = Counter(request.tier[k] for k in kept)
+        whole = not give_up and len(request.locked) == sum(map(len, request.chunks))
+        if whole:  # every object locked: nothing to fold or release
+            hit = len(request.chunks)
+            placements = {k: request.locked[k] for c in request.chunks for k in c}  # prompt order
+            tiers = Counter(request.tier.values())
+        else:
+            hit = 0
+            if not give_up:
+                for chunk in request.chunks[: request.limit]:
+                    if not all(key in request.locked for key in chunk):
+                        break
+                    hit += 1
+            kept = [k for chunk in request.chunks[:hit] for k in chunk]  # in prompt order
+            kept_set = set(kept)
+            extra = [k for k in request.locked if k not in kept_set]
+            if extra:
+                self._l1.finish_read(extra)
+            placements = {k: request.locked[k] for k in kept}
+            tiers = Counter(request.tier[k] for k in kept)
         temporary: frozenset[ObjectKey] = frozenset()
         if not self.config.retain_loaded:
-            temporary = frozenset(k for k in kept if request.tier[k] != L1_TIER)
+            temporary = frozenset(k for k in placements if request.tier[k] != L1_TIER)
         self._counters.add("hit_chunks", hit)
         for tier, n in tiers.items():
             self._counters.add(f"hit_objects.{tier}", n)

@@ -72,6 +72,15 @@ from kvtier.l1.objects import (
 log = logging.getLogger(__name__)
 
 Clock = Callable[[], float]
+COUNTERS = (
+    "evictions",
+    "evicted_bytes",
+    "eviction_failures",
+    "expired_write_leases",
+    "expired_read_leases",
+    "out_of_memory",
+    "duplicate_writes",
+)
 
 
 def _distinct(keys: Sequence[ObjectKey], method: str) -> None:
@@ -96,18 +105,9 @@ class L1Manager:
         self._leases = LeaseHeap()
         self._staging_bytes = 0
         self._locked_bytes = 0
-        self._counters = dict.fromkeys(
-            (
-                "evictions",
-                "evicted_bytes",
-                "eviction_failures",
-                "expired_write_leases",
-                "expired_read_leases",
-                "out_of_memory",
-                "duplicate_writes",
-            ),
-            0,
-        )
+        self._locked_objects = 0  # resident objects with read_locks > 0
+        self._fenced_objects = 0  # objects (any table) with io_fences > 0
+        self._counters = dict.fromkeys(COUNTERS, 0)
 
     # ----------------------------------------------------------------- arena
 
@@ -249,6 +249,7 @@ class L1Manager:
                 else:
                     obj.read_locks -= n
                     if obj.read_locks == 0:
+                        self._locked_objects -= 1
                         self._leases.end(obj)
                         self._locked_bytes -= obj.reserved
                     results.append(L1Result.SUCCESS)
@@ -272,6 +273,7 @@ class L1Manager:
                     results.append(L1Result.NOT_FOUND)
                     continue
                 obj.io_fences += 1
+                self._fenced_objects += obj.io_fences == 1
                 fence.objects.append(obj)
                 results.append(L1Result.SUCCESS)
             return results, fence
@@ -284,6 +286,7 @@ class L1Manager:
             fence.released = True
             for obj in fence.objects:
                 obj.io_fences -= 1
+                self._fenced_objects -= obj.io_fences == 0
                 if obj.io_fences == 0 and obj.reclaimed:
                     self._zombies.discard(obj)
                     self._arena.free([obj.offset])
@@ -346,8 +349,8 @@ class L1Manager:
                 "locked_bytes": self._locked_bytes,
                 "resident_objects": len(self._resident),
                 "staging_objects": len(self._staging),
-                "locked_objects": sum(1 for o in self._resident.values() if o.read_locks),
-                "fenced_objects": sum(1 for o in self._all_objects() if o.io_fences),
+                "locked_objects": self._locked_objects,
+                "fenced_objects": self._fenced_objects,
                 "fragmentation": arena["fragmentation"],
                 "eviction_policy": self._policy.name,
                 **self._counters,
@@ -359,6 +362,8 @@ class L1Manager:
             live = list(self._all_objects())
             return {
                 "read_locks": sum(o.read_locks for o in self._resident.values()),
+                "locked_objects": sum(1 for o in self._resident.values() if o.read_locks),
+                "fenced_objects": sum(1 for o in live if o.io_fences),
                 "staging_objects": len(self._staging),
                 "io_fences": sum(o.io_fences for o in live),
                 "zombies": len(self._zombies),
@@ -462,6 +467,7 @@ class L1Manager:
     def _lock_read(self, obj: L1Object, n: int, now: float) -> None:
         if obj.read_locks == 0:
             self._locked_bytes += obj.reserved
+            self._locked_objects += 1
         obj.read_locks += n
         self._leases.start(obj, now + self.config.read_lease_s)
 
@@ -481,6 +487,7 @@ class L1Manager:
                 log.warning("L1: %d read lock(s) on %s expired", obj.read_locks, obj.key)
                 obj.read_locks = 0
                 self._locked_bytes -= obj.reserved
+                self._locked_objects -= 1
                 self._counters["expired_read_leases"] += 1
 
     def _all_objects(self) -> list[L1Object]:

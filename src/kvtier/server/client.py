@@ -293,17 +293,17 @@ class CacheClient:
     def _hello(self) -> bool:
         c = self.config
         hello = p.Hello(
-            p.PROTOCOL_VERSION,
-            c.client_id,
-            c.model,
-            list(c.layouts),
-            c.num_ranks,
-            c.block_alignment,
-            c.revision,
-            c.lora,
-            c.salt,
-            c.token,
-            c.shm,
+            version=p.PROTOCOL_VERSION,
+            client_id=c.client_id,
+            model=c.model,
+            layouts=list(c.layouts),
+            num_ranks=c.num_ranks,
+            block_alignment=c.block_alignment,
+            revision=c.revision,
+            lora=c.lora,
+            salt=c.salt,
+            token=c.token,
+            shm=c.shm,
         )
         answers = self._exchange([(hello, ())], None)
         reply = answers[0][0] if answers else None

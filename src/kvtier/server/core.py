@@ -76,7 +76,6 @@ class _Session:
 class _Reservation:
     client: _Client
     request_id: str
-    keys: list[ObjectKey]
     tag: WriterTag
     fence: IOFence
     layout: KVLayout
@@ -260,26 +259,23 @@ class CacheServer:
             keys, [layout.object_bytes()] * len(keys)
         )
         rid = next(self._reservation_ids)
-        staged = [
-            k for k, pl in zip(keys, placements, strict=True) if pl.result is L1Result.SUCCESS
-        ]
         already = sum(pl.result is L1Result.NOT_WRITABLE for pl in placements)
         self._reservations[rid] = _Reservation(
-            client, req.request_id, staged, tag, fence, layout, time.monotonic(), already
+            client, req.request_id, tag, fence, layout, time.monotonic(), already
         )
         session.reservations.add(rid)
         offsets = [
             pl.offset if pl.result is L1Result.SUCCESS and pl.offset is not None else -1
             for pl in placements
         ]
-        self._count("store_reserved_objects", len(staged))
+        self._count("store_reserved_objects", len(fence.objects))
         return p.Reserved(rid, offsets, [layout.object_bytes()] * len(keys)), []
 
     def _op_storecommit(
         self, client: _Client, req: p.StoreCommit, frames: Sequence[Buffer]
     ) -> tuple[p.Reply, Frames]:
         res = self._take_reservation(client, req.reservation)
-        stored = self.storage.commit_store(res.keys, res.tag, res.fence, res.layout) + res.already
+        stored = len(self.storage.commit_store(res.tag, res.fence, res.layout)) + res.already
         self.metrics.store_seconds.observe(time.monotonic() - res.started)
         self._count("stored_objects", stored)
         return p.Committed(stored), []

@@ -35,6 +35,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, ru
 from kvtier.keys import ObjectKey
 from kvtier.l1 import L1Config, L1Manager, L1Result, Placement, WriterTag
 from kvtier.l1.eviction import LRUPolicy
+from kvtier.l1.manager import COUNTERS
 from tests.conftest import LK, NF, NW, OOM, WS, FakeClock, KiB, S, make_key
 from tests.ledger import assert_clean
 
@@ -51,15 +52,6 @@ CONFIG = L1Config(
 CAPACITY = CONFIG.size_bytes
 KEYS = [make_key(i) for i in range(8)]
 TAGS = [WriterTag("a"), WriterTag("b"), WriterTag("c")]
-COUNTERS = (
-    "evictions",
-    "evicted_bytes",
-    "eviction_failures",
-    "expired_write_leases",
-    "expired_read_leases",
-    "out_of_memory",
-    "duplicate_writes",
-)
 
 # 1 B to 12 KiB, spread evenly over 1-3 pages (plain integers would favour tiny sizes).
 sizes = st.builds(
