@@ -92,7 +92,7 @@ def test_retrieve_reports_layout_object_sizes(server: Server) -> None:
         stored, _ = w.call(socket, p.Store("s", hashes), data)
         assert stored == p.Committed(2)
         assert w.call(socket, p.Lookup("r", hashes))[0] == p.Ack()
-        assert w.call(socket, p.Wait("r", 10.0))[0] == p.QueryResult(2)
+        assert w.call(socket, p.Wait("r", 10.0))[0] == p.QueryResult(2, {"L1": 2})
         objects, frames = w.call(socket, p.Retrieve("r", 0, 2))
         assert isinstance(objects, p.Objects)
         assert objects.sizes == [size, size]
@@ -159,7 +159,7 @@ def test_hit_stops_at_first_chunk_missing_a_rank_in_process() -> None:
         assert len(storage.store(keys, data)) == 5
 
         assert core.handle(peer, p.Lookup("r", hashes), []) == (p.Ack(), [])
-        assert core.handle(peer, p.Query("r"), []) == (p.QueryResult(1), [])
+        assert core.handle(peer, p.Query("r"), [])[0].hit_chunks == 1
         assert storage.status()["held_lookup_locks"] == 2
         assert storage.l1.status()["locked_objects"] == 2
 

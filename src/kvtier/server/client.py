@@ -18,7 +18,7 @@ import itertools
 import logging
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -31,6 +31,9 @@ from kvtier.server import protocol as p
 log = logging.getLogger(__name__)
 
 Outgoing = tuple[p.Message, Sequence[object]]  # a message and its data frames
+ObjectBytes = npt.NDArray[np.uint8]
+Consume = Callable[[int, ObjectBytes], None]  # read object i (a view valid during the call)
+Fill = Callable[[int, ObjectBytes], None]  # write object i into the given bytes
 Answer = tuple[p.Reply | None, list[zmq.Frame]]  # None: no usable reply
 PIPELINE_BYTES = 32 << 20  # bytes-path stores are sent in messages of about this size
 
@@ -59,12 +62,20 @@ class ClientConfig:
 class LookupState:
     """One request's lookup: submitted -> acked -> pending -> done(n).
     ``hit`` is None until done; 0 is a miss. Once done it never changes, so
-    polling again never counts a hit twice."""
+    polling again never counts a hit twice. ``tiers``: hit chunks per tier."""
 
     request_id: str
     acked: bool = False
     hit: int | None = None
     polls: int = 0
+    tiers: dict[str, int] = field(default_factory=dict)
+
+    def settle(self, reply: p.Reply | None) -> None:
+        """Take a QUERY/WAIT answer; anything but a result is a miss."""
+        if isinstance(reply, p.QueryResult):
+            self.hit, self.tiers = reply.hit_chunks, reply.tiers
+        else:
+            self.hit = 0  # an error or no server: a miss, never wait forever
 
     @property
     def done(self) -> bool:
@@ -125,8 +136,7 @@ class CacheClient:
         state.acked = True
         if wait_s > 0:
             state.polls = 1
-            waited = answers[1][0]
-            state.hit = waited.hit_chunks if isinstance(waited, p.QueryResult) else 0
+            state.settle(answers[1][0])
         return state
 
     def query(self, state: LookupState, timeout_s: float = 0.0) -> int | None:
@@ -145,26 +155,45 @@ class CacheClient:
         message: p.Message = (
             p.Wait(state.request_id, timeout_s) if timeout_s > 0 else p.Query(state.request_id)
         )
-        reply = self._call(message, timeout_s + self.config.request_timeout_s)
-        if isinstance(reply, p.QueryResult):
-            state.hit = reply.hit_chunks
-        else:
-            state.hit = 0  # an error or no server: treat as a miss, never wait forever
+        state.settle(self._call(message, timeout_s + self.config.request_timeout_s))
         return state.hit
 
-    def retrieve_into(
-        self, request_id: str, start: int, end: int, out: Sequence[npt.NDArray[np.uint8]]
-    ) -> bool:
-        """Copy the objects of hit chunks [start, end) into ``out`` (chunk-major,
-        rank-minor) and release their locks. False if anything failed: the
-        engine then recomputes those chunks."""
+    def retrieve_with(self, request_id: str, start: int, end: int, consume: Consume) -> bool:
+        """Hand each object of hit chunks [start, end) (chunk-major, rank-minor)
+        to ``consume(i, view)``, then release their locks. The view is only
+        valid during the call: copy out of it. False if anything failed (the
+        server refused, or an object has an unexpected size): the engine then
+        recomputes those chunks."""
         reply, frames = self._call_frames(p.Retrieve(request_id, start, end))
-        ok = isinstance(reply, p.Objects) and len(reply.sizes) == len(out)
-        if ok:
-            assert isinstance(reply, p.Objects)
-            ok = self._copy_out(reply, frames, out)
+        ok = False
+        if isinstance(reply, p.Objects):
+            if self._region is not None:
+                arena = self._region.array
+                views = [arena[o : o + s] for o, s in zip(reply.offsets, reply.sizes, strict=True)]
+            else:
+                views = [np.frombuffer(f.buffer, np.uint8) for f in frames]
+            ok = len(views) == len(reply.sizes)
+            for i, view in enumerate(views if ok else ()):
+                consume(i, view)
         self._call(p.Release(request_id, start, end))
         return ok
+
+    def retrieve_into(
+        self, request_id: str, start: int, end: int, out: Sequence[ObjectBytes]
+    ) -> bool:
+        """``retrieve_with`` into caller buffers, one per object; False also
+        when the objects do not match ``out`` in number or size."""
+        targets = [b.reshape(-1).view(np.uint8) for b in out]
+        copied = 0
+
+        def copy(i: int, view: ObjectBytes) -> None:
+            nonlocal copied
+            if i == copied < len(targets) and targets[i].nbytes == view.nbytes:
+                np.copyto(targets[i], view)
+                copied += 1
+
+        ok = self.retrieve_with(request_id, start, end, copy)
+        return ok and copied == len(targets)
 
     def release(self, request_id: str, start: int, end: int) -> None:
         """Drop locks on hit chunks [start, end) the engine will compute itself."""
@@ -179,21 +208,62 @@ class CacheClient:
         self,
         request_id: str,
         hashes: Sequence[bytes],
-        buffers: Sequence[npt.NDArray[np.uint8]],
+        buffers: Sequence[ObjectBytes],
         group: int = 0,
     ) -> int:
         """Store one buffer per (chunk, rank), chunk-major; return objects stored
         (0 when degraded: the store is skipped)."""
-        if self._region is not None:
-            reply = self._call(p.StoreReserve(request_id, list(hashes), group))
-            if not isinstance(reply, p.Reserved):
-                return 0
-            arena = self._region.array
-            for offset, size, buf in zip(reply.offsets, reply.sizes, buffers, strict=True):
+        if self._region is None:
+            return self._send(request_id, hashes, buffers, group)
+        sources = [b.reshape(-1).view(np.uint8) for b in buffers]
+        return self.store_with(
+            request_id,
+            hashes,
+            [s.nbytes for s in sources],
+            lambda i, dst: np.copyto(dst, sources[i]),
+            group,
+        )
+
+    def store_with(
+        self,
+        request_id: str,
+        hashes: Sequence[bytes],
+        sizes: Sequence[int],
+        fill: Fill,
+        group: int = 0,
+    ) -> int:
+        """Store one object per (chunk, rank), chunk-major, each written by
+        ``fill(i, dst)`` straight into its arena slot (into a buffer on the
+        bytes path); objects the server has already are never filled. Returns
+        objects stored; 0 when degraded, when the server's object sizes differ
+        from ``sizes``, or when ``fill`` raises (the reservation is aborted and
+        the exception goes on)."""
+        if self._region is None:
+            buffers = [np.empty(size, np.uint8) for size in sizes]
+            for i, buffer in enumerate(buffers):
+                fill(i, buffer)
+            return self._send(request_id, hashes, buffers, group)
+        reply = self._call(p.StoreReserve(request_id, list(hashes), group))
+        if not isinstance(reply, p.Reserved):
+            return 0
+        if list(reply.sizes) != list(sizes):
+            log.warning("client: the server's object sizes differ from ours; store skipped")
+            self._call(p.StoreAbort(reply.reservation))
+            return 0
+        arena = self._region.array
+        try:
+            for i, (offset, size) in enumerate(zip(reply.offsets, reply.sizes, strict=True)):
                 if offset >= 0:
-                    np.copyto(arena[offset : offset + size], buf.reshape(-1).view(np.uint8))
-            done = self._call(p.StoreCommit(reply.reservation))
-            return done.stored if isinstance(done, p.Committed) else 0
+                    fill(i, arena[offset : offset + size])
+        except BaseException:
+            self._call(p.StoreAbort(reply.reservation))
+            raise
+        done = self._call(p.StoreCommit(reply.reservation))
+        return done.stored if isinstance(done, p.Committed) else 0
+
+    def _send(
+        self, request_id: str, hashes: Sequence[bytes], buffers: Sequence[ObjectBytes], group: int
+    ) -> int:
         # Bytes path: several messages in flight, so the server copies one into
         # L1 while the next is still on the wire.
         ranks = max(1, len(buffers) // max(1, len(hashes)))
@@ -337,20 +407,6 @@ class CacheClient:
         if self._region is not None:
             self._region.close()
             self._region = None
-
-    def _copy_out(
-        self, reply: p.Objects, frames: list[zmq.Frame], out: Sequence[npt.NDArray[np.uint8]]
-    ) -> bool:
-        if self._region is not None:
-            arena = self._region.array
-            for offset, size, dst in zip(reply.offsets, reply.sizes, out, strict=True):
-                np.copyto(dst.reshape(-1).view(np.uint8), arena[offset : offset + size])
-            return True
-        if len(frames) != len(out):
-            return False
-        for frame, dst in zip(frames, out, strict=True):
-            np.copyto(dst.reshape(-1).view(np.uint8), np.frombuffer(frame.buffer, np.uint8))
-        return True
 
     def _beat(self) -> None:
         while not self._stop.wait(self.config.heartbeat_s):

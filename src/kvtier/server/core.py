@@ -212,14 +212,14 @@ class CacheServer:
     def _op_query(
         self, client: _Client, req: p.Query, frames: Sequence[Buffer]
     ) -> tuple[p.Reply, Frames]:
-        return p.QueryResult(self._poll(self._session(client, req.request_id), 0.0)), []
+        return self._poll(self._session(client, req.request_id), 0.0), []
 
     def _op_wait(
         self, client: _Client, req: p.Wait, frames: Sequence[Buffer]
     ) -> tuple[p.Reply, Frames]:
         # The transport parks a WAIT until ``lookup_settled`` or its timeout, so
         # answering never blocks the loop: still pending at the deadline is None.
-        return p.QueryResult(self._poll(self._session(client, req.request_id), 0.0)), []
+        return self._poll(self._session(client, req.request_id), 0.0), []
 
     def _op_retrieve(
         self, client: _Client, req: p.Retrieve, frames: Sequence[Buffer]
@@ -422,7 +422,7 @@ class CacheServer:
         session.touched = self._clock()
         return session
 
-    def _poll(self, session: _Session, timeout: float) -> int | None:
+    def _poll(self, session: _Session, timeout: float) -> p.QueryResult:
         if session.answered:
             raise RequestError(
                 "consumed", f"the lookup of {session.request_id!r} was already answered"
@@ -431,7 +431,7 @@ class CacheServer:
             raise RequestError("no_lookup", f"session {session.request_id!r} has no lookup")
         result = self.storage.collect(session.handle, timeout)
         if result is None:
-            return None
+            return p.QueryResult(None)
         session.result = result
         session.answered = True
         session.locked = [True] * result.hit_chunks
@@ -439,10 +439,11 @@ class CacheServer:
         self._count("hit_chunks", result.hit_chunks)
         ranks = max(1, len(session.keys[0]) if session.keys else 1)
         chunk = self.chunks.frozen or self.chunks.minimum
-        for tier, objects in result.objects_by_tier.items():
-            self._count(f"hit_tokens.{tier}", objects * chunk // ranks)
+        tiers = {tier: objects // ranks for tier, objects in result.objects_by_tier.items()}
+        for tier, chunks in tiers.items():
+            self._count(f"hit_tokens.{tier}", chunks * chunk)
         self._count("lookup_tokens", len(session.keys) * chunk)
-        return result.hit_chunks
+        return p.QueryResult(result.hit_chunks, tiers)
 
     def _check_range(self, session: _Session, start: int, end: int, what: str) -> None:
         if session.result is None or not session.answered:

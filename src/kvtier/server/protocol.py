@@ -150,6 +150,7 @@ class Ack(Message, tag="ack"):
 
 class QueryResult(Message, tag="query_result"):
     hit_chunks: int | None  # None: still pending; 0: done, a miss
+    tiers: dict[str, int] = {}  # hit chunks per tier ("L1", an L2 adapter's name)
 
 
 class Objects(Message, tag="objects"):

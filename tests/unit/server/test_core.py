@@ -62,7 +62,7 @@ def test_lookup_query_retrieve_release(server: CacheServer, storage: StorageMana
     hs = hashes(4)
     assert store(server, b"A", hs) == 4
     assert isinstance(call(server, b"A", p.Lookup("r", hs)), p.Ack)
-    assert call(server, b"A", p.Query("r")) == p.QueryResult(4)
+    assert call(server, b"A", p.Query("r")) == p.QueryResult(4, {"L1": 4})
     assert isinstance(call(server, b"A", p.Query("r")), p.Error)  # consumed once
     objects = call(server, b"A", p.Retrieve("r", 0, 4))
     assert isinstance(objects, p.Objects) and objects.sizes == [OBJECT] * 4
@@ -86,7 +86,7 @@ def test_ranks_count_only_chunks_every_rank_has(
     rank1_chunk1 = [k for k in storage.l1._resident if k.chunk_hash == hs[1] and k.kv_rank == 1]
     assert storage.l1.delete(rank1_chunk1) == [L1Result.SUCCESS]
     call(server, b"A", p.Lookup("r", hs))
-    assert call(server, b"A", p.Query("r")) == p.QueryResult(1)
+    assert call(server, b"A", p.Query("r")).hit_chunks == 1
     assert (
         storage.status()["held_lookup_locks"] == 2
     )  # chunk 0, both ranks; rank 0 of chunk 1 released
@@ -176,7 +176,7 @@ def test_bad_requests_get_errors(server: CacheServer) -> None:
     for msg in cases:
         assert isinstance(call(server, b"A", msg), p.Error), msg
     call(server, b"A", p.Lookup("r", []))
-    assert call(server, b"A", p.Query("r")) == p.QueryResult(0)
+    assert call(server, b"A", p.Query("r")).hit_chunks == 0
     err = call(server, b"A", p.Retrieve("r", 0, 1))
     assert isinstance(err, p.Error) and err.code == "bad_range"
 
