@@ -15,13 +15,9 @@ client process) and ``PeerFactory.read(proc)`` takes the JSON line it prints.
 from __future__ import annotations
 
 import json
-import os
-import queue
-import re
 import signal
 import subprocess
 import sys
-import threading
 import time
 import urllib.error
 import urllib.request
@@ -30,15 +26,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
+from kvtier.server.process import ServerProcess, clean_env, read_line, stop_process
+
 ROOT = Path(__file__).resolve().parents[2]
 SHM_DIR = Path("/dev/shm")
-READY = re.compile(
-    r"kvtier serve: rpc (?P<rpc>tcp://127\.0\.0\.1:(?P<port>\d+)) "
-    r"http (?P<http>http://127\.0\.0\.1:\d+) boot (?P<boot>[0-9a-f]+) "
-    r"l1 .+ arena (?P<arena>kvtier-\d+-[0-9a-f]+) l2 (?P<l2>\S+)"
-)
-START_TIMEOUT_S = 20.0
-STOP_TIMEOUT_S = 10.0
 
 T = TypeVar("T")
 
@@ -59,59 +50,12 @@ def wait_for(
     return value
 
 
-def clean_env(extra: dict[str, str] | None = None) -> dict[str, str]:
-    """The environment without KVTIER_* settings (they would override flags and files)."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("KVTIER_")}
-    env["PYTHONUNBUFFERED"] = "1"
-    env.update(extra or {})
-    return env
-
-
-def _read_line(stream: Any, timeout_s: float) -> str | None:
-    """One line from a pipe, or None if none came within the timeout."""
-    lines: queue.Queue[str] = queue.Queue()
-    threading.Thread(target=lambda: lines.put(stream.readline()), daemon=True).start()
-    try:
-        return lines.get(timeout=timeout_s)
-    except queue.Empty:
-        return None
-
-
-def _stop_process(proc: subprocess.Popen[str], sig: int, timeout_s: float) -> int:
-    """Signal by PID, wait until the deadline, then SIGKILL; return the exit status."""
-    if proc.poll() is None:
-        os.kill(proc.pid, sig)
-        try:
-            proc.wait(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            os.kill(proc.pid, signal.SIGKILL)
-            proc.wait()
-    return proc.returncode
-
-
 @dataclass(eq=False)
-class Server:
-    """One running ``kvtier serve`` and what its ready line said."""
+class Server(ServerProcess):
+    """One running ``kvtier serve``, with its L2 directory and auth token."""
 
-    proc: subprocess.Popen[str]
-    args: list[str]
-    cache_dir: Path
-    log_path: Path
-    rpc: str
-    port: int
-    http: str
-    boot_id: str
-    arena: str
-    l2: str
+    cache_dir: Path = Path()
     token: str = ""
-
-    @property
-    def pid(self) -> int:
-        return self.proc.pid
-
-    @property
-    def log(self) -> str:
-        return self.log_path.read_text(errors="replace")
 
     def http_get(
         self, path: str, token: str | None = None, method: str = "GET"
@@ -157,22 +101,8 @@ class ServerFactory:
         written to a file and passed with --config; ``token`` goes to --auth-token."""
         n = len(self.started)
         cache_dir = cache_dir or self.tmp_path / f"l2-{n}"
-        args = [
-            sys.executable,
-            "-m",
-            "kvtier.cli",
-            "serve",
-            "--host",
-            "127.0.0.1",
-            "--port",
-            str(port),
-            "--http-port",
-            "0",
-            "--l1-size",
-            l1_size,
-            "--cache-dir",
-            str(cache_dir),
-        ]
+        args = ["--host", "127.0.0.1", "--port", str(port), "--http-port", "0"]
+        args += ["--l1-size", l1_size, "--cache-dir", str(cache_dir)]
         if config is not None:
             config_path = self.tmp_path / f"server-{n}.toml"
             config_path.write_text(config)
@@ -181,49 +111,14 @@ class ServerFactory:
             args += ["--auth-token", token]
         args += list(extra)
         log_path = self.tmp_path / f"server-{n}.log"
-        with log_path.open("w") as log_file:
-            proc = subprocess.Popen(
-                args,
-                stdout=subprocess.PIPE,
-                stderr=log_file,
-                stdin=subprocess.DEVNULL,
-                text=True,
-                cwd=self.tmp_path,
-                env=clean_env(env),
-            )
-        try:
-            line = _read_line(proc.stdout, START_TIMEOUT_S)
-            match = READY.fullmatch(line.strip()) if line else None
-            if match is None:
-                raise RuntimeError(
-                    f"kvtier serve did not become ready (exit status {proc.poll()}); "
-                    f"stdout {line!r}; log:\n{log_path.read_text(errors='replace')}"
-                )
-        except BaseException:
-            _stop_process(proc, signal.SIGKILL, STOP_TIMEOUT_S)
-            raise
-        server = Server(
-            proc,
-            args,
-            cache_dir,
-            log_path,
-            match["rpc"],
-            int(match["port"]),
-            match["http"],
-            match["boot"],
-            match["arena"],
-            match["l2"],
-            token,
-        )
+        server = Server.start(args, log_path, cwd=self.tmp_path, env=env)
+        server.cache_dir, server.token = cache_dir, token
         self.started.append(server)
         return server
 
     def stop(self, server: Server, sig: int = signal.SIGTERM) -> int:
         """Stop by PID (SIGTERM by default; SIGKILL after the deadline)."""
-        code = _stop_process(server.proc, sig, STOP_TIMEOUT_S)
-        if server.proc.stdout is not None:
-            server.proc.stdout.close()
-        return code
+        return server.stop(sig)
 
     def kill(self, server: Server) -> None:
         """SIGKILL, as a crash: the arena file stays behind until removed here."""
@@ -281,7 +176,7 @@ class PeerFactory:
 
     def read(self, proc: subprocess.Popen[str], timeout_s: float = 30.0) -> dict[str, Any]:
         """The JSON line the peer prints (fails with its log if none comes)."""
-        line = _read_line(proc.stdout, timeout_s)
+        line = read_line(proc.stdout, timeout_s)
         if not line:
             index = self.procs.index(proc)
             log = (self.tmp_path / f"peer-{index}.log").read_text(errors="replace")
@@ -297,11 +192,11 @@ class PeerFactory:
         return result
 
     def kill(self, proc: subprocess.Popen[str]) -> None:
-        assert _stop_process(proc, signal.SIGKILL, STOP_TIMEOUT_S) == -signal.SIGKILL
+        assert stop_process(proc, signal.SIGKILL) == -signal.SIGKILL
 
     def close(self) -> None:
         for proc in self.procs:
-            _stop_process(proc, signal.SIGKILL, STOP_TIMEOUT_S)
+            stop_process(proc, signal.SIGKILL)
             if proc.stdout is not None:
                 proc.stdout.close()
 

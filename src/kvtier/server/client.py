@@ -166,6 +166,7 @@ class CacheClient:
         recomputes those chunks."""
         reply, frames = self._call_frames(p.Retrieve(request_id, start, end))
         ok = False
+        views: list[ObjectBytes] = []
         if isinstance(reply, p.Objects):
             if self._region is not None:
                 arena = self._region.array
@@ -173,9 +174,11 @@ class CacheClient:
             else:
                 views = [np.frombuffer(f.buffer, np.uint8) for f in frames]
             ok = len(views) == len(reply.sizes)
+        try:
             for i, view in enumerate(views if ok else ()):
                 consume(i, view)
-        self._call(p.Release(request_id, start, end))
+        finally:
+            self._call(p.Release(request_id, start, end))
         return ok
 
     def retrieve_into(

@@ -1,0 +1,149 @@
+"""Run ``kvtier serve`` as a child process: start it, read its ready line,
+stop it by PID.
+
+``ServerProcess.start(args)`` launches ``python -m kvtier.cli serve ARGS``,
+waits for the ready line ``serve()`` prints and parses the addresses from it.
+``stop()`` sends SIGTERM (or the signal given), waits until a deadline, then
+SIGKILLs; a shared-memory arena left by a killed server is removed. Used by
+``kvtier demo``, the benchmarks and the tests.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import re
+import signal
+import subprocess
+import sys
+import threading
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import IO
+
+READY = re.compile(
+    r"kvtier serve: rpc (?P<rpc>tcp://[^:\s]+:(?P<port>\d+)) "
+    r"http (?P<http>\S+) boot (?P<boot>[0-9a-f]+) "
+    r"l1 .+ arena (?P<arena>kvtier-\d+-[0-9a-f]+) l2 (?P<l2>\S+)"
+)
+START_TIMEOUT_S = 20.0
+STOP_TIMEOUT_S = 10.0
+
+
+def read_line(stream: IO[str], timeout_s: float) -> str | None:
+    """One line from a pipe, or None if none came within the timeout."""
+    lines: queue.Queue[str] = queue.Queue()
+    threading.Thread(target=lambda: lines.put(stream.readline()), daemon=True).start()
+    try:
+        return lines.get(timeout=timeout_s)
+    except queue.Empty:
+        return None
+
+
+def stop_process(proc: subprocess.Popen[str], sig: int, timeout_s: float = STOP_TIMEOUT_S) -> int:
+    """Signal by PID, wait until the deadline, then SIGKILL; return the exit status."""
+    if proc.poll() is None:
+        os.kill(proc.pid, sig)
+        try:
+            proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            os.kill(proc.pid, signal.SIGKILL)
+            proc.wait()
+    return proc.returncode
+
+
+def clean_env(extra: Mapping[str, str] | None = None) -> dict[str, str]:
+    """This environment without KVTIER_* settings (they override flags and files)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KVTIER_")}
+    env["PYTHONUNBUFFERED"] = "1"
+    env.update(extra or {})
+    return env
+
+
+@dataclass(eq=False)
+class ServerProcess:
+    """One running ``kvtier serve`` and what its ready line said."""
+
+    proc: subprocess.Popen[str]
+    args: list[str]
+    log_path: Path
+    rpc: str
+    port: int
+    http: str
+    boot_id: str
+    arena: str
+    l2: str
+    shm_dir: Path = Path("/dev/shm")
+
+    @classmethod
+    def start(
+        cls,
+        args: Sequence[str],
+        log_path: Path,
+        *,
+        cwd: Path | None = None,
+        env: Mapping[str, str] | None = None,
+        timeout_s: float = START_TIMEOUT_S,
+        shm_dir: Path = Path("/dev/shm"),
+    ) -> ServerProcess:
+        """Start ``kvtier serve ARGS`` (stderr to ``log_path``) and wait for its
+        ready line; RuntimeError with the log if it does not come."""
+        command = [sys.executable, "-m", "kvtier.cli", "serve", *args]
+        with log_path.open("w") as log_file:
+            proc = subprocess.Popen(
+                command,
+                stdout=subprocess.PIPE,
+                stderr=log_file,
+                stdin=subprocess.DEVNULL,
+                text=True,
+                cwd=cwd,
+                env=clean_env(env),
+            )
+        try:
+            assert proc.stdout is not None
+            line = read_line(proc.stdout, timeout_s)
+            match = READY.fullmatch(line.strip()) if line else None
+            if match is None:
+                raise RuntimeError(
+                    f"kvtier serve did not become ready (exit status {proc.poll()}); "
+                    f"stdout {line!r}; log:\n{log_path.read_text(errors='replace')}"
+                )
+        except BaseException:
+            stop_process(proc, signal.SIGKILL)
+            raise
+        return cls(
+            proc,
+            command,
+            log_path,
+            match["rpc"],
+            int(match["port"]),
+            match["http"],
+            match["boot"],
+            match["arena"],
+            match["l2"],
+            shm_dir,
+        )
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    @property
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def stop(self, sig: int = signal.SIGTERM, timeout_s: float = STOP_TIMEOUT_S) -> int:
+        """Stop by PID; return the exit status. A killed server's arena is removed."""
+        code = stop_process(self.proc, sig, timeout_s)
+        if self.proc.stdout is not None:
+            self.proc.stdout.close()
+        if code != 0:
+            (self.shm_dir / self.arena).unlink(missing_ok=True)
+        return code
+
+    def __enter__(self) -> ServerProcess:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
