@@ -49,6 +49,52 @@ def _serve(args: argparse.Namespace) -> int:
     return 0
 
 
+def _span(text: str) -> tuple[int, int]:
+    low, sep, high = text.partition(":")
+    try:
+        return int(low), int(high if sep else low)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected MIN:MAX token counts, got {text!r}") from None
+
+
+def _demo(args: argparse.Namespace) -> int:
+    try:
+        from kvtier.demo import DemoOptions, format_report, run_demo
+    except ImportError as exc:
+        print(
+            f"kvtier demo needs the hf extra ({exc.name} is missing): "
+            'pip install "torch==2.13.0" "kvtier[hf]"',
+            file=sys.stderr,
+        )
+        return 2
+    from pathlib import Path
+
+    from rich.console import Console
+
+    options = DemoOptions(
+        requests=args.requests,
+        documents=args.documents,
+        system_tokens=args.system_tokens,
+        doc_tokens=args.doc_tokens,
+        question_tokens=args.question_tokens,
+        new_tokens=args.new_tokens,
+        seed=args.seed,
+        l1_size=args.l1_size,
+        model_dir=Path(args.model_dir) if args.model_dir else None,
+    )
+    results = run_demo(options)
+    console = Console()
+    console.print(format_report(results))
+    verdict = "yes" if results["outputs_identical"] else "NO"
+    console.print(
+        f"outputs identical: {verdict} (greedy tokens of every request; "
+        f"max |Δlogit| {results['max_abs_logit_diff']:.2e} against no cache)"
+    )
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=2) + "\n")
+    return 0 if results["outputs_identical"] else 1
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvtier", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
@@ -59,6 +105,27 @@ def build_parser() -> argparse.ArgumentParser:
     check.add_argument("--l1-size", default="256MiB", help="L1 arena size (default 256MiB)")
     check.add_argument("--json", action="store_true", help="print the result as JSON")
     check.set_defaults(run=_selfcheck)
+    demo = commands.add_parser(
+        "demo",
+        help="replay a RAG trace on a small random-weight model with no cache and with kvtier",
+    )
+    demo.add_argument("--requests", type=int, default=16, help="requests in the trace (16)")
+    demo.add_argument("--documents", type=int, default=6, help="documents in the pool (6)")
+    demo.add_argument("--system-tokens", type=int, default=200, help="system prompt tokens (200)")
+    demo.add_argument(
+        "--doc-tokens", type=_span, default=(1024, 2048), help="document tokens MIN:MAX (1024:2048)"
+    )
+    demo.add_argument(
+        "--question-tokens", type=_span, default=(24, 64), help="question tokens MIN:MAX (24:64)"
+    )
+    demo.add_argument("--new-tokens", type=int, default=8, help="tokens generated per request (8)")
+    demo.add_argument("--seed", type=int, default=0, help="trace seed (0)")
+    demo.add_argument("--l1-size", default="48MiB", help="the server's L1 size (48MiB)")
+    demo.add_argument(
+        "--model-dir", help="where the demo model is cached (default: ~/.cache/kvtier)"
+    )
+    demo.add_argument("--json", metavar="FILE", help="also write the results to FILE as JSON")
+    demo.set_defaults(run=_demo)
     srv = commands.add_parser("serve", help="run the node's shared cache server")
     srv.add_argument("--config", help="TOML file with any of the options below")
     srv.add_argument("--host", help="bind address (default 127.0.0.1)")

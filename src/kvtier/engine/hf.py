@@ -175,8 +175,7 @@ class KVTierModel:
     ) -> None:
         if server is not None and storage is not None:
             raise ValueError("pass server= or storage=, not both")
-        self.model = model
-        torch.nn.Module.eval(model)
+        self.model = model.eval()
         self.identity = model_identity(model, name, revision, salt)
         self._cache_argument = cache_argument(model)
         self._vocab = int(model.config.get_text_config(decoder=True).vocab_size)

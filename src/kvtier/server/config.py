@@ -22,9 +22,14 @@ def default_l1_bytes() -> int:
     return max(256 << 20, min(16 * GiB, total // 4))
 
 
-def default_cache_dir() -> str:
+def cache_home() -> Path:
+    """kvtier's directory under the user's cache (``$XDG_CACHE_HOME`` or ~/.cache)."""
     base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return str(Path(base) / "kvtier" / "l2")
+    return Path(base) / "kvtier"
+
+
+def default_cache_dir() -> str:
+    return str(cache_home() / "l2")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

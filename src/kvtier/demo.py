@@ -1,0 +1,310 @@
+"""``kvtier demo``: a RAG-style trace on a small transformers model, run with
+no cache and through a kvtier server (cold, then warm), with TTFT, hits by
+tier and an output comparison against the no-cache run.
+
+Nothing is downloaded and no service is needed. The model is a Llama-style
+decoder built from a config with random weights (``DEMO_MODEL``: 4 layers,
+hidden 512, 8 query heads and 2 KV heads of dim 64, vocabulary 4,096, fp32:
+about 15.5 M parameters, 62 MB on disk). It is built once and cached under
+``~/.cache/kvtier/models/``. The server runs in a child process with an L1 of
+``l1_size`` (small on purpose, so some chunks come back from disk) and an fs
+L2 in a temporary directory that is removed at the end.
+
+The trace (``rag_trace``): a shared system prompt, a pool of documents with
+Zipf popularity, and questions that each put one or two documents after the
+system prompt. Prompts are token ids: with random weights, text would mean
+nothing anyway. Only a prompt's prefix can be reused, so a request hits the
+system prompt and its first document when that pair was seen before.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+import tempfile
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from rich.console import Console
+from rich.progress import Progress
+from rich.table import Table
+from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedModel
+from transformers.utils import logging as hf_logging
+
+from kvtier.engine.hf import Generation, KVTierModel
+from kvtier.server.config import cache_home
+from kvtier.server.process import ServerProcess
+from kvtier.units import format_size
+
+DEMO_MODEL: dict[str, Any] = {
+    "vocab_size": 4096,
+    "hidden_size": 512,
+    "intermediate_size": 1408,
+    "num_hidden_layers": 4,
+    "num_attention_heads": 8,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 8192,
+    "tie_word_embeddings": False,
+}
+DEMO_SEED = 0
+CONFIGURATIONS = ("no_cache", "kvtier_cold", "kvtier_warm")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class DemoOptions:
+    requests: int = 16
+    documents: int = 6
+    system_tokens: int = 200
+    doc_tokens: tuple[int, int] = (1024, 2048)
+    question_tokens: tuple[int, int] = (24, 64)
+    new_tokens: int = 8
+    seed: int = 0
+    l1_size: str = "48MiB"
+    model_dir: Path | None = None  # default: under ~/.cache/kvtier/models
+
+    def __post_init__(self) -> None:
+        for name in ("requests", "documents", "system_tokens", "new_tokens"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"--{name.replace('_', '-')} must be at least 1")
+        for name in ("doc_tokens", "question_tokens"):
+            low, high = getattr(self, name)
+            if not 1 <= low <= high:
+                raise ValueError(f"--{name.replace('_', '-')} must be MIN:MAX with 1 <= MIN <= MAX")
+
+
+@dataclass(frozen=True, slots=True)
+class Request:
+    prompt: list[int]
+    documents: tuple[int, ...]  # which documents, in prompt order
+
+
+def rag_trace(options: DemoOptions, vocab_size: int) -> list[Request]:
+    """The demo's requests; the same ``options.seed`` gives the same trace."""
+    rng = np.random.default_rng(options.seed)
+
+    def tokens(bounds: tuple[int, int]) -> list[int]:
+        n = int(rng.integers(bounds[0], bounds[1] + 1))
+        return [int(t) for t in rng.integers(0, vocab_size, n)]
+
+    system = tokens((options.system_tokens, options.system_tokens))
+    documents = [tokens(options.doc_tokens) for _ in range(options.documents)]
+    popularity = 1.0 / np.arange(1, options.documents + 1) ** 1.1
+    popularity /= popularity.sum()
+    trace = []
+    for _ in range(options.requests):
+        count = min(options.documents, int(rng.integers(1, 3)))
+        chosen = tuple(int(d) for d in rng.choice(options.documents, count, False, popularity))
+        prompt = system + [t for d in chosen for t in documents[d]]
+        trace.append(Request(prompt + tokens(options.question_tokens), chosen))
+    return trace
+
+
+def demo_model(directory: Path | None = None) -> tuple[PreTrainedModel, Path]:
+    """The demo model, loaded from ``directory`` (default: kvtier's cache),
+    built there first if it is not there yet."""
+    spec = json.dumps({**DEMO_MODEL, "seed": DEMO_SEED}, sort_keys=True).encode()
+    directory = directory or cache_home() / "models" / f"demo-llama-{_digest(spec)}"
+    if not (directory / "config.json").exists():
+        torch.manual_seed(DEMO_SEED)
+        model = LlamaForCausalLM(LlamaConfig(**DEMO_MODEL))
+        staging = Path(tempfile.mkdtemp(prefix=".building-", dir=_parent(directory)))
+        model.save_pretrained(staging)
+        shutil.rmtree(directory, ignore_errors=True)
+        staging.rename(directory)  # readers never see a half-written model
+    model = LlamaForCausalLM.from_pretrained(directory, dtype=torch.float32)
+    return model, directory
+
+
+@dataclass(slots=True)
+class PassResult:
+    """One configuration's run of the trace."""
+
+    requests: int = 0
+    prompt_tokens: int = 0
+    hit_tokens: int = 0
+    computed_tokens: int = 0
+    tier_tokens: dict[str, int] = field(default_factory=dict)
+    bytes_loaded: int = 0
+    bytes_stored: int = 0
+    ttft_s: list[float] = field(default_factory=list)
+    lookup_s: float = 0.0
+    load_s: float = 0.0
+    prefill_s: float = 0.0
+    store_s: float = 0.0
+
+    def add(self, generation: Generation) -> None:
+        p = generation.prefill
+        self.requests += 1
+        self.prompt_tokens += p.prompt_tokens
+        self.hit_tokens += p.hit_tokens
+        self.computed_tokens += p.computed_tokens
+        for tier, n in p.tier_tokens.items():
+            self.tier_tokens[tier] = self.tier_tokens.get(tier, 0) + n
+        self.bytes_loaded += p.bytes_loaded
+        self.bytes_stored += p.bytes_stored
+        self.ttft_s.append(p.timings.ttft_s)
+        self.lookup_s += p.timings.lookup_s
+        self.load_s += p.timings.load_s
+        self.prefill_s += p.timings.prefill_s
+        self.store_s += p.timings.store_s
+
+    def summary(self) -> dict[str, Any]:
+        ttft = np.array(self.ttft_s)
+        out = asdict(self)
+        del out["ttft_s"]
+        out.update(
+            ttft_p50_s=float(np.percentile(ttft, 50)),
+            ttft_p95_s=float(np.percentile(ttft, 95)),
+            ttft_mean_s=float(ttft.mean()),
+            ttft_s=self.ttft_s,
+        )
+        return out
+
+
+Step = Callable[[str], None]  # called after each request with the configuration's name
+
+
+def run_pass(
+    engine: KVTierModel, trace: Sequence[Request], new_tokens: int, name: str, step: Step
+) -> tuple[PassResult, list[Generation]]:
+    result, generations = PassResult(), []
+    for request in trace:
+        generation = engine.generate(request.prompt, new_tokens)
+        result.add(generation)
+        generations.append(generation)
+        step(name)
+    return result, generations
+
+
+def compare(reference: Sequence[Generation], other: Sequence[Generation]) -> tuple[bool, float]:
+    """(greedy tokens equal for every request, max |logit difference| over every step)."""
+    same = all(a.tokens == b.tokens for a, b in zip(reference, other, strict=True))
+    diff = 0.0
+    for a, b in zip(reference, other, strict=True):
+        steps = min(len(a.tokens), len(b.tokens))
+        diff = max(diff, float((a.logits[:steps] - b.logits[:steps]).abs().max()))
+    return same, diff
+
+
+def run_demo(options: DemoOptions, console: Console | None = None) -> dict[str, Any]:
+    """Run the three configurations; return the results (see ``format_report``)."""
+    console = console or Console(stderr=True)
+    hf_logging.disable_progress_bar()
+    with console.status("loading the demo model"):
+        model, model_dir = demo_model(options.model_dir)
+    trace = rag_trace(options, model.config.vocab_size)
+    parameters = sum(p.numel() for p in model.parameters())
+    results: dict[str, Any] = {
+        "model": {"directory": str(model_dir), "parameters": parameters, **DEMO_MODEL},
+        "trace": {
+            "requests": len(trace),
+            "documents": options.documents,
+            "prompt_tokens": sum(len(r.prompt) for r in trace),
+            "new_tokens_per_request": options.new_tokens,
+            "seed": options.seed,
+        },
+    }
+    with tempfile.TemporaryDirectory(prefix="kvtier-demo-") as tmp:
+        server = ServerProcess.start(
+            ["--port", "0", "--http-port", "-1", "--l1-size", options.l1_size,
+             "--cache-dir", str(Path(tmp) / "l2")],
+            Path(tmp) / "server.log",
+        )  # fmt: skip
+        try:
+            reference = KVTierModel(model)
+            reference.prefill(trace[0].prompt[: options.system_tokens])  # one-off start-up costs
+            with KVTierModel(model, server=server.rpc, name="kvtier-demo/llama") as cached:
+                results["server"] = {"rpc": server.rpc, "l1_size": options.l1_size, "l2": "fs"}
+                generations = _run_all(reference, cached, trace, options, results, console)
+        finally:
+            code = server.stop()
+        if code != 0:
+            raise RuntimeError(f"the demo's kvtier server exited {code}; log:\n{server.log}")
+    base = results["no_cache"]["ttft_p50_s"]
+    for name in CONFIGURATIONS[1:]:
+        same, diff = compare(generations["no_cache"], generations[name])
+        results[name].update(
+            outputs_identical=same,
+            max_abs_logit_diff=diff,
+            speedup_p50=base / results[name]["ttft_p50_s"],
+            speedup_p95=results["no_cache"]["ttft_p95_s"] / results[name]["ttft_p95_s"],
+        )
+    results["outputs_identical"] = all(results[n]["outputs_identical"] for n in CONFIGURATIONS[1:])
+    results["max_abs_logit_diff"] = max(
+        results[n]["max_abs_logit_diff"] for n in CONFIGURATIONS[1:]
+    )
+    return results
+
+
+def _run_all(
+    reference: KVTierModel,
+    cached: KVTierModel,
+    trace: Sequence[Request],
+    options: DemoOptions,
+    results: dict[str, Any],
+    console: Console,
+) -> dict[str, list[Generation]]:
+    engines = {"no_cache": reference, "kvtier_cold": cached, "kvtier_warm": cached}
+    generations = {}
+    with Progress(console=console, transient=True) as progress:
+        tasks = {n: progress.add_task(n.replace("_", " "), total=len(trace)) for n in engines}
+
+        def step(name: str) -> None:
+            progress.advance(tasks[name])
+
+        for name, engine in engines.items():
+            result, generations[name] = run_pass(engine, trace, options.new_tokens, name, step)
+            results[name] = result.summary()
+    return generations
+
+
+def format_report(results: dict[str, Any]) -> Table:
+    """The results as a table, one column per configuration."""
+    trace = results["trace"]
+    table = Table(
+        title=f"kvtier demo: {trace['requests']} RAG requests, random-weight Llama "
+        f"({results['model']['parameters'] / 1e6:.1f} M parameters, fp32)"
+    )
+    table.add_column("")
+    for name in CONFIGURATIONS:
+        table.add_column(name.replace("_", " "), justify="right")
+    r = [results[name] for name in CONFIGURATIONS]
+    identical = ["reference"] + [
+        f"{'yes' if x['outputs_identical'] else 'NO'} ({x['max_abs_logit_diff']:.1e})"
+        for x in r[1:]
+    ]
+    rows = {
+        "prompt tokens": [f"{x['prompt_tokens']:,}" for x in r],
+        "hit tokens": [
+            f"{x['hit_tokens']:,} ({x['hit_tokens'] / x['prompt_tokens']:.0%})" for x in r
+        ],
+        "  from L1": [f"{x['tier_tokens'].get('L1', 0):,}" for x in r],
+        "  from L2 (fs)": [
+            f"{sum(n for t, n in x['tier_tokens'].items() if t != 'L1'):,}" for x in r
+        ],
+        "TTFT p50": [f"{x['ttft_p50_s'] * 1000:.0f} ms" for x in r],
+        "TTFT p95": [f"{x['ttft_p95_s'] * 1000:.0f} ms" for x in r],
+        "speed-up p50 / p95": ["1.00x / 1.00x"]
+        + [f"{x['speedup_p50']:.2f}x / {x['speedup_p95']:.2f}x" for x in r[1:]],
+        "KV loaded / stored": [
+            f"{format_size(x['bytes_loaded'])} / {format_size(x['bytes_stored'])}" for x in r
+        ],
+        "outputs identical (max |Δlogit|)": identical,
+    }
+    for label, cells in rows.items():
+        table.add_row(label, *cells)
+    return table
+
+
+def _digest(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()[:12]
+
+
+def _parent(directory: Path) -> Path:
+    directory.parent.mkdir(parents=True, exist_ok=True)
+    return directory.parent
