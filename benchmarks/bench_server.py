@@ -18,14 +18,13 @@ from __future__ import annotations
 
 import argparse
 import multiprocessing as mp
-import os
-import re
-import signal
+import shutil
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
+from pathlib import Path
 
 import numpy as np
 import zmq
@@ -33,6 +32,7 @@ import zmq
 from common import percentile, report, timed
 from kvtier.keys import Namespace, TokenHasher
 from kvtier.server.client import CacheClient, ClientConfig
+from kvtier.server.process import ServerProcess
 from kvtier.server.protocol import LayoutSpec
 
 RAW_ROUTER = """
@@ -43,19 +43,6 @@ while True:
     frames = s.recv_multipart(copy=False)
     s.send_multipart([frames[0].bytes, b"ok"])
 """
-
-
-def start_server(tmp: str) -> tuple[subprocess.Popen[str], str]:
-    cmd = [sys.executable, "-m", "kvtier.cli", "serve", "--port", "0", "--http-port", "-1"]
-    cmd += ["--l1-size", "2GiB", "--cache-dir", "none"]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, cwd=tmp)
-    assert proc.stdout is not None
-    line = proc.stdout.readline()
-    match = re.search(r"rpc (\S+)", line)
-    if match is None:
-        proc.kill()
-        raise RuntimeError(f"kvtier serve did not start: {line!r}")
-    return proc, match[1]
 
 
 def client(address: str, shm: bool, name: str, head_dim: int) -> CacheClient:
@@ -131,7 +118,11 @@ def main() -> None:
     parser.add_argument("--lookups", type=int, default=300)
     args = parser.parse_args()
     tmp = tempfile.mkdtemp(prefix="kvtier-bench-server-")
-    server, address = start_server(tmp)
+    server = ServerProcess.start(
+        ["--port", "0", "--http-port", "-1", "--l1-size", "2GiB", "--cache-dir", "none"],
+        Path(tmp) / "server.log",
+    )
+    address = server.rpc
     raw = subprocess.Popen([sys.executable, "-c", RAW_ROUTER], stdout=subprocess.PIPE, text=True)
     try:
         # One chunk of 256 tokens, 1 layer, 1 head, uint8: K+V = 512 * head_dim bytes.
@@ -243,12 +234,8 @@ def main() -> None:
         )
     finally:
         raw.kill()
-        server.send_signal(signal.SIGTERM)
-        try:
-            server.wait(20)
-        except subprocess.TimeoutExpired:
-            server.kill()
-        os.rmdir(tmp)
+        server.stop(timeout_s=20)
+        shutil.rmtree(tmp)
     report("cache server end to end", rows, results)
 
 

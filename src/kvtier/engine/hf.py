@@ -36,6 +36,7 @@ import numpy.typing as npt
 import torch
 from blake3 import blake3
 from transformers import DynamicCache, PreTrainedModel
+from transformers.cache_utils import DynamicLayer
 
 from kvtier.engine.link import CacheLink, LocalLink, ModelIdentity, ServerLink, new_request_id
 from kvtier.keys import TokenHasher
@@ -329,8 +330,14 @@ class KVTierModel:
                 return False
         except ValueError:  # an object of the wrong size: a miss, never wrong KV
             return False
-        for layer in range(layout.num_layers):
-            cache.update(kv[layer, 0], kv[layer, 1], layer)
+        for n in range(layout.num_layers):
+            keys, values = kv[n, 0], kv[n, 1]
+            cache.update(keys[:, :, :0], values[:, :, :0], n)  # creates the layer, copies nothing
+            layer = cache.layers[n]
+            if isinstance(layer, DynamicLayer):  # adopt the loaded tensors: no second copy
+                layer.keys, layer.values = keys, values
+            else:
+                cache.update(keys, values, n)
         return True
 
     def _gather(self, cache: DynamicCache, first: int, layout: KVLayout) -> Fill:
