@@ -217,7 +217,8 @@ class KVTierModel:
         try:
             return self._prefill(ids, request_id, hashes, layout, self.link, started, timings)
         finally:
-            self.link.end(request_id)
+            if hashes:  # a prompt shorter than a chunk never opened a session
+                self.link.end(request_id)
 
     @torch.inference_mode()
     def generate(
