@@ -42,8 +42,9 @@ def main() -> None:
     parser.add_argument("--prefix", type=int, nargs="+", default=[2048, 8192])
     parser.add_argument("--suffix", type=int, default=256)
     parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--model-dir", type=Path, help="where the demo model is cached")
     args = parser.parse_args()
-    model, _ = demo_model()
+    model, _ = demo_model(args.model_dir)
     vocab = model.config.vocab_size
     generator = torch.Generator().manual_seed(0)
 

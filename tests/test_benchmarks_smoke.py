@@ -12,6 +12,16 @@ import pytest
 BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 TINY = {
     "bench_hashing.py": ["--tokens", "4096", "--repeats", "3"],
+    "bench_hf_ttft.py": [
+        "--prefix",
+        "256",
+        "--suffix",
+        "16",
+        "--rounds",
+        "1",
+        "--model-dir",
+        "{tmp}",
+    ],
     "bench_l1_copy.py": ["--objects", "2", "--object-mib", "1", "--repeats", "2"],
     "bench_l1_metadata.py": ["--objects", "2048", "--lookups", "20"],
     "bench_fs_adapter.py": ["--objects", "2", "--object-mib", "1", "--repeats", "1"],
@@ -36,9 +46,10 @@ def test_every_benchmark_has_a_smoke_run() -> None:
 
 
 @pytest.mark.parametrize("script", sorted(TINY))
-def test_benchmark_runs_and_reports_json(script: str) -> None:
+def test_benchmark_runs_and_reports_json(script: str, tmp_path: Path) -> None:
+    args = [arg.replace("{tmp}", str(tmp_path / "model")) for arg in TINY[script]]
     out = subprocess.run(
-        [sys.executable, str(BENCHMARKS / script), *TINY[script]],
+        [sys.executable, str(BENCHMARKS / script), *args],
         capture_output=True,
         text=True,
         check=True,

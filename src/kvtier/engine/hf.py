@@ -24,6 +24,7 @@ with a ValueError.
 from __future__ import annotations
 
 import inspect
+import json
 import math
 import time
 import warnings
@@ -45,6 +46,17 @@ from kvtier.server.client import Fill
 from kvtier.storage import StorageManager
 
 ATTENTION_LAYERS = frozenset({"full_attention", "sliding_attention"})
+# Config fields that name, tag or steer generation but never change the KV;
+# every other field is part of the model's identity. The dtype is in the
+# namespace on its own (the KV dtype).
+CONFIG_NOT_IN_KV = frozenset(
+    {
+        "_name_or_path", "name_or_path", "_commit_hash", "transformers_version", "architectures",
+        "dtype", "torch_dtype", "use_cache", "output_attentions", "output_hidden_states",
+        "return_dict", "_attn_implementation", "_attn_implementation_internal",
+        "_experts_implementation", "bos_token_id", "eos_token_id", "pad_token_id",
+    }
+)  # fmt: skip
 CACHE_ARGUMENTS = ("cache", "past_key_values")  # transformers >= 5.24, then 5.19-5.23
 
 
@@ -102,17 +114,28 @@ def weights_fingerprint(model: PreTrainedModel, sample: int = 1024) -> str:
     return "w-" + digest.hexdigest()[:32]
 
 
+def config_fingerprint(model: PreTrainedModel) -> str:
+    """blake3 of the model's config, but for fields that cannot change the KV
+    (``CONFIG_NOT_IN_KV``): the same weights with another RoPE base, window or
+    norm epsilon compute other KV, so they must not share it."""
+    fields = {k: v for k, v in model.config.to_dict().items() if k not in CONFIG_NOT_IN_KV}
+    text = json.dumps(fields, sort_keys=True, default=repr)
+    return "c-" + blake3(text.encode()).hexdigest()[:16]
+
+
 def model_identity(
     model: PreTrainedModel, name: str | None = None, revision: str | None = None, salt: str = ""
 ) -> ModelIdentity:
     """The model's name (``name``, else its ``name_or_path``, else its type)
-    and revision (``revision``, else the hub commit it was loaded from, else
-    ``weights_fingerprint``)."""
+    and revision: ``revision`` (else the hub commit it was loaded from, else
+    ``weights_fingerprint``), then ``+`` and ``config_fingerprint``."""
     config = model.config
     if revision is None:
         revision = getattr(config, "_commit_hash", None) or weights_fingerprint(model)
     model_name = name or getattr(config, "name_or_path", "") or config.model_type
-    return ModelIdentity(model=model_name, revision=revision, salt=salt)
+    return ModelIdentity(
+        model=model_name, revision=f"{revision}+{config_fingerprint(model)}", salt=salt
+    )
 
 
 @dataclass(slots=True)
@@ -387,22 +410,30 @@ class KVTierModel:
         return self._hashers[chunk_size]
 
     def _token_ids(self, input_ids: Sequence[int] | torch.Tensor) -> list[int]:
-        if isinstance(input_ids, torch.Tensor):
-            if input_ids.dim() == 2 and input_ids.shape[0] == 1:
-                input_ids = input_ids[0]
-            if input_ids.dim() != 1:
-                raise ValueError(
-                    f"input_ids has shape {tuple(input_ids.shape)}; pass one prompt "
-                    "([tokens] or [1, tokens])"
-                )
-            input_ids = input_ids.tolist()
-        ids = [int(t) for t in input_ids]
-        if not ids:
+        """One prompt's ids as ints: ``[tokens]`` or ``[1, tokens]`` of integers
+        (a list, a numpy array or a tensor), each in the vocabulary."""
+        try:
+            ids = (
+                input_ids.detach().cpu().numpy()
+                if isinstance(input_ids, torch.Tensor)
+                else np.asarray(input_ids)
+            )
+        except ValueError:  # a ragged nested list
+            raise ValueError("input_ids is ragged; pass one prompt as a list of ints") from None
+        if ids.ndim == 2 and ids.shape[0] == 1:
+            ids = ids[0]
+        if ids.ndim != 1:
+            raise ValueError(
+                f"input_ids has shape {ids.shape}; pass one prompt ([tokens] or [1, tokens])"
+            )
+        if ids.size == 0:
             raise ValueError("the prompt is empty; pass at least one token id")
-        bad = next((t for t in ids if not 0 <= t < self._vocab), None)
-        if bad is not None:
-            raise ValueError(f"token id {bad} is outside the vocabulary [0, {self._vocab})")
-        return ids
+        if ids.dtype.kind not in "iu":
+            raise ValueError(f"token ids must be integers; input_ids holds {ids.dtype} values")
+        bad = ids[(ids < 0) | (ids >= self._vocab)]
+        if bad.size:
+            raise ValueError(f"token id {bad[0]} is outside the vocabulary [0, {self._vocab})")
+        return [int(t) for t in ids.tolist()]
 
 
 def _as_chunk(view: npt.NDArray[np.uint8], layout: KVLayout, dtype: torch.dtype) -> torch.Tensor:
