@@ -107,6 +107,7 @@ def rag_trace(options: DemoOptions, vocab_size: int) -> list[Request]:
 def demo_model(directory: Path | None = None) -> tuple[PreTrainedModel, Path]:
     """The demo model, loaded from ``directory`` (default: kvtier's cache),
     built there first if it is not there yet."""
+    hf_logging.disable_progress_bar()  # this call's own progress bars are noise
     spec = json.dumps({**DEMO_MODEL, "seed": DEMO_SEED}, sort_keys=True).encode()
     directory = directory or cache_home() / "models" / f"demo-llama-{_digest(spec)}"
     if not (directory / "config.json").exists():
@@ -194,7 +195,6 @@ def compare(reference: Sequence[Generation], other: Sequence[Generation]) -> tup
 def run_demo(options: DemoOptions, console: Console | None = None) -> dict[str, Any]:
     """Run the three configurations; return the results (see ``format_report``)."""
     console = console or Console(stderr=True)
-    hf_logging.disable_progress_bar()
     with console.status("loading the demo model"):
         model, model_dir = demo_model(options.model_dir)
     trace = rag_trace(options, model.config.vocab_size)
