@@ -8,7 +8,7 @@ from kvtier.keys.hasher import (
     token_array,
 )
 from kvtier.keys.namespace import Namespace
-from kvtier.keys.object_key import ObjectKey, chunk_keys, model_label
+from kvtier.keys.object_key import ObjectKey, chunk_keys, model_label, salt_label
 
 __all__ = [
     "HASH_BYTES",
@@ -19,5 +19,6 @@ __all__ = [
     "chunk_keys",
     "model_label",
     "root_hash",
+    "salt_label",
     "token_array",
 ]

@@ -19,6 +19,8 @@ import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from blake3 import blake3
+
 from kvtier.keys.hasher import HASH_BYTES
 
 MAX_MODEL_CHARS = 128
@@ -34,6 +36,14 @@ _PLACEMENT = re.compile(r"r(\d{1,5})g(\d{1,5})")
 def model_label(model: str) -> str:
     """A model name made safe for ``ObjectKey.model``: ``/`` becomes ``--``."""
     return model.replace("/", "--")
+
+
+def salt_label(salt: str) -> str:
+    """A tenant salt made safe for ``ObjectKey.salt``: kept when it already
+    is, else ``s-`` and 32 hex digits of its blake3 (distinct salts stay distinct)."""
+    if len(salt) <= MAX_SALT_CHARS and _SAFE.fullmatch(salt):
+        return salt
+    return "s-" + blake3(salt.encode()).hexdigest(length=16)
 
 
 def _check_label(field: str, value: object, limit: int, *, empty_ok: bool) -> None:

@@ -13,6 +13,14 @@ object is one chunk of one rank, so ``object_bytes() = bytes_per_token() x
 tokens_per_chunk``. ``digest()`` is a stable blake3 of the canonical
 description; it goes into the namespace, so any layout change is a miss, never
 a misread (seed §1.5).
+
+An object's bytes are, by default, kvtier's canonical order
+``[num_layers][K, V][kv_heads][tokens_per_chunk][head_dim]`` (C order), which
+any engine can produce. An engine whose pages are packed in a way only it can
+read (vLLM's CPU backend packs blocks per instruction set) stores its pages
+as they are and names that with ``format`` (e.g. ``"vllm-cpu-vec-bs128"``):
+the format is in the digest, so such objects are only ever read back by an
+engine with the same format.
 """
 
 from __future__ import annotations
@@ -54,6 +62,7 @@ class KVLayout:
     tokens_per_chunk: int
     kind: LayoutKind = "kv"
     num_ranks: int = 1
+    format: str = ""  # "": the canonical byte order; else an engine's own page format
 
     def __post_init__(self) -> None:
         for name in ("num_layers", "kv_heads", "head_dim", "tokens_per_chunk", "num_ranks"):
@@ -91,9 +100,10 @@ class KVLayout:
         return self.object_bytes() * self.num_ranks
 
     def canonical_json(self) -> bytes:
-        return json.dumps(dataclasses.asdict(self), sort_keys=True, separators=(",", ":")).encode(
-            "utf-8"
-        )
+        fields = dataclasses.asdict(self)
+        if not self.format:
+            del fields["format"]  # canonical layouts keep the digests they always had
+        return json.dumps(fields, sort_keys=True, separators=(",", ":")).encode("utf-8")
 
     def digest(self) -> str:
         """A stable 32-hex-digit id of this layout, for the namespace."""

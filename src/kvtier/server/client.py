@@ -44,6 +44,7 @@ class ClientConfig:
     model: str
     layouts: tuple[p.LayoutSpec, ...]
     num_ranks: int = 1
+    rank: int = -1  # -1: this client stores and loads every rank's objects; r: rank r's only
     block_alignment: int = 1
     revision: str = ""
     lora: str = ""
@@ -377,6 +378,7 @@ class CacheClient:
             salt=c.salt,
             token=c.token,
             shm=c.shm,
+            rank=c.rank,
         )
         answers = self._exchange([(hello, ())], None)
         reply = answers[0][0] if answers else None

@@ -92,6 +92,7 @@ class _Client:
     layouts: dict[int, KVLayout]
     num_ranks: int
     shm: bool
+    rank: int = -1  # -1: every rank's objects; r: rank r's only
     sessions: dict[str, _Session] = field(default_factory=dict)
     last_seen: float = 0.0
 
@@ -166,6 +167,10 @@ class CacheServer:
             raise RequestError("unauthorized", "wrong or missing auth token")
         if hello.num_ranks <= 0 or hello.num_ranks > 1024:
             raise RequestError("bad_request", f"num_ranks {hello.num_ranks} is out of range")
+        if not -1 <= hello.rank < hello.num_ranks:
+            raise RequestError(
+                "bad_request", f"rank {hello.rank} is outside [0, {hello.num_ranks}) (or -1)"
+            )
         if not hello.layouts:
             raise RequestError("bad_request", "hello needs at least one layout")
         chunk_size = self.chunks.propose(hello.block_alignment)
@@ -178,6 +183,7 @@ class CacheServer:
                 chunk_size,
                 kind=spec.kind,  # type: ignore[arg-type]
                 num_ranks=hello.num_ranks,
+                format=spec.format,
             )
             for spec in hello.layouts
         }
@@ -188,7 +194,14 @@ class CacheServer:
         if old is not None:
             self._drop_client(old)
         client = _Client(
-            peer, hello.client_id, label, hello.salt, layouts, hello.num_ranks, hello.shm
+            peer,
+            hello.client_id,
+            label,
+            hello.salt,
+            layouts,
+            hello.num_ranks,
+            hello.shm,
+            hello.rank,
         )
         client.last_seen = self._clock()
         self._clients[peer] = client
@@ -395,7 +408,8 @@ class CacheServer:
                 f"{len(hashes)} chunks in one request; the limit is "
                 f"{self.limits.max_chunks_per_request}",
             )
-        return chunk_keys(hashes, client.model, client.num_ranks, group, client.salt)
+        keys = chunk_keys(hashes, client.model, client.num_ranks, group, client.salt)
+        return keys if client.rank < 0 else [[chunk[client.rank]] for chunk in keys]
 
     def _new_session(
         self, client: _Client, request_id: str, keys: list[list[ObjectKey]]

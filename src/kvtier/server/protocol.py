@@ -34,6 +34,7 @@ class LayoutSpec(msgspec.Struct, forbid_unknown_fields=True):
     head_dim: int
     dtype: str
     kind: str = "kv"
+    format: str = ""  # KVLayout.format
 
 
 # ------------------------------------------------------------------ requests
@@ -51,6 +52,7 @@ class Hello(Message, tag="hello"):
     salt: str = ""
     token: str = ""
     shm: bool = True
+    rank: int = -1  # -1: the client speaks for every rank; r: it stores and loads rank r only
 
 
 class Lookup(Message, tag="lookup"):

@@ -1,0 +1,115 @@
+"""``KVTierConnector``: vLLM's KV connector for kvtier.
+
+Load it with::
+
+    kv_transfer_config={
+        "kv_connector": "KVTierConnector",
+        "kv_connector_module_path": "kvtier.engine.vllm",
+        "kv_role": "kv_both",
+        "kv_load_failure_policy": "recompute",
+        "kv_connector_extra_config": {"kvtier.address": "tcp://127.0.0.1:5555"},
+    }
+
+The scheduler side (``scheduler.SchedulerSide``) and each worker's side
+(``worker.WorkerSide``) live in different processes and meet only through
+the cache server and the step's ``KVTierMetadata``.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorRole,
+)
+
+from kvtier.engine.vllm.metadata import KVTierMetadata
+from kvtier.engine.vllm.scheduler import SchedulerSide
+from kvtier.engine.vllm.settings import ConnectorSettings
+from kvtier.engine.vllm.worker import WorkerSide
+
+log = logging.getLogger(__name__)
+
+
+class KVTierConnector(KVConnectorBase_V1):  # type: ignore[misc]
+    def __init__(self, vllm_config: Any, role: Any, kv_cache_config: Any = None) -> None:
+        super().__init__(vllm_config, role, kv_cache_config)
+        transfer = vllm_config.kv_transfer_config
+        settings = ConnectorSettings.from_extra_config(transfer.kv_connector_extra_config or {})
+        if getattr(transfer, "kv_load_failure_policy", "recompute") != "recompute":
+            log.warning(
+                "kvtier: kv_load_failure_policy is %r: a chunk that fails to load fails its "
+                'request. Set "kv_load_failure_policy": "recompute" so it is recomputed instead.',
+                transfer.kv_load_failure_policy,
+            )
+        self._scheduler: SchedulerSide | None = None
+        self._worker: WorkerSide | None = None
+        if role == KVConnectorRole.SCHEDULER:
+            self._scheduler = SchedulerSide(vllm_config, settings)
+        else:
+            self._worker = WorkerSide(vllm_config, settings)
+
+    @property
+    def requires_kv_delivery(self) -> bool:
+        return False  # a best-effort cache: a dropped store is a future miss
+
+    # ------------------------------------------------------- scheduler side
+
+    def get_num_new_matched_tokens(
+        self, request: Any, num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
+        assert self._scheduler is not None
+        return self._scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
+
+    def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
+        assert self._scheduler is not None
+        self._scheduler.update_state_after_alloc(request, blocks, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: Any) -> KVTierMetadata:
+        assert self._scheduler is not None
+        return self._scheduler.build_connector_meta(scheduler_output)
+
+    def update_connector_output(self, connector_output: Any) -> None:
+        if self._scheduler is not None:
+            self._scheduler.update_connector_output(connector_output)
+
+    def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, None]:
+        assert self._scheduler is not None
+        return self._scheduler.request_finished(request, block_ids)
+
+    # ---------------------------------------------------------- worker side
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        assert self._worker is not None
+        self._worker.register_kv_caches(kv_caches)
+
+    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+        assert self._worker is not None
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, KVTierMetadata)
+        self._worker.start_load_kv(meta)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return  # loads finish in start_load_kv, before the forward
+
+    def save_kv_layer(
+        self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any
+    ) -> None:
+        return  # stores copy whole chunks in wait_for_save, after the forward
+
+    def wait_for_save(self) -> None:
+        assert self._worker is not None
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, KVTierMetadata)
+        self._worker.wait_for_save(meta)
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        return self._worker.get_block_ids_with_load_errors() if self._worker else set()
+
+    def shutdown(self) -> None:
+        for side in (self._scheduler, self._worker):
+            if side is not None:
+                side.close()

@@ -1,0 +1,37 @@
+"""What the scheduler side tells the workers each step (pickled by vLLM)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
+
+
+@dataclass(slots=True)
+class LoadSpec:
+    """Copy chunks ``hashes`` of a request into engine blocks before its
+    forward. ``blocks[i]`` maps a block's position within chunk ``i`` to the
+    engine block it goes to (a chunk's leading blocks may be the engine's own)."""
+
+    request_id: str
+    salt: str
+    first_chunk: int  # the prompt chunk ``hashes[0]`` is
+    hashes: list[bytes]
+    blocks: list[dict[int, int]]
+
+
+@dataclass(slots=True)
+class StoreSpec:
+    """Store chunks ``hashes`` of a request, computed by this step's forward,
+    from ``block_ids`` (``blocks_per_chunk`` per chunk, in order)."""
+
+    request_id: str
+    salt: str
+    hashes: list[bytes]
+    block_ids: list[int]
+
+
+@dataclass(slots=True)
+class KVTierMetadata(KVConnectorMetadata):  # type: ignore[misc]
+    loads: list[LoadSpec] = field(default_factory=list)
+    stores: list[StoreSpec] = field(default_factory=list)

@@ -1,0 +1,214 @@
+"""The connector's scheduler side (vLLM's EngineCore process).
+
+Per request (``Tracked``): its prompt's chunk hashes, one lookup, and what
+has been loaded and stored. The lookup state machine is the client's
+``LookupState`` (submitted -> acked -> pending -> done(n)): a request whose
+lookup is still pending is deferred (``None``) and asked again next step; a
+done lookup never changes, so asking again never counts a hit twice. A
+request re-admitted after preemption (its KV freed) is looked up afresh.
+
+Locks: the server read-locks the hit chunks at lookup. Chunks the engine has
+itself or will compute are released at ``update_state_after_alloc``; chunks
+being loaded are released once the step that loaded them has come back
+(``update_connector_output``); ``request_finished`` ends the session, which
+releases anything left, whether the request finished, was aborted or failed.
+
+Loads are synchronous (the worker copies before the step's forward), so the
+hit offered is at most ``num_tokens - 1``: a full hit still computes the last
+prompt token. Stores are emitted for prompt chunks that this step completes.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvtier.engine.vllm.clients import ClientPool
+from kvtier.engine.vllm.metadata import KVTierMetadata, LoadSpec, StoreSpec
+from kvtier.engine.vllm.settings import ConnectorSettings
+from kvtier.server.client import CacheClient, LookupState
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class Tracked:
+    request_id: str
+    salt: str
+    client: CacheClient | None
+    chunk_size: int
+    hashes: list[bytes]  # of the prompt's full chunks
+    prompt_tokens: int
+    preemptions: int
+    lookup: LookupState | None = None
+    local: int = 0  # tokens the engine had itself when last asked
+    stored: int = 0  # chunks [0, stored) are in kvtier (hit, or stored by us)
+    block_ids: list[int] = field(default_factory=list)
+
+
+class SchedulerSide:
+    def __init__(self, vllm_config: Any, settings: ConnectorSettings) -> None:
+        self.settings = settings
+        self.clients = ClientPool(vllm_config, settings, rank=-1, client_id="vllm-scheduler")
+        self.block_size = self.clients.block_size
+        self.requests: dict[str, Tracked] = {}
+        self._loads: list[LoadSpec] = []
+        self._loading: deque[list[tuple[str, int, int]]] = deque()  # per step: (id, start, end)
+
+    # ------------------------------------------------------------ admission
+
+    def get_num_new_matched_tokens(
+        self, request: Any, num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
+        tracked = self.requests.get(request.request_id)
+        if tracked is None or tracked.preemptions != request.num_preemptions:
+            tracked = self._track(request)
+        tracked.local = num_computed_tokens
+        client = tracked.client
+        if client is None or not tracked.hashes:
+            return 0, False
+        if tracked.lookup is None:
+            tracked.lookup = client.lookup(
+                request.request_id, tracked.hashes, wait_s=self.settings.lookup_wait_s
+            )
+        if not tracked.lookup.done and client.query(tracked.lookup) is None:
+            return None, False  # pending: asked again next step
+        end = min((tracked.lookup.hit or 0) * tracked.chunk_size, request.num_tokens - 1)
+        return max(0, end - num_computed_tokens), False
+
+    def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
+        tracked = self.requests.get(request.request_id)
+        if tracked is None or tracked.client is None or tracked.lookup is None:
+            return
+        hit = tracked.lookup.hit or 0
+        tracked.stored = hit
+        if not tracked.lookup.done or hit == 0:
+            return
+        if num_external_tokens <= 0:
+            tracked.client.release(request.request_id, 0, hit)
+            return
+        c, bs = tracked.chunk_size, self.block_size
+        per_chunk = c // bs
+        first_block = tracked.local // bs
+        end_block = -(-(tracked.local + num_external_tokens) // bs)
+        first, end = first_block // per_chunk, -(-end_block // per_chunk)
+        block_ids = blocks.get_block_ids()[0]
+        self._loads.append(
+            LoadSpec(
+                request.request_id,
+                tracked.salt,
+                first,
+                tracked.hashes[first:end],
+                [
+                    {
+                        j: block_ids[chunk * per_chunk + j]
+                        for j in range(per_chunk)
+                        if first_block <= chunk * per_chunk + j < end_block
+                    }
+                    for chunk in range(first, end)
+                ],
+            )
+        )
+        if first > 0:
+            tracked.client.release(request.request_id, 0, first)  # the engine has these
+        if end < hit:
+            tracked.client.release(request.request_id, end, hit)  # the engine computes these
+
+    # ----------------------------------------------------------------- steps
+
+    def build_connector_meta(self, scheduler_output: Any) -> KVTierMetadata:
+        meta = KVTierMetadata(loads=self._loads)
+        self._loads = []
+        self._loading.append(
+            [(s.request_id, s.first_chunk, s.first_chunk + len(s.hashes)) for s in meta.loads]
+        )
+        scheduled = scheduler_output.num_scheduled_tokens
+        for new in scheduler_output.scheduled_new_reqs:
+            tracked = self.requests.get(new.req_id)
+            if tracked is not None:
+                tracked.block_ids = list(new.block_ids[0])
+                done = new.num_computed_tokens + scheduled.get(new.req_id, 0)
+                meta.stores += self._stores(tracked, done)
+        cached = scheduler_output.scheduled_cached_reqs
+        for i, request_id in enumerate(cached.req_ids):
+            tracked = self.requests.get(request_id)
+            if tracked is None:
+                continue
+            new_ids = cached.new_block_ids[i]
+            if request_id in cached.resumed_req_ids:
+                tracked.block_ids = list(new_ids[0]) if new_ids else []
+            elif new_ids:
+                tracked.block_ids.extend(new_ids[0])
+            done = cached.num_computed_tokens[i] + scheduled.get(request_id, 0)
+            meta.stores += self._stores(tracked, done)
+        return meta
+
+    def update_connector_output(self, connector_output: Any) -> None:
+        """The step that loaded the oldest batch has come back: unlock it."""
+        if not self._loading:
+            return
+        for request_id, start, end in self._loading.popleft():
+            tracked = self.requests.get(request_id)
+            if tracked is not None and tracked.client is not None:
+                tracked.client.release(request_id, start, end)
+
+    def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, None]:
+        tracked = self.requests.pop(request.request_id, None)
+        if tracked is not None and tracked.client is not None and _acked(tracked.lookup):
+            tracked.client.end_session(request.request_id)
+        return False, None
+
+    def close(self) -> None:
+        self.clients.close()
+
+    # ------------------------------------------------------------ internals
+
+    def _track(self, request: Any) -> Tracked:
+        old = self.requests.get(request.request_id)
+        if old is not None and old.client is not None and _acked(old.lookup):
+            old.client.end_session(request.request_id)  # preempted: start over
+        salt = self.settings.salt_for(getattr(request, "cache_salt", None))
+        client = self.clients.client(salt)
+        chunk_size = client.chunk_size if client is not None else None
+        prompt = list(request.prompt_token_ids or [])
+        hashes = (
+            self.clients.hasher(salt, chunk_size).chunk_hashes(prompt)
+            if chunk_size is not None
+            else []
+        )
+        tracked = Tracked(
+            request.request_id,
+            salt,
+            client,
+            chunk_size or 0,
+            hashes,
+            len(prompt),
+            request.num_preemptions,
+        )
+        self.requests[request.request_id] = tracked
+        return tracked
+
+    def _stores(self, tracked: Tracked, done_tokens: int) -> list[StoreSpec]:
+        """Prompt chunks this step completes that kvtier does not have yet."""
+        if self.settings.store == "none" or tracked.client is None or not tracked.chunk_size:
+            return []
+        per_chunk = tracked.chunk_size // self.block_size
+        complete = min(done_tokens, tracked.prompt_tokens) // tracked.chunk_size
+        complete = min(complete, len(tracked.hashes), len(tracked.block_ids) // per_chunk)
+        if complete <= tracked.stored:
+            return []
+        spec = StoreSpec(
+            tracked.request_id,
+            tracked.salt,
+            tracked.hashes[tracked.stored : complete],
+            tracked.block_ids[tracked.stored * per_chunk : complete * per_chunk],
+        )
+        tracked.stored = complete
+        return [spec]
+
+
+def _acked(lookup: LookupState | None) -> bool:
+    """The server has a session for this lookup (to end)."""
+    return lookup is not None and lookup.acked

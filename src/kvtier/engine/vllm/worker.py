@@ -1,0 +1,113 @@
+"""The connector's worker side (one per TP rank, in vLLM's worker process).
+
+Each step, before the forward, ``start_load_kv`` copies the step's loads into
+their blocks: the worker looks the chunks up (the scheduler still holds them
+locked, so they are in L1), copies every page it needs straight from the
+server's arena into the blocks, and releases them. Chunks that do not come
+back are reported by ``get_block_ids_with_load_errors``, and vLLM recomputes
+from the first bad block (set ``kv_load_failure_policy`` to ``recompute``):
+never garbage. After the forward, ``wait_for_save`` copies the pages of the
+chunks this step completed straight into the arena and commits them before
+it returns, so a block is never reused (or freed by a preemption, which vLLM
+decides in a later ``schedule()``) while a store still reads it.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+import torch
+
+from kvtier.engine.vllm.clients import ClientPool
+from kvtier.engine.vllm.metadata import KVTierMetadata, LoadSpec, StoreSpec
+from kvtier.engine.vllm.pages import PagedKV
+from kvtier.engine.vllm.settings import ConnectorSettings
+
+log = logging.getLogger(__name__)
+
+
+class WorkerSide:
+    def __init__(self, vllm_config: Any, settings: ConnectorSettings) -> None:
+        from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
+        self.settings = settings
+        self.rank = get_tensor_model_parallel_rank()
+        self.clients = ClientPool(vllm_config, settings, self.rank, f"vllm-worker-{self.rank}")
+        self.block_size = self.clients.block_size
+        self._kv_caches: dict[str, torch.Tensor] = {}
+        self._paged: dict[int, PagedKV] = {}  # per chunk size
+        self._load_errors: set[int] = set()
+        self.stats = {"loaded_chunks": 0, "stored_chunks": 0, "failed_chunks": 0}
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        self._kv_caches = dict(kv_caches)
+
+    def start_load_kv(self, meta: KVTierMetadata) -> None:
+        for spec in meta.loads:
+            self._load(spec)
+
+    def wait_for_save(self, meta: KVTierMetadata) -> None:
+        for spec in meta.stores:
+            self._store(spec)
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        errors, self._load_errors = self._load_errors, set()
+        return errors
+
+    def close(self) -> None:
+        self.clients.close()
+
+    # ------------------------------------------------------------ internals
+
+    def _paged_kv(self, chunk_size: int) -> PagedKV:
+        if chunk_size not in self._paged:
+            layout = self.clients.layout(chunk_size)
+            self._paged[chunk_size] = PagedKV(self._kv_caches, layout, self.block_size)
+        return self._paged[chunk_size]
+
+    def _load(self, spec: LoadSpec) -> None:
+        loaded = 0
+        client = self.clients.client(spec.salt)
+        if client is not None and client.chunk_size is not None:
+            paged = self._paged_kv(client.chunk_size)
+            state = client.lookup(
+                spec.request_id, spec.hashes, wait_s=self.settings.request_timeout_s
+            )
+            hit = state.hit or 0
+
+            def scatter(i: int, view: npt.NDArray[np.uint8]) -> None:
+                paged.scatter(view, spec.blocks[i])
+
+            if hit and client.retrieve_with(spec.request_id, 0, hit, scatter):
+                loaded = hit
+            if state.acked:
+                client.end_session(spec.request_id)
+        for blocks in spec.blocks[loaded:]:
+            self._load_errors.update(blocks.values())
+        self.stats["loaded_chunks"] += loaded
+        self.stats["failed_chunks"] += len(spec.blocks) - loaded
+        if loaded < len(spec.blocks):
+            log.warning(
+                "kvtier: %s: %d of %d chunks did not load; vLLM recomputes them",
+                spec.request_id,
+                len(spec.blocks) - loaded,
+                len(spec.blocks),
+            )
+
+    def _store(self, spec: StoreSpec) -> None:
+        client = self.clients.client(spec.salt)
+        if client is None or client.chunk_size is None:
+            return  # the server is away: a future miss
+        paged = self._paged_kv(client.chunk_size)
+        per_chunk = paged.blocks_per_chunk
+
+        def gather(i: int, dst: npt.NDArray[np.uint8]) -> None:
+            paged.copy_out(spec.block_ids[i * per_chunk : (i + 1) * per_chunk], dst)
+
+        sizes = [paged.object_bytes] * len(spec.hashes)
+        stored = client.store_with(spec.request_id, spec.hashes, sizes, gather)
+        client.end_session(spec.request_id)
+        self.stats["stored_chunks"] += stored
