@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import subprocess
 import sys
@@ -26,6 +27,15 @@ TINY = {
     "bench_l1_metadata.py": ["--objects", "2048", "--lookups", "20"],
     "bench_fs_adapter.py": ["--objects", "2", "--object-mib", "1", "--repeats", "1"],
     "bench_prefetch.py": ["--chunks", "4", "--object-kib", "64", "--rounds", "2"],
+    "bench_vllm_ttft.py": [
+        "--prefix",
+        "256",
+        "--rounds",
+        "1",
+        "--no-lmcache",
+        "--model-dir",
+        "{tmp}",
+    ],
     "bench_server.py": [
         "--objects",
         "2",
@@ -45,7 +55,23 @@ def test_every_benchmark_has_a_smoke_run() -> None:
     assert {p.name for p in BENCHMARKS.glob("bench_*.py")} == set(TINY)
 
 
-@pytest.mark.parametrize("script", sorted(TINY))
+# Scripts that start vLLM engines: slow, and only where vLLM is installed.
+ENGINE_SCRIPTS = {"bench_vllm_ttft.py"}
+HAS_VLLM = importlib.util.find_spec("vllm") is not None
+
+
+@pytest.mark.parametrize(
+    "script",
+    [
+        pytest.param(
+            name,
+            marks=[pytest.mark.slow, pytest.mark.skipif(not HAS_VLLM, reason="needs vLLM")]
+            if name in ENGINE_SCRIPTS
+            else [],
+        )
+        for name in sorted(TINY)
+    ],
+)
 def test_benchmark_runs_and_reports_json(script: str, tmp_path: Path) -> None:
     args = [arg.replace("{tmp}", str(tmp_path / "model")) for arg in TINY[script]]
     out = subprocess.run(
@@ -53,7 +79,7 @@ def test_benchmark_runs_and_reports_json(script: str, tmp_path: Path) -> None:
         capture_output=True,
         text=True,
         check=True,
-        timeout=120,
+        timeout=600,
     ).stdout
     (line,) = [line for line in out.splitlines() if line.startswith("json: ")]
     assert json.loads(line.removeprefix("json: "))

@@ -33,7 +33,10 @@ import torch
 from rich.console import Console
 from rich.progress import Progress
 from rich.table import Table
-from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedModel
+from tokenizers import Tokenizer
+from tokenizers.models import WordLevel
+from tokenizers.pre_tokenizers import WhitespaceSplit
+from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedModel, PreTrainedTokenizerFast
 from transformers.utils import logging as hf_logging
 
 from kvtier.engine.hf import Generation, KVTierModel
@@ -104,21 +107,32 @@ def rag_trace(options: DemoOptions, vocab_size: int) -> list[Request]:
     return trace
 
 
-def demo_model(directory: Path | None = None) -> tuple[PreTrainedModel, Path]:
-    """The demo model, loaded from ``directory`` (default: kvtier's cache),
-    built there first if it is not there yet."""
+def demo_model(directory: Path | None = None, **overrides: Any) -> tuple[PreTrainedModel, Path]:
+    """The demo model (``DEMO_MODEL``, with config ``overrides``), loaded from
+    ``directory`` (default: kvtier's cache), built there first if it is not
+    there yet, with a word-level tokenizer (``t0`` ... ``tN``) so that vLLM
+    can serve it too."""
     hf_logging.disable_progress_bar()  # this call's own progress bars are noise
-    spec = json.dumps({**DEMO_MODEL, "seed": DEMO_SEED}, sort_keys=True).encode()
+    config = {**DEMO_MODEL, **overrides}
+    spec = json.dumps({**config, "seed": DEMO_SEED, "tokenizer": 1}, sort_keys=True).encode()
     directory = directory or cache_home() / "models" / f"demo-llama-{_digest(spec)}"
     if not (directory / "config.json").exists():
         torch.manual_seed(DEMO_SEED)
-        model = LlamaForCausalLM(LlamaConfig(**DEMO_MODEL))
+        model = LlamaForCausalLM(LlamaConfig(**config))
         staging = Path(tempfile.mkdtemp(prefix=".building-", dir=_parent(directory)))
         model.save_pretrained(staging)
+        word_tokenizer(config["vocab_size"]).save_pretrained(staging)
         shutil.rmtree(directory, ignore_errors=True)
         staging.rename(directory)  # readers never see a half-written model
     model = LlamaForCausalLM.from_pretrained(directory, dtype=torch.float32)
     return model, directory
+
+
+def word_tokenizer(vocab_size: int) -> PreTrainedTokenizerFast:
+    """A tokenizer whose words are token ids: ``"t5 t17"`` is ``[5, 17]``."""
+    words = Tokenizer(WordLevel({f"t{i}": i for i in range(vocab_size)}, unk_token="t0"))
+    words.pre_tokenizer = WhitespaceSplit()
+    return PreTrainedTokenizerFast(tokenizer_object=words, unk_token="t0", eos_token="t1")
 
 
 @dataclass(slots=True)

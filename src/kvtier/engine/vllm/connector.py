@@ -106,6 +106,12 @@ class KVTierConnector(KVConnectorBase_V1):  # type: ignore[misc]
         assert isinstance(meta, KVTierMetadata)
         self._worker.wait_for_save(meta)
 
+    def handle_preemptions(self, kv_connector_metadata: Any) -> None:
+        return  # stores finish inside wait_for_save: no block of a preempted request is in use
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        return None, None  # loads and stores are synchronous: nothing finishes later
+
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self._worker.get_block_ids_with_load_errors() if self._worker else set()
 

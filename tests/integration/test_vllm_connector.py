@@ -1,0 +1,333 @@
+"""The vLLM connector end to end on vLLM's CPU build (slow: each engine takes
+~30-40 s to start on two cores).
+
+A tiny random-weight Llama (fp32, so equality is meaningful) is saved once;
+engines run as separate processes (``vllm_engine``) against one real
+``kvtier serve``. Every output is compared with a no-connector engine's:
+identical greedy tokens and |Δlogprob| <= 1e-4 at every step.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import urllib.request
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from kvtier.server.process import clean_env, read_line, stop_process
+from tests.integration.harness import ROOT, Server, ServerFactory, wait_for
+
+pytest.importorskip("vllm")
+pytestmark = pytest.mark.slow
+
+CHUNK = 256
+START_TIMEOUT_S = 300.0
+RUN_TIMEOUT_S = 300.0
+NEW_TOKENS = 6
+TOLERANCE = 1e-4
+PYTHON = sys.executable
+
+
+# ------------------------------------------------------------------ model
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A 2-layer Llama (hidden 256, 4 query / 2 KV heads of dim 64), random
+    weights, fp32, with a word-level tokenizer (``t0`` ... ``t1023``)."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from kvtier.demo import word_tokenizer
+
+    directory = tmp_path_factory.mktemp("vllm-model")
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=1024,
+        hidden_size=256,
+        intermediate_size=512,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=4096,
+        tie_word_embeddings=False,
+    )
+    LlamaForCausalLM(config).save_pretrained(directory)
+    word_tokenizer(config.vocab_size).save_pretrained(directory)
+    return directory
+
+
+def tokens(seed: int, n: int) -> list[int]:
+    import random
+
+    rng = random.Random(seed)
+    return [rng.randrange(2, 1024) for _ in range(n)]
+
+
+SHARED = tokens(1, 600)
+# Lengths 700, 900, 1100 and 512 (a whole number of chunks: a full hit).
+PROMPTS = [SHARED + tokens(10 + i, n - 600) for i, n in enumerate((700, 900, 1100))] + [
+    tokens(20, 512)
+]
+FRESH = [tokens(30 + i, 640) for i in range(2)]  # never stored before the kill
+PREEMPT = [SHARED[:512] + tokens(40 + i, 500) for i in range(8)]
+PREEMPT_TOKENS = 160
+
+
+def kvtier_hit(n: int) -> int:
+    """Tokens a kvtier-only engine loads for an n-token prompt whose full
+    chunks are all stored: whole chunks, one token short on a full hit."""
+    return min(n // CHUNK * CHUNK, n - 1)
+
+
+# ---------------------------------------------------------------- engines
+
+
+@dataclass(eq=False)
+class Engine:
+    proc: subprocess.Popen[str]
+    log: Path
+
+    def call(self, command: dict[str, Any]) -> dict[str, Any]:
+        assert self.proc.stdin is not None and self.proc.stdout is not None
+        self.proc.stdin.write(json.dumps(command) + "\n")
+        self.proc.stdin.flush()
+        line = read_line(self.proc.stdout, RUN_TIMEOUT_S)
+        if not line:
+            raise AssertionError(f"the engine did not answer; log:\n{self.tail()}")
+        answer: dict[str, Any] = json.loads(line)
+        return answer
+
+    def generate(self, prompts: Sequence[list[int]], max_tokens: int = NEW_TOKENS) -> list[Any]:
+        outputs: list[Any] = self.call({"prompts": list(prompts), "max_tokens": max_tokens})[
+            "outputs"
+        ]
+        return outputs
+
+    def metrics(self) -> dict[str, float]:
+        metrics: dict[str, float] = self.call({"metrics": True})["metrics"]
+        return metrics
+
+    def tail(self) -> str:
+        return self.log.read_text(errors="replace")[-6000:]
+
+
+class Engines:
+    def __init__(self, model: Path, tmp: Path) -> None:
+        self.model, self.tmp, self.started = model, tmp, list[Engine]()
+
+    def start(self, *args: str) -> Engine:
+        log = self.tmp / f"engine-{len(self.started)}.log"
+        with log.open("w") as log_file:
+            proc = subprocess.Popen(
+                [PYTHON, "-m", "tests.integration.vllm_engine", "--model", str(self.model), *args],
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=log_file,
+                text=True,
+                cwd=ROOT,
+                env=clean_env(),
+            )
+        engine = Engine(proc, log)
+        self.started.append(engine)
+        assert proc.stdout is not None
+        line = read_line(proc.stdout, START_TIMEOUT_S)
+        if not line or not json.loads(line).get("ready"):
+            raise AssertionError(f"the engine did not start ({line!r}); log:\n{engine.tail()}")
+        return engine
+
+    def stop(self, engine: Engine) -> None:
+        if engine.proc.poll() is None and engine.proc.stdin is not None:
+            engine.proc.stdin.write("\n")
+            engine.proc.stdin.flush()
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                engine.proc.wait(timeout=60)
+        stop_process(engine.proc, signal.SIGKILL)
+
+    def close(self) -> None:
+        for engine in self.started:
+            self.stop(engine)
+
+
+@pytest.fixture(scope="module")
+def engines(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Engines]:
+    factory = Engines(model_dir, tmp_path_factory.mktemp("engines"))
+    try:
+        yield factory
+    finally:
+        factory.close()
+
+
+@pytest.fixture(scope="module")
+def reference(engines: Engines) -> dict[str, list[Any]]:
+    """Every prompt set through an engine with no connector."""
+    engine = engines.start()
+    try:
+        return {
+            "prompts": engine.generate(PROMPTS),
+            "fresh": engine.generate(FRESH),
+            "preempt": engine.generate(PREEMPT, PREEMPT_TOKENS),
+        }
+    finally:
+        engines.stop(engine)
+
+
+@pytest.fixture(scope="module")
+def kv_server(module_servers: ServerFactory) -> Server:
+    return module_servers.start("--l1-size", "256MiB")
+
+
+def assert_same(reference: Sequence[Any], outputs: Sequence[Any]) -> None:
+    assert len(reference) == len(outputs)
+    for i, (want, got) in enumerate(zip(reference, outputs, strict=True)):
+        assert got["tokens"] == want["tokens"], f"prompt {i}: tokens differ"
+        worst = max(abs(a - b) for a, b in zip(want["logprobs"], got["logprobs"], strict=True))
+        assert worst <= TOLERANCE, f"prompt {i}: |Δlogprob| {worst:.2e}"
+
+
+def held_locks(server: Server) -> int:
+    return int(server.status()["storage"]["held_lookup_locks"])
+
+
+def stored_objects(server: Server) -> int:
+    return int(server.status()["storage"]["l1"]["resident_objects"])
+
+
+# ------------------------------------------------------------------ tests
+
+
+def test_cold_then_warm_in_a_fresh_engine_matches_no_connector(
+    engines: Engines, reference: dict[str, list[Any]], kv_server: Server
+) -> None:
+    cold = engines.start("--kvtier", kv_server.rpc)  # vLLM's prefix caching on
+    try:
+        assert_same(reference["prompts"], cold.generate(PROMPTS))
+    finally:
+        engines.stop(cold)
+    full_chunks = len(
+        {tuple(p[: (i + 1) * CHUNK]) for p in PROMPTS for i in range(len(p) // CHUNK)}
+    )
+    assert wait_for(lambda: stored_objects(kv_server), lambda n: n >= full_chunks) >= full_chunks
+    assert wait_for(lambda: held_locks(kv_server), lambda n: n == 0) == 0
+
+    warm = engines.start("--kvtier", kv_server.rpc, "--no-prefix-caching")
+    try:
+        outputs = warm.generate(PROMPTS)
+        assert_same(reference["prompts"], outputs)
+        assert [o["cached"] for o in outputs] == [kvtier_hit(len(p)) for p in PROMPTS]
+        assert warm.metrics()["vllm:external_prefix_cache_hits"] == sum(
+            kvtier_hit(len(p)) for p in PROMPTS
+        )
+    finally:
+        engines.stop(warm)
+    assert wait_for(lambda: held_locks(kv_server), lambda n: n == 0) == 0
+
+
+def test_server_killed_mid_run_then_back_without_restarting_vllm(
+    engines: Engines,
+    reference: dict[str, list[Any]],
+    kv_server: Server,
+    module_servers: ServerFactory,
+) -> None:
+    engine = engines.start("--kvtier", kv_server.rpc, "--no-prefix-caching")
+    try:
+        assert_same(reference["prompts"][:1], engine.generate(PROMPTS[:1]))
+        module_servers.kill(kv_server)
+        down = engine.generate(FRESH)  # no server: computed, stored nowhere
+        assert_same(reference["fresh"], down)
+        assert [o["cached"] for o in down] == [0, 0]
+        back = module_servers.restart(kv_server, kill=False)  # same port, same fs L2
+        kv_server.__dict__.update(back.__dict__)  # later tests use the live server
+        # the engine reconnects on its own (the client retries every second): no restart
+
+        def hits() -> list[int]:
+            return [o["cached"] for o in engine.generate(PROMPTS[1:2])]
+
+        assert wait_for(hits, lambda h: h[0] > 0, timeout_s=30, every_s=0.5)[0] == kvtier_hit(
+            len(PROMPTS[1])
+        )
+        assert_same(reference["prompts"][1:2], engine.generate(PROMPTS[1:2]))
+    finally:
+        engines.stop(engine)
+
+
+def test_preemption_keeps_outputs_and_releases_every_lock(
+    engines: Engines, reference: dict[str, list[Any]], kv_server: Server
+) -> None:
+    # 40 blocks of 128 tokens for 8 requests of ~1,000 + 160 tokens: some are preempted.
+    engine = engines.start(
+        "--kvtier", kv_server.rpc, "--kv-bytes", str(40 * 256 << 10), "--max-model-len", "2048"
+    )
+    try:
+        assert_same(reference["preempt"], engine.generate(PREEMPT, PREEMPT_TOKENS))
+        assert engine.metrics()["vllm:num_preemptions"] > 0, "no request was preempted"
+    finally:
+        engines.stop(engine)
+    assert wait_for(lambda: held_locks(kv_server), lambda n: n == 0) == 0
+
+
+def test_openai_server_reports_kvtier_hits_as_cached_tokens(
+    model_dir: Path, kv_server: Server, tmp_path: Path
+) -> None:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    transfer = {
+        "kv_connector": "KVTierConnector",
+        "kv_connector_module_path": "kvtier.engine.vllm",
+        "kv_role": "kv_both",
+        "kv_load_failure_policy": "recompute",
+        "kv_connector_extra_config": {"kvtier.address": kv_server.rpc},
+    }
+    command = [PYTHON, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir)]
+    command += ["--host", "127.0.0.1", "--port", str(port), "--dtype", "float32", "--seed", "0"]
+    command += ["--enforce-eager", "--max-model-len", "4096", "--no-enable-prefix-caching"]
+    command += ["--enable-prompt-tokens-details", "--kv-transfer-config", json.dumps(transfer)]
+    log = tmp_path / "api.log"
+    env = clean_env({"VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1"})
+    with log.open("w") as log_file:
+        proc = subprocess.Popen(
+            command, stdout=log_file, stderr=subprocess.STDOUT, cwd=ROOT, env=env, text=True
+        )
+    base = f"http://127.0.0.1:{port}"
+    try:
+
+        def healthy() -> bool:
+            try:
+                with urllib.request.urlopen(base + "/health", timeout=2) as response:
+                    return bool(response.status == 200)
+            except OSError:
+                return proc.poll() is not None  # died: stop waiting
+
+        assert wait_for(healthy, bool, timeout_s=START_TIMEOUT_S, every_s=1.0), log.read_text()
+        assert proc.poll() is None, log.read_text()[-6000:]
+        body = {
+            "model": str(model_dir),
+            "prompt": PROMPTS[2],
+            "max_tokens": NEW_TOKENS,
+            "temperature": 0,
+        }
+        request = urllib.request.Request(
+            base + "/v1/completions",
+            json.dumps(body).encode(),
+            {"Content-Type": "application/json"},
+        )
+        with urllib.request.urlopen(request, timeout=RUN_TIMEOUT_S) as response:
+            usage = json.loads(response.read())["usage"]
+        assert usage["prompt_tokens"] == len(PROMPTS[2])
+        assert usage["prompt_tokens_details"]["cached_tokens"] == kvtier_hit(len(PROMPTS[2]))
+    finally:
+        stop_process(proc, signal.SIGTERM, timeout_s=30)
+        if os.environ.get("KVTIER_KEEP_LOGS"):
+            print(log.read_text()[-6000:])

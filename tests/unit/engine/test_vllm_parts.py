@@ -1,0 +1,98 @@
+"""The vLLM connector's parts that run without an engine: settings, salts,
+layer names and page copies (``PagedKV``)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from kvtier.engine.vllm.pages import PagedKV, layer_index
+from kvtier.engine.vllm.settings import ConnectorSettings
+from kvtier.keys import salt_label
+from kvtier.layout import KVLayout
+
+
+def test_settings_read_kvtier_keys_and_ignore_others() -> None:
+    settings = ConnectorSettings.from_extra_config(
+        {"kvtier.address": "tcp://10.0.0.1:7000", "kvtier.store": "none", "lmcache.x": 1}
+    )
+    assert settings.address == "tcp://10.0.0.1:7000"
+    assert settings.store == "none"
+
+
+@pytest.mark.parametrize(
+    ("extra", "names"),
+    [
+        ({"kvtier.adress": "x"}, "kvtier.adress"),
+        ({"kvtier.salt_source": "header"}, "kvtier.salt_source"),
+        ({"kvtier.store": "all"}, "kvtier.store"),
+        ({"kvtier.request_timeout_s": 0}, "kvtier.request_timeout_s"),
+    ],
+)
+def test_bad_settings_name_the_key(extra: dict[str, object], names: str) -> None:
+    with pytest.raises(ValueError, match=names.replace(".", r"\.")):
+        ConnectorSettings.from_extra_config(extra)
+
+
+def test_request_salt_wins_unless_fixed() -> None:
+    by_request = ConnectorSettings(salt="default")
+    assert by_request.salt_for("tenant-a") == "tenant-a"
+    assert by_request.salt_for(None) == "default"
+    assert ConnectorSettings(salt="default", salt_source="fixed").salt_for("t") == "default"
+
+
+def test_salt_labels_keep_safe_salts_and_hash_the_rest() -> None:
+    assert salt_label("tenant_1.a-b") == "tenant_1.a-b"
+    hashed = salt_label("tenant/with spaces")
+    assert hashed.startswith("s-") and len(hashed) == 34
+    assert hashed != salt_label("tenant/with  spaces")  # distinct salts stay distinct
+    assert salt_label("x" * 65) != salt_label("x" * 66)
+
+
+def test_layer_index_reads_the_last_number() -> None:
+    assert layer_index("model.layers.7.self_attn.attn") == 7
+    assert layer_index("model.decoder.layers.12.attn") == 12
+    with pytest.raises(ValueError, match="no layer index"):
+        layer_index("lm_head")
+
+
+def make_paged(blocks: int = 8, block_size: int = 4) -> tuple[PagedKV, list[torch.Tensor]]:
+    """Two layers of [blocks, kv_heads 2, block_size, 2 * head_dim 8] float32."""
+    layout = KVLayout(2, 2, 8, "float32", tokens_per_chunk=2 * block_size)
+    tensors = [torch.randn(blocks, 2, block_size, 16) for _ in range(2)]
+    caches = {f"model.layers.{i}.self_attn.attn": t for i, t in enumerate(tensors)}
+    return PagedKV(caches, layout, block_size), tensors
+
+
+def test_pages_round_trip_through_an_object() -> None:
+    paged, tensors = make_paged()
+    assert paged.blocks_per_chunk == 2 and paged.object_bytes == 2 * 2 * tensors[0][0].nbytes
+    obj = np.zeros(paged.object_bytes, np.uint8)
+    paged.copy_out([5, 2], obj)
+    pages = torch.from_numpy(obj).view(torch.float32).view(2, 2, *tensors[0].shape[1:])
+    for layer, tensor in enumerate(tensors):  # [layer][block in chunk][page], in order
+        assert torch.equal(pages[layer, 0], tensor[5]) and torch.equal(pages[layer, 1], tensor[2])
+    before = [t.clone() for t in tensors]
+    paged.scatter(obj, {1: 7})  # only the chunk's second block, into block 7
+    for layer, tensor in enumerate(tensors):
+        assert torch.equal(tensor[7], before[layer][2])
+        others = [b for b in range(8) if b != 7]
+        assert torch.equal(tensor[others], before[layer][others])
+
+
+def test_paged_kv_refuses_tensors_that_do_not_match_the_layout() -> None:
+    layout = KVLayout(2, 2, 8, "float32", tokens_per_chunk=8)
+    one_layer = {"model.layers.0.attn": torch.zeros(4, 2, 4, 16)}
+    with pytest.raises(ValueError, match="registered 1 KV tensors"):
+        PagedKV(one_layer, layout, 4)
+    wrong_heads = {f"model.layers.{i}.attn": torch.zeros(4, 1, 4, 16) for i in range(2)}
+    with pytest.raises(ValueError, match="pages of"):
+        PagedKV(wrong_heads, layout, 4)
+
+
+def test_shared_kv_layers_are_counted_once() -> None:
+    layout = KVLayout(1, 2, 8, "float32", tokens_per_chunk=8)
+    shared = torch.zeros(4, 2, 4, 16)
+    paged = PagedKV({"model.layers.0.attn": shared, "model.layers.1.attn": shared}, layout, 4)
+    assert len(paged.layers) == 1
