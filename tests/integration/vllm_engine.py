@@ -36,7 +36,8 @@ def main() -> None:
     # vLLM (and its child processes) log to stdout: keep stdout for answers only.
     answers = os.fdopen(os.dup(sys.stdout.fileno()), "w", buffering=1)
     os.dup2(sys.stderr.fileno(), sys.stdout.fileno())
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    if not args.kv_bytes:  # VLLM_CPU_KVCACHE_SPACE would win over kv_cache_memory_bytes
+        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt

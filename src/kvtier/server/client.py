@@ -3,7 +3,9 @@
 Never raises into the engine's request path for anything the server or the
 network does: a server that does not answer within ``request_timeout_s``
 puts the client in degraded mode, where lookups answer 0 at once and stores
-are skipped, until a reconnect (tried at most every ``retry_s``) succeeds. A
+are skipped, until a reconnect succeeds: tried after ``retry_s``, then at
+doubling intervals up to ``max_retry_s`` while the server stays away (each try
+can cost up to ``request_timeout_s`` of the caller's time). A
 server restart is seen through its boot id (or a ``no_hello`` error) and the
 client registers again. Local clients copy KV through the shared-memory
 arena (one copy each way); others, or ``shm=False``, send bytes in frames.
@@ -55,6 +57,7 @@ class ClientConfig:
     client_id: str = "engine"
     request_timeout_s: float = 2.0
     retry_s: float = 1.0
+    max_retry_s: float = 30.0
     heartbeat_s: float = 10.0  # ping this often (keeps the client alive, spots restarts); 0: off
     max_polls: int = 1000  # a lookup still pending after this many polls is a miss
 
@@ -104,6 +107,7 @@ class CacheClient:
         self._socket: zmq.Socket[bytes] | None = None
         self._region: SharedRegion | None = None
         self._degraded_until = 0.0
+        self._retry_s = config.retry_s  # doubles while reconnecting fails
         self._ids = itertools.count()
         self._stop = threading.Event()
         self._heartbeat: threading.Thread | None = None
@@ -388,6 +392,7 @@ class CacheClient:
             self._go_degraded()
             return False
         self.chunk_size, self.boot_id = reply.chunk_size, reply.boot_id
+        self._retry_s = self.config.retry_s
         if self._region is not None:
             self._region.close()
             self._region = None
@@ -400,7 +405,8 @@ class CacheClient:
 
     def _go_degraded(self) -> None:
         self.chunk_size = None
-        self._degraded_until = time.monotonic() + self.config.retry_s
+        self._degraded_until = time.monotonic() + self._retry_s
+        self._retry_s = min(2 * self._retry_s, self.config.max_retry_s)
         if self._socket is not None:  # drop late replies with the socket
             self._socket.close(linger=0)
             self._socket = None
