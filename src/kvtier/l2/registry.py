@@ -19,6 +19,8 @@ from kvtier.l2.base import CompletionCallback, L2Adapter
 ADAPTER_TYPES: dict[str, str] = {
     "fs": "kvtier.l2.fs:FSAdapter",
     "mock": "kvtier.l2.mock:MockAdapter",
+    "redis": "kvtier.l2.redis:RedisAdapter",
+    "valkey": "kvtier.l2.redis:ValkeyAdapter",
 }
 
 

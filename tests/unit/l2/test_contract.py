@@ -1,10 +1,11 @@
 """The L2 adapter contract (``kvtier.l2.base``), checked for every adapter type.
 
 To add an adapter, add one entry to ``ADAPTER_FACTORIES``: how to build it
-(``build(tmp_path, on_complete, **options)`` through ``make_adapter``), how to
-rewrite one stored object directly in its backend (``tamper``), and options
-that make each task take a while (``slow``, for the ``close()`` tests). A
-factory for a real server may ``pytest.skip`` when the server is not there.
+(``build(tmp_path, on_complete, server, **options)`` through ``make_adapter``),
+how to rewrite one stored object directly in its backend (``tamper``), options
+that make each task take a while (``slow``, for the ``close()`` tests), and
+for a backend that is a server the name of the session fixture that runs it
+(``server``; it skips when the server's binary is missing).
 Every test uses keys with a salt of its own, so a backend shared between
 tests (a server) never sees another test's objects.
 """
@@ -35,7 +36,9 @@ from kvtier.l2.base import Buffer, CompletionCallback
 from kvtier.l2.format import decode_object, encode_object
 from kvtier.l2.fs import FSAdapter
 from kvtier.l2.mock import MockAdapter
+from kvtier.l2.redis import RedisAdapter
 from tests.conftest import make_key
+from tests.servers import RedisProcess
 from tests.unit.l2.harness import Change, Harness, drain, payload
 
 LAYOUT_A = "00112233445566778899aabbccddeeff"
@@ -44,7 +47,9 @@ LAYOUT_B = "ffeeddccbbaa99887766554433221100"
 # ------------------------------------------------------------ adapter types
 
 
-def _build_mock(tmp_path: Path, on_complete: CompletionCallback, **options: Any) -> L2Adapter:
+def _build_mock(
+    tmp_path: Path, on_complete: CompletionCallback, server: Any, **options: Any
+) -> L2Adapter:
     return make_adapter({"type": "mock", **options}, on_complete)
 
 
@@ -53,8 +58,29 @@ def _tamper_mock(adapter: L2Adapter, key: ObjectKey, change: Change) -> None:
     adapter.tamper(key, change)
 
 
-def _build_fs(tmp_path: Path, on_complete: CompletionCallback, **options: Any) -> L2Adapter:
+def _build_fs(
+    tmp_path: Path, on_complete: CompletionCallback, server: Any, **options: Any
+) -> L2Adapter:
     return make_adapter({"type": "fs", "path": str(tmp_path / "l2"), **options}, on_complete)
+
+
+def _build_redis(
+    tmp_path: Path, on_complete: CompletionCallback, server: RedisProcess, **options: Any
+) -> L2Adapter:
+    return make_adapter({"type": "redis", "url": server.url, **options}, on_complete)
+
+
+def _build_valkey(
+    tmp_path: Path, on_complete: CompletionCallback, server: RedisProcess, **options: Any
+) -> L2Adapter:
+    return make_adapter({"type": "valkey", "url": server.url, **options}, on_complete)
+
+
+def _tamper_redis(adapter: L2Adapter, key: ObjectKey, change: Change) -> None:
+    assert isinstance(adapter, RedisAdapter)
+    client = adapter._client
+    name = adapter.name_of(key)
+    client.set(name, change(client.get(name)))
 
 
 def _tamper_fs(adapter: L2Adapter, key: ObjectKey, change: Change) -> None:
@@ -68,11 +94,19 @@ class AdapterFactory:
     build: Callable[..., L2Adapter]  # (tmp_path, on_complete, **options) -> adapter
     tamper: Callable[[L2Adapter, ObjectKey, Change], None]
     slow: dict[str, Any] = field(default_factory=dict)
+    server: str | None = None  # the session fixture that runs the backend
 
 
 ADAPTER_FACTORIES: dict[str, AdapterFactory] = {
     "mock": AdapterFactory(_build_mock, _tamper_mock, slow={"latency_s": 0.05}),
     "fs": AdapterFactory(_build_fs, _tamper_fs, slow={"fsync": True}),
+    # Redis and Valkey: batches of one key per round trip, so tasks take a while.
+    "redis": AdapterFactory(
+        _build_redis, _tamper_redis, slow={"batch_bytes": 1}, server="redis_server"
+    ),
+    "valkey": AdapterFactory(
+        _build_valkey, _tamper_redis, slow={"batch_bytes": 1}, server="valkey_server"
+    ),
 }
 
 # ------------------------------------------------------------ fixtures
@@ -97,14 +131,17 @@ def adapter_type(request: pytest.FixtureRequest) -> str:
 
 
 @pytest.fixture
-def open_adapter(adapter_type: str, tmp_path: Path) -> Iterator[Callable[..., ContractHarness]]:
+def open_adapter(
+    adapter_type: str, tmp_path: Path, request: pytest.FixtureRequest
+) -> Iterator[Callable[..., ContractHarness]]:
     """Build harnesses for ``adapter_type``; all are closed at teardown."""
     made: list[ContractHarness] = []
     factory = ADAPTER_FACTORIES[adapter_type]
+    server = request.getfixturevalue(factory.server) if factory.server else None
 
     def build(**options: Any) -> ContractHarness:
         queue = CompletionQueue()
-        adapter = factory.build(tmp_path / f"a{len(made)}", queue.put, **options)
+        adapter = factory.build(tmp_path / f"a{len(made)}", queue.put, server, **options)
         made.append(ContractHarness(adapter, queue, factory))
         return made[-1]
 
