@@ -31,6 +31,7 @@ def _selfcheck(args: argparse.Namespace) -> int:
 def _serve(args: argparse.Namespace) -> int:
     import logging
 
+    from kvtier.l2.registry import parse_spec
     from kvtier.server.config import load_config
     from kvtier.server.main import serve
 
@@ -44,6 +45,7 @@ def _serve(args: argparse.Namespace) -> int:
         "chunk_size": args.chunk_size,
         "auth_token": args.auth_token,
         "shm_dir": args.shm_dir,
+        "l2": [parse_spec(spec) for spec in args.l2] if args.l2 else None,
     }
     serve(load_config(flags, args.config))
     return 0
@@ -138,6 +140,13 @@ def build_parser() -> argparse.ArgumentParser:
         "--auth-token", help="required from clients and admin HTTP (env KVTIER_AUTH_TOKEN)"
     )
     srv.add_argument("--shm-dir", help="tmpfs directory for the L1 arena (default /dev/shm)")
+    srv.add_argument(
+        "--l2",
+        action="append",
+        metavar="JSON",
+        help='another L2 adapter after the fs one, e.g. \'{"type": "redis", "url": '
+        '"redis://127.0.0.1:6379/0"}\' (repeatable; TOML: [[l2]] tables)',
+    )
     srv.set_defaults(run=_serve)
     return parser
 

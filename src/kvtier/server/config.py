@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from kvtier.config import from_mapping
+from kvtier.l2.registry import parse_spec
 
 GiB = 1 << 30
 
@@ -44,6 +45,9 @@ class ServerConfig:
     shm_dir: str = "/dev/shm"
     session_ttl_s: float = 300.0
     client_ttl_s: float = 60.0
+    # More L2 adapters after the fs one, e.g. shared stores: TOML ``[[l2]]``
+    # tables or ``--l2 '{"type": "redis", "url": "redis://..."}'`` (repeatable).
+    l2: tuple[dict[str, Any], ...] = ()
 
     def __post_init__(self) -> None:
         if not 0 <= self.port < 65536:
@@ -54,6 +58,8 @@ class ServerConfig:
             raise ValueError(f"--chunk-size must be positive, got {self.chunk_size}")
         if self.l1_size_bytes < 0:
             raise ValueError("--l1-size must be positive")
+        for spec in self.l2:
+            parse_spec(spec)  # a clear error for a spec without a type
 
     @property
     def l1_bytes(self) -> int:

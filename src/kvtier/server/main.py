@@ -8,6 +8,7 @@ import threading
 from types import FrameType
 
 from kvtier.l1 import L1Config
+from kvtier.l2.registry import parse_spec
 from kvtier.server.admin import AdminHTTP
 from kvtier.server.config import ServerConfig
 from kvtier.server.core import CacheServer, ServerLimits
@@ -19,7 +20,8 @@ log = logging.getLogger(__name__)
 
 
 def storage_config(config: ServerConfig) -> StorageConfig:
-    l2 = () if config.l2_dir is None else ({"type": "fs", "path": config.l2_dir},)
+    local = () if config.l2_dir is None else ({"type": "fs", "path": config.l2_dir},)
+    l2 = (*local, *(parse_spec(spec) for spec in config.l2))  # the local disk first
     return StorageConfig(l1=L1Config(size_bytes=config.l1_bytes, shm_dir=config.shm_dir), l2=l2)
 
 

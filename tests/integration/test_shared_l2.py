@@ -1,0 +1,200 @@
+"""Shared L2 on real stores: two kvtier nodes sharing one Redis/Valkey, and
+what happens when the store dies, comes back or stalls."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from collections import Counter
+from typing import Any
+
+import numpy as np
+import pytest
+
+from kvtier.keys import ObjectKey
+from kvtier.l1 import L1Config
+from kvtier.l2 import CompletionQueue, TaskResult, make_adapter
+from kvtier.layout import KVLayout
+from kvtier.server.client import CacheClient
+from kvtier.storage import StorageConfig, StorageManager
+from tests.conftest import make_key
+from tests.integration import workload as w
+from tests.integration.harness import ServerFactory, wait_for
+from tests.servers import RedisProcess
+
+CHUNKS = 8
+
+
+@pytest.fixture(params=["redis_server", "valkey_server"])
+def store_server(request: pytest.FixtureRequest) -> RedisProcess:
+    server: RedisProcess = request.getfixturevalue(request.param)
+    return server
+
+
+def node(kvtier_server: ServerFactory, store: RedisProcess) -> Any:
+    spec = json.dumps({"type": "redis", "url": store.url, "name": "shared"})
+    return kvtier_server.start("--cache-dir", "none", "--l2", spec)
+
+
+def written_back(client: CacheClient) -> int:
+    status = client.status()
+    return 0 if status is None else int(status["storage"]["store"].get("stored_objects.shared", 0))
+
+
+def test_node_b_hits_what_node_a_stored_and_other_tenants_miss(
+    kvtier_server: ServerFactory, store_server: RedisProcess
+) -> None:
+    a, b = node(kvtier_server, store_server), node(kvtier_server, store_server)
+    salt = f"t{time.monotonic_ns()}"  # this run's own objects in the shared store
+    on_a = CacheClient(w.client_config(a.rpc, salt=salt))
+    on_b = CacheClient(w.client_config(b.rpc, salt=salt))
+    other = CacheClient(w.client_config(b.rpc, salt=salt + "-other"))
+    try:
+        chunk = on_a.chunk_size
+        assert chunk is not None
+        size = w.object_bytes(chunk)
+        hashes = w.chunk_hashes(chunk, 5, CHUNKS)
+        data = w.payloads(5, CHUNKS, size)
+        assert on_a.store("s", hashes, data) == CHUNKS
+        assert wait_for(lambda: written_back(on_a), lambda n: n >= CHUNKS) >= CHUNKS
+
+        state = on_b.lookup("r", hashes, wait_s=10.0)
+        assert (state.hit, state.tiers) == (CHUNKS, {"shared": CHUNKS})  # from Redis, not L1
+        out = w.empty_buffers(CHUNKS, size)
+        assert on_b.retrieve_into("r", 0, CHUNKS, out)
+        assert all(np.array_equal(o, d) for o, d in zip(out, data, strict=True))
+        on_b.end_session("r")
+
+        assert other.lookup("x", hashes, wait_s=10.0).hit == 0  # another salt: other keys
+        other.end_session("x")
+    finally:
+        for client in (on_a, on_b, other):
+            client.close()
+
+
+# ------------------------------------------------------------------ faults
+
+
+class Stream:
+    """Stores and lookups on a redis adapter from a thread, counting results."""
+
+    def __init__(self, url: str) -> None:
+        self.queue = CompletionQueue()
+        self.adapter = make_adapter(
+            {"type": "redis", "url": url, "timeout_s": 0.5, "backoff_max_s": 1.0},
+            self.queue.put,
+        )
+        self.salt = f"f{time.monotonic_ns()}"
+        self.errors: list[BaseException] = []
+        self.results: Counter[str] = Counter()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._n = 0
+
+    def key(self, i: int) -> ObjectKey:
+        return make_key(i, salt=self.salt)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(30)
+        self.adapter.close()
+
+    def wait(self, task: object) -> TaskResult:
+        """The result of ``task`` (this stream runs one task at a time)."""
+        result = self.queue.get(timeout=30)
+        assert result is not None and result.task == task, "a task was not delivered"
+        return result
+
+    def round(self) -> tuple[TaskResult, TaskResult]:
+        """Store a new key, then look it up; both results."""
+        self._n += 1
+        key, data = self.key(self._n), np.full(4096, self._n % 251, np.uint8)
+        stored = self.wait(self.adapter.submit_store([key], [data]))
+        found = self.wait(self.adapter.submit_lookup([key]))
+        return stored, found
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                stored, found = self.round()
+                self.results["stored" if stored.count else "store_failed"] += 1
+                self.results["found" if found.count else "missed"] += 1
+            except BaseException as exc:  # nothing may escape the adapter
+                self.errors.append(exc)
+                return
+
+
+def test_backend_killed_mid_stream_then_restarted(tmp_path: Any) -> None:
+    from tests.servers import redis_binary
+
+    binary = redis_binary()
+    if binary is None:
+        pytest.skip("no redis-server binary")
+    store = RedisProcess.start(binary, tmp_path / "redis.log")
+    stream = Stream(store.url)
+    try:
+        stream.start()
+        assert wait_for(lambda: stream.results["found"], lambda n: n >= 20) >= 20
+        store.kill()
+        before = stream.results["store_failed"]
+        assert wait_for(lambda: stream.results["store_failed"], lambda n: n > before) > before
+        failures = stream.adapter.status()["failures"]
+        assert isinstance(failures, dict) and failures, "the failures are counted by reason"
+        store.launch()  # a fresh, empty server on the same port
+        found = stream.results["found"]
+        assert wait_for(lambda: stream.results["found"], lambda n: n > found + 5, timeout_s=30)
+    finally:
+        stream.stop()
+        store.stop()
+    assert stream.errors == []
+
+
+def test_data_lost_with_a_restart_is_a_miss_not_an_error(tmp_path: Any) -> None:
+    from tests.servers import redis_binary
+
+    binary = redis_binary()
+    if binary is None:
+        pytest.skip("no redis-server binary")
+    store = RedisProcess.start(binary, tmp_path / "redis.log")
+    stream = Stream(store.url)
+    try:
+        assert stream.round()[1].count == 1
+        store.restart()  # no persistence: the object is gone
+        key = stream.key(1)
+
+        def looked_up() -> TaskResult:
+            return stream.wait(stream.adapter.submit_lookup([key]))
+
+        result = wait_for(looked_up, lambda r: "backoff" not in str(r), timeout_s=10)
+        assert result.ok == (False,)
+        out = [np.zeros(4096, np.uint8)]
+        loaded = stream.wait(stream.adapter.submit_load([key], out))
+        assert loaded.ok == (False,)
+    finally:
+        stream.stop()
+        store.stop()
+
+
+def test_a_paused_backend_does_not_hold_a_lookup_past_its_deadline(
+    redis_server: RedisProcess,
+) -> None:
+    spec = {"type": "redis", "url": redis_server.url, "timeout_s": 20.0, "name": "shared"}
+    config = StorageConfig(l1=L1Config(size_bytes=16 << 20, populate=False), l2=(spec,))
+    keys = [make_key(i, salt=f"p{time.monotonic_ns()}") for i in range(4)]
+    layout = KVLayout(1, 1, 128, "float32", tokens_per_chunk=1)  # 1,024-byte objects
+    with StorageManager(config) as storage:
+        storage.store(keys, [np.full(1024, i, np.uint8) for i in range(4)], layout)
+        assert storage.flush(30)
+        storage.l1.delete(keys)  # only Redis has them now
+        redis_server.pause(8.0)
+        started = time.monotonic()
+        result = storage.lookup(keys, layout, deadline_s=0.5)
+        waited = time.monotonic() - started
+        storage.release(list(result.placements))
+        assert result.hit_chunks == 0  # nothing could come back in time
+        assert waited < 6.0, f"the lookup waited {waited:.1f} s for a paused store"
