@@ -49,18 +49,22 @@ SHAPES = [(64, 8 * MiB), (256, 1 * MiB)]
 SPEC = LayoutSpec(group=0, num_layers=8, kv_heads=2, head_dim=128, dtype="bfloat16")
 
 
-def adapter_vs_raw(url: str, count: int, size: int, rounds: int) -> dict[str, float]:
+def adapter_vs_raw(
+    url: str, count: int, size: int, rounds: int, options: dict[str, Any]
+) -> dict[str, float]:
     import redis
 
     raw = redis.Redis.from_url(url)
     queue = CompletionQueue()
-    adapter = make_adapter({"type": "redis", "url": url, "timeout_s": 60}, queue.put)
+    spec = {"type": "redis", "url": url, "timeout_s": 60, **options}
+    adapter = make_adapter(spec, queue.put)
     assert isinstance(adapter, RedisAdapter)
     buffers = [np.random.default_rng(i).integers(0, 256, size, np.uint8) for i in range(count)]
+    out = [np.ones(size, np.uint8) for _ in range(count)]  # mapped, as L1's arena is
     samples: dict[str, list[float]] = {k: [] for k in ("raw_put", "raw_get", "put", "get")}
     try:
         for r in range(rounds):
-            for name, seconds in one_round(raw, adapter, queue, buffers, r).items():
+            for name, seconds in one_round(raw, adapter, queue, buffers, out, r).items():
                 samples[name].append(seconds)
     finally:
         adapter.close()
@@ -82,13 +86,17 @@ def adapter_vs_raw(url: str, count: int, size: int, rounds: int) -> dict[str, fl
 
 
 def one_round(
-    raw: Any, adapter: RedisAdapter, queue: CompletionQueue, buffers: list[Any], r: int
+    raw: Any,
+    adapter: RedisAdapter,
+    queue: CompletionQueue,
+    buffers: list[Any],
+    out: list[Any],
+    r: int,
 ) -> dict[str, float]:
     """Seconds for each of the four runs (raw and adapter, put and get)."""
     names = [f"bench:raw:{r}:{i}" for i in range(len(buffers))]
     keys = [ObjectKey(blake3(b"%d:%d" % (r, i)).digest(), "bench", 0) for i in range(len(buffers))]
     values = [b.tobytes() for b in buffers]
-    out = [np.empty_like(b) for b in buffers]
 
     def raw_put() -> None:
         pipe = raw.pipeline(transaction=False)
@@ -161,6 +169,7 @@ def main() -> None:
     parser.add_argument("--node-rounds", type=int, default=20)
     parser.add_argument("--shapes", default="64x8,256x1", help="COUNTxMIB,... (default 64x8,256x1)")
     parser.add_argument("--valkey", action="store_true", help="valkey-server instead of Redis")
+    parser.add_argument("--adapter", default="{}", help="adapter options as JSON")
     args = parser.parse_args()
     binary = valkey_binary() if args.valkey else redis_binary()
     if binary is None:
@@ -172,7 +181,7 @@ def main() -> None:
     results: dict[str, object] = {"server": Path(binary).name, "rounds": args.rounds}
     try:
         for count, mib in shapes:
-            r = adapter_vs_raw(server.url, count, mib * MiB, args.rounds)
+            r = adapter_vs_raw(server.url, count, mib * MiB, args.rounds, json.loads(args.adapter))
             results[f"{count}x{mib}MiB"] = r
             rows.append(
                 (
