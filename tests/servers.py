@@ -96,3 +96,105 @@ class RedisProcess:
         with socket.create_connection(("127.0.0.1", self.port), timeout=2) as conn:
             conn.sendall(f"CLIENT PAUSE {int(seconds * 1000)} ALL\r\n".encode())
             assert conn.recv(16).startswith(b"+OK")
+
+
+# ------------------------------------------------------------------ SeaweedFS
+
+
+def weed_binary() -> str | None:
+    return shutil.which("weed")
+
+
+def free_port_pair() -> int:
+    """A free port whose +10000 (SeaweedFS's gRPC port for it) is free too."""
+    for _ in range(100):
+        port = free_port()
+        if port + 10000 < 65536:
+            with socket.socket() as s:
+                try:
+                    s.bind(("127.0.0.1", port + 10000))
+                except OSError:
+                    continue
+            return port
+    raise RuntimeError("no free port pair")
+
+
+@dataclass(eq=False)
+class SeaweedProcess:
+    """``weed server`` with its S3 gateway on 127.0.0.1, and one bucket."""
+
+    binary: str
+    directory: Path
+    log: Path
+    s3_port: int = 0
+    bucket: str = "kvtier-test"
+    proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def endpoint(self) -> str:
+        return f"http://127.0.0.1:{self.s3_port}"
+
+    def spec(self, **options: object) -> dict[str, object]:
+        """An ``s3`` adapter spec for this server (any credentials are accepted)."""
+        return {
+            "type": "s3",
+            "endpoint_url": self.endpoint,
+            "bucket": self.bucket,
+            "region": "us-east-1",
+            "access_key_id": "test",
+            "secret_access_key": "test",
+            **options,
+        }
+
+    @classmethod
+    def start(cls, binary: str, directory: Path, timeout_s: float = 90.0) -> SeaweedProcess:
+        server = cls(binary, directory, directory / "weed.log")
+        master, volume, filer = free_port_pair(), free_port_pair(), free_port_pair()
+        server.s3_port = free_port_pair()
+        args = [binary, "server", f"-dir={directory}", "-ip=127.0.0.1", "-ip.bind=127.0.0.1"]
+        args += [f"-master.port={master}", f"-volume.port={volume}", "-filer"]
+        args += [f"-filer.port={filer}", "-s3", f"-s3.port={server.s3_port}"]
+        args += ["-s3.port.iceberg=0", "-master.volumeSizeLimitMB=1024", "-volume.max=16"]
+        args += ["-volume.preStopSeconds=0", "-metricsPort=0"]
+        with server.log.open("w") as out:
+            server.proc = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT)
+        try:
+            server._create_bucket(timeout_s)
+        except BaseException:
+            server.stop()
+            raise
+        return server
+
+    def _create_bucket(self, timeout_s: float) -> None:
+        import boto3
+
+        client = boto3.client(
+            "s3",
+            endpoint_url=self.endpoint,
+            region_name="us-east-1",
+            aws_access_key_id="test",
+            aws_secret_access_key="test",
+        )
+        deadline = time.monotonic() + timeout_s
+        while True:  # the S3 port answers in seconds; the first put can take longer
+            try:
+                client.create_bucket(Bucket=self.bucket)
+            except Exception as exc:
+                if "BucketAlreadyOwnedByYou" not in str(exc):
+                    if self.proc is None or self.proc.poll() is not None:
+                        raise RuntimeError(f"weed exited:\n{self.log.read_text()}") from exc
+                    if time.monotonic() > deadline:
+                        raise RuntimeError(f"no S3 bucket after {timeout_s} s: {exc}") from exc
+                    time.sleep(0.5)
+                    continue
+            try:
+                client.put_object(Bucket=self.bucket, Key="probe", Body=b"x")
+                return
+            except Exception as exc:
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"S3 puts still fail after {timeout_s} s: {exc}") from exc
+                time.sleep(0.5)
+
+    def stop(self) -> None:
+        if self.proc is not None:  # SIGTERM can take ~15 s (and once hung): a deadline
+            stop_process(self.proc, signal.SIGTERM, timeout_s=20)

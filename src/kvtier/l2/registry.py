@@ -20,6 +20,7 @@ ADAPTER_TYPES: dict[str, str] = {
     "fs": "kvtier.l2.fs:FSAdapter",
     "mock": "kvtier.l2.mock:MockAdapter",
     "redis": "kvtier.l2.redis:RedisAdapter",
+    "s3": "kvtier.l2.s3:S3Adapter",
     "valkey": "kvtier.l2.redis:ValkeyAdapter",
 }
 

@@ -37,8 +37,9 @@ from kvtier.l2.format import decode_object, encode_object
 from kvtier.l2.fs import FSAdapter
 from kvtier.l2.mock import MockAdapter
 from kvtier.l2.redis import RedisAdapter
+from kvtier.l2.s3 import S3Adapter
 from tests.conftest import make_key
-from tests.servers import RedisProcess
+from tests.servers import RedisProcess, SeaweedProcess
 from tests.unit.l2.harness import Change, Harness, drain, payload
 
 LAYOUT_A = "00112233445566778899aabbccddeeff"
@@ -76,6 +77,19 @@ def _build_valkey(
     return make_adapter({"type": "valkey", "url": server.url, **options}, on_complete)
 
 
+def _build_s3(
+    tmp_path: Path, on_complete: CompletionCallback, server: SeaweedProcess, **options: Any
+) -> L2Adapter:
+    return make_adapter(server.spec(**options), on_complete)
+
+
+def _tamper_s3(adapter: L2Adapter, key: ObjectKey, change: Change) -> None:
+    assert isinstance(adapter, S3Adapter)
+    bucket, name = adapter.s3_config.bucket, adapter.name_of(key)
+    body = adapter._s3.get_object(Bucket=bucket, Key=name)["Body"].read()
+    adapter._s3.put_object(Bucket=bucket, Key=name, Body=change(body))
+
+
 def _tamper_redis(adapter: L2Adapter, key: ObjectKey, change: Change) -> None:
     assert isinstance(adapter, RedisAdapter)
     client = adapter._client
@@ -104,6 +118,7 @@ ADAPTER_FACTORIES: dict[str, AdapterFactory] = {
     "redis": AdapterFactory(
         _build_redis, _tamper_redis, slow={"batch_bytes": 1}, server="redis_server"
     ),
+    "s3": AdapterFactory(_build_s3, _tamper_s3, slow={"io_threads": 1}, server="seaweed_server"),
     "valkey": AdapterFactory(
         _build_valkey, _tamper_redis, slow={"batch_bytes": 1}, server="valkey_server"
     ),
