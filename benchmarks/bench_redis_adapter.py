@@ -22,8 +22,6 @@ import json
 import statistics
 import sys
 import tempfile
-import time
-import urllib.request
 from pathlib import Path
 from typing import Any
 
@@ -34,19 +32,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo root, f
 
 from tests.servers import RedisProcess, redis_binary, valkey_binary
 
-from common import percentile, report, timed
-from kvtier.keys import Namespace, ObjectKey, TokenHasher
+from common import report, timed
+from kvtier.keys import ObjectKey
 from kvtier.l2 import CompletionQueue, make_adapter
 from kvtier.l2.redis import RedisAdapter
-from kvtier.layout import KVLayout
-from kvtier.server.client import CacheClient, ClientConfig
-from kvtier.server.process import ServerProcess
-from kvtier.server.protocol import LayoutSpec
+from shared_l2 import two_nodes
 
 MiB = 1 << 20
 SHAPES = [(64, 8 * MiB), (256, 1 * MiB)]
-# 8 layers, 2 KV heads of 128, bf16: 8 KiB per token, 2 MiB per 256-token chunk.
-SPEC = LayoutSpec(group=0, num_layers=8, kv_heads=2, head_dim=128, dtype="bfloat16")
 
 
 def adapter_vs_raw(
@@ -125,44 +118,6 @@ def one_round(
     return seconds
 
 
-def two_nodes(url: str, tmp: Path, rounds: int) -> dict[str, float]:
-    spec = json.dumps({"type": "redis", "url": url, "name": "shared"})
-    args = ["--port", "0", "--http-port", "0", "--l1-size", "512MiB", "--cache-dir", "none"]
-    with (
-        ServerProcess.start([*args, "--l2", spec], tmp / "a.log") as a,
-        ServerProcess.start([*args, "--l2", spec], tmp / "b.log") as b,
-    ):
-        config = {"model": "bench/model", "layouts": (SPEC,), "salt": f"b{time.time_ns()}"}
-        on_a = CacheClient(ClientConfig(address=a.rpc, **config))
-        on_b = CacheClient(ClientConfig(address=b.rpc, **config))
-        chunk = on_a.chunk_size
-        assert chunk is not None
-        layout = KVLayout(SPEC.num_layers, SPEC.kv_heads, SPEC.head_dim, SPEC.dtype, chunk)
-        namespace = Namespace("bench/model", kv_dtype=SPEC.dtype, layout=layout.digest())
-        hashes = TokenHasher(namespace, chunk).chunk_hashes(list(range(32 * chunk)))
-        data = [np.full(layout.object_bytes(), i, np.uint8) for i in range(32)]
-        assert on_a.store("s", hashes, data) == 32
-        while int(on_a.status()["storage"]["store"].get("stored_objects.shared", 0)) < 32:
-            time.sleep(0.05)
-        latencies = []
-        for r in range(rounds):
-            clear = urllib.request.Request(b.http + "/clear", method="POST")
-            urllib.request.urlopen(clear, timeout=10).read()
-            started = time.perf_counter()
-            state = on_b.lookup(f"r{r}", hashes, wait_s=30.0)
-            latencies.append(time.perf_counter() - started)
-            assert state.hit == 32 and state.tiers == {"shared": 32}, state
-            on_b.end_session(f"r{r}")
-        on_a.close()
-        on_b.close()
-    return {
-        "chunks": 32,
-        "object_bytes": layout.object_bytes(),
-        "lookup_to_admitted_p50_s": percentile(latencies, 50),
-        "lookup_to_admitted_p95_s": percentile(latencies, 95),
-    }
-
-
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--rounds", type=int, default=3)
@@ -191,11 +146,12 @@ def main() -> None:
                     f"{r['raw_get_gbs']:.2f} GB/s)",
                 )
             )
-        nodes = two_nodes(server.url, tmp, args.node_rounds)
+        spec = {"type": "redis", "url": server.url, "name": "shared"}
+        nodes = two_nodes(spec, tmp, args.node_rounds)
         results["two_nodes"] = nodes
         rows.append(
             (
-                "node B lookup -> admitted, 32 x 2 MiB from Redis",
+                "node B lookup -> admitted, 32 x 2 MiB from the store",
                 f"p50 {nodes['lookup_to_admitted_p50_s'] * 1e3:.1f} ms, "
                 f"p95 {nodes['lookup_to_admitted_p95_s'] * 1e3:.1f} ms",
             )

@@ -37,6 +37,7 @@ TINY = {
         "{tmp}",
     ],
     "bench_redis_adapter.py": ["--rounds", "1", "--node-rounds", "2", "--shapes", "4x1"],
+    "bench_s3_adapter.py": ["--rounds", "1", "--node-rounds", "2", "--shapes", "4x1"],
     "bench_server.py": [
         "--objects",
         "2",

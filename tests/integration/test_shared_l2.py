@@ -4,6 +4,8 @@ what happens when the store dies, comes back or stalls."""
 from __future__ import annotations
 
 import json
+import os
+import signal
 import threading
 import time
 from collections import Counter
@@ -21,7 +23,7 @@ from kvtier.storage import StorageConfig, StorageManager
 from tests.conftest import make_key
 from tests.integration import workload as w
 from tests.integration.harness import ServerFactory, wait_for
-from tests.servers import RedisProcess
+from tests.servers import RedisProcess, SeaweedProcess
 
 CHUNKS = 8
 
@@ -198,3 +200,30 @@ def test_a_paused_backend_does_not_hold_a_lookup_past_its_deadline(
         storage.release(list(result.placements))
         assert result.hit_chunks == 0  # nothing could come back in time
         assert waited < 6.0, f"the lookup waited {waited:.1f} s for a paused store"
+
+
+def test_a_stopped_s3_store_does_not_hold_a_lookup_past_its_deadline(
+    seaweed_server: SeaweedProcess,
+) -> None:
+    spec = seaweed_server.spec(name="shared", timeout_s=20.0)
+    config = StorageConfig(l1=L1Config(size_bytes=16 << 20, populate=False), l2=(spec,))
+    keys = [make_key(i, salt=f"p{time.monotonic_ns()}") for i in range(4)]
+    layout = KVLayout(1, 1, 128, "float32", tokens_per_chunk=1)  # 1,024-byte objects
+    with StorageManager(config) as storage:
+        storage.store(keys, [np.full(1024, i, np.uint8) for i in range(4)], layout)
+        assert storage.flush(60)
+        storage.l1.delete(keys)  # only the bucket has them now
+        assert seaweed_server.proc is not None
+        os.kill(seaweed_server.proc.pid, signal.SIGSTOP)
+        try:
+            started = time.monotonic()
+            result = storage.lookup(keys, layout, deadline_s=0.5)
+            waited = time.monotonic() - started
+        finally:
+            os.kill(seaweed_server.proc.pid, signal.SIGCONT)
+        storage.release(list(result.placements))
+        assert result.hit_chunks == 0
+        assert waited < 6.0, f"the lookup waited {waited:.1f} s for a stopped store"
+        again = storage.lookup(keys, layout, deadline_s=30.0)  # the store is back
+        assert again.hit_chunks == 4
+        storage.release(list(again.placements))

@@ -1,0 +1,63 @@
+"""Two ``kvtier serve`` nodes with separate L1s sharing one L2 store: node B's
+lookup-to-admitted latency for chunks node A stored (used by the shared-L2
+benchmarks)."""
+
+from __future__ import annotations
+
+import json
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from common import percentile
+from kvtier.keys import Namespace, TokenHasher
+from kvtier.layout import KVLayout
+from kvtier.server.client import CacheClient, ClientConfig
+from kvtier.server.process import ServerProcess
+from kvtier.server.protocol import LayoutSpec
+
+# 8 layers, 2 KV heads of 128, bf16: 8 KiB per token, 2 MiB per 256-token chunk.
+SPEC = LayoutSpec(group=0, num_layers=8, kv_heads=2, head_dim=128, dtype="bfloat16")
+
+
+def two_nodes(shared: dict[str, Any], tmp: Path, rounds: int) -> dict[str, float]:
+    """Node A stores 32 chunks; node B's lookup-to-admitted latency, its L1
+    cleared before every round. ``shared`` is the L2 spec (named ``shared``)."""
+    spec = json.dumps(shared)
+    args = ["--port", "0", "--http-port", "0", "--l1-size", "512MiB", "--cache-dir", "none"]
+    with (
+        ServerProcess.start([*args, "--l2", spec], tmp / "a.log") as a,
+        ServerProcess.start([*args, "--l2", spec], tmp / "b.log") as b,
+    ):
+        config = {"model": "bench/model", "layouts": (SPEC,), "salt": f"b{time.time_ns()}"}
+        on_a = CacheClient(ClientConfig(address=a.rpc, **config))
+        on_b = CacheClient(ClientConfig(address=b.rpc, **config))
+        chunk = on_a.chunk_size
+        assert chunk is not None
+        layout = KVLayout(SPEC.num_layers, SPEC.kv_heads, SPEC.head_dim, SPEC.dtype, chunk)
+        namespace = Namespace("bench/model", kv_dtype=SPEC.dtype, layout=layout.digest())
+        hashes = TokenHasher(namespace, chunk).chunk_hashes(list(range(32 * chunk)))
+        data = [np.full(layout.object_bytes(), i, np.uint8) for i in range(32)]
+        assert on_a.store("s", hashes, data) == 32
+        while int(on_a.status()["storage"]["store"].get("stored_objects.shared", 0)) < 32:
+            time.sleep(0.05)
+        latencies = []
+        for r in range(rounds):
+            clear = urllib.request.Request(b.http + "/clear", method="POST")
+            urllib.request.urlopen(clear, timeout=10).read()
+            started = time.perf_counter()
+            state = on_b.lookup(f"r{r}", hashes, wait_s=30.0)
+            latencies.append(time.perf_counter() - started)
+            assert state.hit == 32 and state.tiers == {"shared": 32}, state
+            on_b.end_session(f"r{r}")
+        on_a.close()
+        on_b.close()
+    return {
+        "chunks": 32,
+        "object_bytes": layout.object_bytes(),
+        "lookup_to_admitted_p50_s": percentile(latencies, 50),
+        "lookup_to_admitted_p95_s": percentile(latencies, 95),
+    }
