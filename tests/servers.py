@@ -198,3 +198,70 @@ class SeaweedProcess:
     def stop(self) -> None:
         if self.proc is not None:  # SIGTERM can take ~15 s (and once hung): a deadline
             stop_process(self.proc, signal.SIGTERM, timeout_s=20)
+
+
+# ------------------------------------------------------------------ Mooncake
+
+
+def mooncake_binaries() -> tuple[str, str] | None:
+    master, holder = shutil.which("mooncake_master"), shutil.which("mooncake_client")
+    return (master, holder) if master and holder else None
+
+
+@dataclass(eq=False)
+class MooncakeProcess:
+    """``mooncake_master`` and a ``mooncake_client`` that lends the pool its
+    memory (a 512 MB segment), both on 127.0.0.1, TCP, P2P handshake."""
+
+    binaries: tuple[str, str]
+    log_dir: Path
+    master_port: int = 0
+    master: subprocess.Popen[bytes] | None = None
+    holder: subprocess.Popen[bytes] | None = None
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.master_port}"
+
+    def spec(self, **options: object) -> dict[str, object]:
+        return {"type": "mooncake", "master": self.address, **options}
+
+    @classmethod
+    def start(cls, binaries: tuple[str, str], log_dir: Path) -> MooncakeProcess:
+        server = cls(binaries, log_dir, free_port())
+        server.launch()
+        return server
+
+    def launch(self) -> None:
+        master, holder = self.binaries
+        args = [master, "--rpc_address=127.0.0.1", f"--rpc_port={self.master_port}"]
+        args += ["--metrics_host=127.0.0.1", f"--metrics_port={free_port()}"]
+        args += ["--default_kv_lease_ttl=200"]  # ms: a read lease soon stops blocking removes
+        with (self.log_dir / "master.log").open("a") as out:
+            self.master = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + 10
+        while not _listening(self.master_port):
+            if self.master.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"mooncake_master did not start (see {self.log_dir})")
+            time.sleep(0.02)
+        args = [holder, "--host=127.0.0.1", f"--port={free_port()}"]
+        args += [f"--master_server_address={self.address}", "--metadata_server=P2PHANDSHAKE"]
+        args += ["--global_segment_size=512MB", "--protocol=tcp"]
+        with (self.log_dir / "holder.log").open("a") as out:
+            self.holder = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT)
+        time.sleep(1.0)  # the holder mounts its segment with the master
+        if self.holder.poll() is not None:
+            raise RuntimeError(f"mooncake_client exited (see {self.log_dir})")
+
+    def stop(self) -> None:
+        for proc in (self.holder, self.master):
+            if proc is not None:
+                stop_process(proc, signal.SIGTERM, timeout_s=10)
+
+
+def _listening(port: int) -> bool:
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=0.2):
+            return True
+    except OSError:
+        return False

@@ -91,6 +91,8 @@ class StorageManager:
             self._close_adapters()
             self.l1.close()
             raise
+        for adapter in self.adapters:
+            adapter.register_memory(self.l1.memory)
         self.store_controller = StoreController(
             self.config.store, self.l1, [a for a in self.adapters if a.writable]
         )

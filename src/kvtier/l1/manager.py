@@ -120,6 +120,12 @@ class L1Manager:
     def capacity(self) -> int:
         return self._arena.capacity
 
+    @property
+    def memory(self) -> npt.NDArray[np.uint8]:
+        """The whole arena as one array (for adapters that register the memory
+        their I/O lands in, for zero-copy transfers)."""
+        return self._arena.view(0, self._arena.capacity)
+
     def wait_mapped(self, timeout: float | None = None) -> bool:
         """Wait until every arena page is mapped (``L1Config.populate``)."""
         return self._arena.wait_mapped(timeout)

@@ -147,6 +147,11 @@ class L2Adapter(ABC):
         self, keys: Sequence[ObjectKey], buffers: Sequence[Buffer], layout: str = ""
     ) -> TaskId: ...
 
+    def register_memory(self, buffer: Buffer) -> None:
+        """Memory that payload buffers will live in (the L1 arena), offered once
+        for backends that transfer without copying from registered memory."""
+        return None
+
     @abstractmethod
     def unlock(self, keys: Sequence[ObjectKey]) -> None: ...
 

@@ -19,6 +19,7 @@ from kvtier.l2.base import CompletionCallback, L2Adapter
 ADAPTER_TYPES: dict[str, str] = {
     "fs": "kvtier.l2.fs:FSAdapter",
     "mock": "kvtier.l2.mock:MockAdapter",
+    "mooncake": "kvtier.l2.mooncake:MooncakeAdapter",
     "redis": "kvtier.l2.redis:RedisAdapter",
     "s3": "kvtier.l2.s3:S3Adapter",
     "valkey": "kvtier.l2.redis:ValkeyAdapter",

@@ -36,10 +36,11 @@ from kvtier.l2.base import Buffer, CompletionCallback
 from kvtier.l2.format import decode_object, encode_object
 from kvtier.l2.fs import FSAdapter
 from kvtier.l2.mock import MockAdapter
+from kvtier.l2.mooncake import MooncakeAdapter
 from kvtier.l2.redis import RedisAdapter
 from kvtier.l2.s3 import S3Adapter
 from tests.conftest import make_key
-from tests.servers import RedisProcess, SeaweedProcess
+from tests.servers import MooncakeProcess, RedisProcess, SeaweedProcess
 from tests.unit.l2.harness import Change, Harness, drain, payload
 
 LAYOUT_A = "00112233445566778899aabbccddeeff"
@@ -90,6 +91,20 @@ def _tamper_s3(adapter: L2Adapter, key: ObjectKey, change: Change) -> None:
     adapter._s3.put_object(Bucket=bucket, Key=name, Body=change(body))
 
 
+def _build_mooncake(
+    tmp_path: Path, on_complete: CompletionCallback, server: MooncakeProcess, **options: Any
+) -> L2Adapter:
+    return make_adapter(server.spec(**options), on_complete)
+
+
+def _tamper_mooncake(adapter: L2Adapter, key: ObjectKey, change: Change) -> None:
+    assert isinstance(adapter, MooncakeAdapter)
+    store, name = adapter._store_client, adapter.name_of(key)
+    value = change(bytes(store.get(name)))
+    assert store.remove(name, True) == 0
+    assert store.put(name, value) == 0
+
+
 def _tamper_redis(adapter: L2Adapter, key: ObjectKey, change: Change) -> None:
     assert isinstance(adapter, RedisAdapter)
     client = adapter._client
@@ -115,6 +130,9 @@ ADAPTER_FACTORIES: dict[str, AdapterFactory] = {
     "mock": AdapterFactory(_build_mock, _tamper_mock, slow={"latency_s": 0.05}),
     "fs": AdapterFactory(_build_fs, _tamper_fs, slow={"fsync": True}),
     # Redis and Valkey: batches of one key per round trip, so tasks take a while.
+    "mooncake": AdapterFactory(
+        _build_mooncake, _tamper_mooncake, slow={"max_batch": 1}, server="mooncake_server"
+    ),
     "redis": AdapterFactory(
         _build_redis, _tamper_redis, slow={"batch_bytes": 1}, server="redis_server"
     ),
