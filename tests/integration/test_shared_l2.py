@@ -23,20 +23,22 @@ from kvtier.storage import StorageConfig, StorageManager
 from tests.conftest import make_key
 from tests.integration import workload as w
 from tests.integration.harness import ServerFactory, wait_for
-from tests.servers import RedisProcess, SeaweedProcess
+from tests.servers import MooncakeProcess, RedisProcess, SeaweedProcess
 
 CHUNKS = 8
 
 
-@pytest.fixture(params=["redis_server", "valkey_server"])
-def store_server(request: pytest.FixtureRequest) -> RedisProcess:
-    server: RedisProcess = request.getfixturevalue(request.param)
-    return server
+@pytest.fixture(params=["redis_server", "valkey_server", "mooncake_server"])
+def shared_spec(request: pytest.FixtureRequest) -> dict[str, Any]:
+    """The L2 spec (named ``shared``) of one real shared store."""
+    server = request.getfixturevalue(request.param)
+    if isinstance(server, MooncakeProcess):
+        return server.spec(name="shared")
+    return {"type": "redis", "url": server.url, "name": "shared"}
 
 
-def node(kvtier_server: ServerFactory, store: RedisProcess) -> Any:
-    spec = json.dumps({"type": "redis", "url": store.url, "name": "shared"})
-    return kvtier_server.start("--cache-dir", "none", "--l2", spec)
+def node(kvtier_server: ServerFactory, spec: dict[str, Any]) -> Any:
+    return kvtier_server.start("--cache-dir", "none", "--l2", json.dumps(spec))
 
 
 def written_back(client: CacheClient) -> int:
@@ -45,9 +47,9 @@ def written_back(client: CacheClient) -> int:
 
 
 def test_node_b_hits_what_node_a_stored_and_other_tenants_miss(
-    kvtier_server: ServerFactory, store_server: RedisProcess
+    kvtier_server: ServerFactory, shared_spec: dict[str, Any]
 ) -> None:
-    a, b = node(kvtier_server, store_server), node(kvtier_server, store_server)
+    a, b = node(kvtier_server, shared_spec), node(kvtier_server, shared_spec)
     salt = f"t{time.monotonic_ns()}"  # this run's own objects in the shared store
     on_a = CacheClient(w.client_config(a.rpc, salt=salt))
     on_b = CacheClient(w.client_config(b.rpc, salt=salt))
@@ -151,8 +153,10 @@ def test_backend_killed_mid_stream_then_restarted(tmp_path: Any) -> None:
         found = stream.results["found"]
         assert wait_for(lambda: stream.results["found"], lambda n: n > found + 5, timeout_s=30)
     finally:
-        stream.stop()
-        store.stop()
+        try:
+            stream.stop()
+        finally:
+            store.stop()
     assert stream.errors == []
 
 
@@ -178,8 +182,10 @@ def test_data_lost_with_a_restart_is_a_miss_not_an_error(tmp_path: Any) -> None:
         loaded = stream.wait(stream.adapter.submit_load([key], out))
         assert loaded.ok == (False,)
     finally:
-        stream.stop()
-        store.stop()
+        try:
+            stream.stop()
+        finally:
+            store.stop()
 
 
 def test_a_paused_backend_does_not_hold_a_lookup_past_its_deadline(
@@ -202,25 +208,37 @@ def test_a_paused_backend_does_not_hold_a_lookup_past_its_deadline(
         assert waited < 6.0, f"the lookup waited {waited:.1f} s for a paused store"
 
 
-def test_a_stopped_s3_store_does_not_hold_a_lookup_past_its_deadline(
-    seaweed_server: SeaweedProcess,
+@pytest.fixture(params=["seaweed_server", "mooncake_server"])
+def stoppable(request: pytest.FixtureRequest) -> tuple[dict[str, Any], list[int]]:
+    """A shared store's L2 spec and the PIDs that SIGSTOP freezes it by."""
+    server = request.getfixturevalue(request.param)
+    if isinstance(server, MooncakeProcess):
+        assert server.master is not None and server.holder is not None
+        return server.spec(name="shared"), [server.master.pid, server.holder.pid]
+    assert isinstance(server, SeaweedProcess) and server.proc is not None
+    return server.spec(name="shared", timeout_s=20.0), [server.proc.pid]
+
+
+def test_a_stopped_store_does_not_hold_a_lookup_past_its_deadline(
+    stoppable: tuple[dict[str, Any], list[int]],
 ) -> None:
-    spec = seaweed_server.spec(name="shared", timeout_s=20.0)
+    spec, pids = stoppable
     config = StorageConfig(l1=L1Config(size_bytes=16 << 20, populate=False), l2=(spec,))
     keys = [make_key(i, salt=f"p{time.monotonic_ns()}") for i in range(4)]
     layout = KVLayout(1, 1, 128, "float32", tokens_per_chunk=1)  # 1,024-byte objects
     with StorageManager(config) as storage:
         storage.store(keys, [np.full(1024, i, np.uint8) for i in range(4)], layout)
         assert storage.flush(60)
-        storage.l1.delete(keys)  # only the bucket has them now
-        assert seaweed_server.proc is not None
-        os.kill(seaweed_server.proc.pid, signal.SIGSTOP)
+        storage.l1.delete(keys)  # only the shared store has them now
+        for pid in pids:
+            os.kill(pid, signal.SIGSTOP)
         try:
             started = time.monotonic()
             result = storage.lookup(keys, layout, deadline_s=0.5)
             waited = time.monotonic() - started
         finally:
-            os.kill(seaweed_server.proc.pid, signal.SIGCONT)
+            for pid in pids:
+                os.kill(pid, signal.SIGCONT)
         storage.release(list(result.placements))
         assert result.hit_chunks == 0
         assert waited < 6.0, f"the lookup waited {waited:.1f} s for a stopped store"
