@@ -211,11 +211,12 @@ def mooncake_binaries() -> tuple[str, str] | None:
 @dataclass(eq=False)
 class MooncakeProcess:
     """``mooncake_master`` and a ``mooncake_client`` that lends the pool its
-    memory (a 512 MB segment), both on 127.0.0.1, TCP, P2P handshake."""
+    memory (``segment``, 512 MB by default), both on 127.0.0.1, TCP, P2P handshake."""
 
     binaries: tuple[str, str]
     log_dir: Path
     master_port: int = 0
+    segment: str = "512MB"
     master: subprocess.Popen[bytes] | None = None
     holder: subprocess.Popen[bytes] | None = None
 
@@ -227,8 +228,10 @@ class MooncakeProcess:
         return {"type": "mooncake", "master": self.address, **options}
 
     @classmethod
-    def start(cls, binaries: tuple[str, str], log_dir: Path) -> MooncakeProcess:
-        server = cls(binaries, log_dir, free_port())
+    def start(
+        cls, binaries: tuple[str, str], log_dir: Path, segment: str = "512MB"
+    ) -> MooncakeProcess:
+        server = cls(binaries, log_dir, free_port(), segment)
         server.launch()
         return server
 
@@ -246,7 +249,7 @@ class MooncakeProcess:
             time.sleep(0.02)
         args = [holder, "--host=127.0.0.1", f"--port={free_port()}"]
         args += [f"--master_server_address={self.address}", "--metadata_server=P2PHANDSHAKE"]
-        args += ["--global_segment_size=512MB", "--protocol=tcp"]
+        args += [f"--global_segment_size={self.segment}", "--protocol=tcp"]
         with (self.log_dir / "holder.log").open("a") as out:
             self.holder = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT)
         time.sleep(1.0)  # the holder mounts its segment with the master

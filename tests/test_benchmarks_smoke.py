@@ -36,6 +36,7 @@ TINY = {
         "--model-dir",
         "{tmp}",
     ],
+    "bench_mooncake_adapter.py": ["--rounds", "1", "--node-rounds", "2", "--shapes", "4x1"],
     "bench_redis_adapter.py": ["--rounds", "1", "--node-rounds", "2", "--shapes", "4x1"],
     "bench_s3_adapter.py": ["--rounds", "1", "--node-rounds", "2", "--shapes", "4x1"],
     "bench_server.py": [
