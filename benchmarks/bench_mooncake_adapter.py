@@ -18,6 +18,7 @@ segment (TCP, P2P handshake) and kvtier servers on 127.0.0.1.
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import sys
 import tempfile
@@ -40,11 +41,13 @@ from shared_l2 import two_nodes
 MiB = 1 << 20
 
 
-def adapter_vs_raw(server: MooncakeProcess, count: int, size: int, rounds: int) -> dict[str, float]:
+def adapter_vs_raw(
+    server: MooncakeProcess, count: int, size: int, rounds: int, options: dict[str, Any]
+) -> dict[str, float]:
     from mooncake.store import MooncakeDistributedStore
 
     queue = CompletionQueue()
-    adapter = make_adapter(server.spec(timeout_s=120), queue.put)
+    adapter = make_adapter(server.spec(timeout_s=120, **options), queue.put)
     assert isinstance(adapter, MooncakeAdapter)
     raw: Any = MooncakeDistributedStore()
     assert raw.setup("127.0.0.1", "P2PHANDSHAKE", 0, 64 << 20, "tcp", "", server.address) == 0
@@ -63,7 +66,8 @@ def adapter_vs_raw(server: MooncakeProcess, count: int, size: int, rounds: int) 
 
             def through_adapter(task: Any, n: int = count) -> None:
                 result = queue.get(timeout=600)
-                assert result is not None and result.task == task and result.count == n
+                assert result is not None and result.task == task, result
+                assert result.count == n, (result.ok.count(False), adapter.status())
 
             samples["raw_put"].append(timed(lambda n=names: raw.batch_put_from(n, ptrs, sizes)))
             samples["put"].append(
@@ -100,18 +104,20 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--node-rounds", type=int, default=20)
     parser.add_argument("--shapes", default="64x8,256x1", help="COUNTxMIB,... (default 64x8,256x1)")
+    parser.add_argument("--adapter", default="{}", help="adapter options as JSON")
     args = parser.parse_args()
     binaries = mooncake_binaries()
     if binaries is None:
         sys.exit("no mooncake_master: pip install mooncake-transfer-engine-non-cuda")
     shapes = [tuple(int(x) for x in s.split("x")) for s in args.shapes.split(",")]
     tmp = Path(tempfile.mkdtemp(prefix="kvtier-bench-mooncake-"))
-    server = MooncakeProcess.start(binaries, tmp, segment="2GB")
+    # The master's usual 5 s read lease: a 512 MiB batch outlives the tests' 200 ms.
+    server = MooncakeProcess.start(binaries, tmp, segment="2GB", lease_ttl_ms=5000)
     rows: list[tuple[str, str]] = []
     results: dict[str, object] = {"server": "mooncake", "rounds": args.rounds}
     try:
         for count, mib in shapes:
-            r = adapter_vs_raw(server, count, mib * MiB, args.rounds)
+            r = adapter_vs_raw(server, count, mib * MiB, args.rounds, json.loads(args.adapter))
             results[f"{count}x{mib}MiB"] = r
             rows.append(
                 (

@@ -217,6 +217,7 @@ class MooncakeProcess:
     log_dir: Path
     master_port: int = 0
     segment: str = "512MB"
+    lease_ttl_ms: int = 200  # short, so a read lease soon stops blocking removes
     master: subprocess.Popen[bytes] | None = None
     holder: subprocess.Popen[bytes] | None = None
 
@@ -229,9 +230,13 @@ class MooncakeProcess:
 
     @classmethod
     def start(
-        cls, binaries: tuple[str, str], log_dir: Path, segment: str = "512MB"
+        cls,
+        binaries: tuple[str, str],
+        log_dir: Path,
+        segment: str = "512MB",
+        lease_ttl_ms: int = 200,
     ) -> MooncakeProcess:
-        server = cls(binaries, log_dir, free_port(), segment)
+        server = cls(binaries, log_dir, free_port(), segment, lease_ttl_ms)
         server.launch()
         return server
 
@@ -239,7 +244,7 @@ class MooncakeProcess:
         master, holder = self.binaries
         args = [master, "--rpc_address=127.0.0.1", f"--rpc_port={self.master_port}"]
         args += ["--metrics_host=127.0.0.1", f"--metrics_port={free_port()}"]
-        args += ["--default_kv_lease_ttl=200"]  # ms: a read lease soon stops blocking removes
+        args += [f"--default_kv_lease_ttl={self.lease_ttl_ms}"]
         with (self.log_dir / "master.log").open("a") as out:
             self.master = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + 10

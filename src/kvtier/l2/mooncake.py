@@ -58,6 +58,9 @@ HEADER_SLOT = 4096  # staging bytes per object for its header
 @dataclass(frozen=True, slots=True, kw_only=True)
 class MooncakeConfig(AdapterConfig):
     master: str  # "host:port" of mooncake_master
+    # The client moves a batch's objects in parallel itself: one batch call at a
+    # time per direction is fastest (concurrent calls measured 0.4-0.7x).
+    io_threads: int = 1
     metadata_server: str = "P2PHANDSHAKE"
     protocol: str = "tcp"
     rdma_devices: str = ""
