@@ -261,10 +261,13 @@ class MooncakeProcess:
         if self.holder.poll() is not None:
             raise RuntimeError(f"mooncake_client exited (see {self.log_dir})")
 
-    def stop(self) -> None:
+    def stop(self, sig: int = signal.SIGTERM) -> None:
         for proc in (self.holder, self.master):
             if proc is not None:
-                stop_process(proc, signal.SIGTERM, timeout_s=10)
+                stop_process(proc, sig, timeout_s=10)
+
+    def kill(self) -> None:
+        self.stop(signal.SIGKILL)
 
 
 def _listening(port: int) -> bool:

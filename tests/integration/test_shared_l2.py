@@ -9,6 +9,7 @@ import signal
 import threading
 import time
 from collections import Counter
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -23,7 +24,13 @@ from kvtier.storage import StorageConfig, StorageManager
 from tests.conftest import make_key
 from tests.integration import workload as w
 from tests.integration.harness import ServerFactory, wait_for
-from tests.servers import MooncakeProcess, RedisProcess, SeaweedProcess
+from tests.servers import (
+    MooncakeProcess,
+    RedisProcess,
+    SeaweedProcess,
+    mooncake_binaries,
+    redis_binary,
+)
 
 CHUNKS = 8
 
@@ -81,13 +88,12 @@ def test_node_b_hits_what_node_a_stored_and_other_tenants_miss(
 
 
 class Stream:
-    """Stores and lookups on a redis adapter from a thread, counting results."""
+    """Stores and lookups on an adapter from a thread, counting results."""
 
-    def __init__(self, url: str) -> None:
+    def __init__(self, spec: dict[str, Any]) -> None:
         self.queue = CompletionQueue()
         self.adapter = make_adapter(
-            {"type": "redis", "url": url, "timeout_s": 0.5, "backoff_max_s": 1.0},
-            self.queue.put,
+            {**spec, "timeout_s": 2.0, "backoff_max_s": 1.0}, self.queue.put
         )
         self.salt = f"f{time.monotonic_ns()}"
         self.errors: list[BaseException] = []
@@ -133,41 +139,50 @@ class Stream:
                 return
 
 
-def test_backend_killed_mid_stream_then_restarted(tmp_path: Any) -> None:
-    from tests.servers import redis_binary
+@pytest.fixture(params=["redis", "mooncake"])
+def killable(request: pytest.FixtureRequest, tmp_path: Any) -> Iterator[Any]:
+    """A store of this test's own (RedisProcess or MooncakeProcess), to kill."""
+    store: RedisProcess | MooncakeProcess
+    if request.param == "redis":
+        binary = redis_binary()
+        if binary is None:
+            pytest.skip("no redis-server binary")
+        store = RedisProcess.start(binary, tmp_path / "redis.log")
+    else:
+        binaries = mooncake_binaries()
+        if binaries is None:
+            pytest.skip("no mooncake_master binary")
+        store = MooncakeProcess.start(binaries, tmp_path)
+    try:
+        yield store
+    finally:
+        store.stop()
 
-    binary = redis_binary()
-    if binary is None:
-        pytest.skip("no redis-server binary")
-    store = RedisProcess.start(binary, tmp_path / "redis.log")
-    stream = Stream(store.url)
+
+def test_backend_killed_mid_stream_then_restarted(killable: Any) -> None:
+    spec = killable.spec() if isinstance(killable, MooncakeProcess) else None
+    stream = Stream(spec or {"type": "redis", "url": killable.url})
     try:
         stream.start()
         assert wait_for(lambda: stream.results["found"], lambda n: n >= 20) >= 20
-        store.kill()
+        killable.kill()
         before = stream.results["store_failed"]
         assert wait_for(lambda: stream.results["store_failed"], lambda n: n > before) > before
-        failures = stream.adapter.status()["failures"]
-        assert isinstance(failures, dict) and failures, "the failures are counted by reason"
-        store.launch()  # a fresh, empty server on the same port
+        assert stream.adapter.status()["failures"], "the failures are counted by reason"
+        killable.launch()  # a fresh, empty store on the same port
         found = stream.results["found"]
         assert wait_for(lambda: stream.results["found"], lambda n: n > found + 5, timeout_s=30)
     finally:
-        try:
-            stream.stop()
-        finally:
-            store.stop()
+        stream.stop()
     assert stream.errors == []
 
 
 def test_data_lost_with_a_restart_is_a_miss_not_an_error(tmp_path: Any) -> None:
-    from tests.servers import redis_binary
-
     binary = redis_binary()
     if binary is None:
         pytest.skip("no redis-server binary")
     store = RedisProcess.start(binary, tmp_path / "redis.log")
-    stream = Stream(store.url)
+    stream = Stream({"type": "redis", "url": store.url})
     try:
         assert stream.round()[1].count == 1
         store.restart()  # no persistence: the object is gone
