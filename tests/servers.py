@@ -15,7 +15,7 @@ import signal
 import socket
 import subprocess
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from kvtier.server.process import stop_process
@@ -55,11 +55,14 @@ class RedisProcess:
     binary: str
     port: int
     log: Path
+    extra: list[str] = field(default_factory=list)  # more server flags
     proc: subprocess.Popen[bytes] | None = None
 
     @classmethod
-    def start(cls, binary: str, log: Path, port: int | None = None) -> RedisProcess:
-        server = cls(binary, port or free_port(), log)
+    def start(
+        cls, binary: str, log: Path, port: int | None = None, extra: list[str] | None = None
+    ) -> RedisProcess:
+        server = cls(binary, port or free_port(), log, extra or [])
         server.launch()
         return server
 
@@ -69,7 +72,7 @@ class RedisProcess:
 
     def launch(self) -> None:
         args = [self.binary, "--port", str(self.port), "--bind", "127.0.0.1"]
-        args += ["--save", "", "--appendonly", "no", "--protected-mode", "yes"]
+        args += ["--save", "", "--appendonly", "no", "--protected-mode", "yes", *self.extra]
         with self.log.open("a") as out:
             self.proc = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + 10
