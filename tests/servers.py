@@ -157,7 +157,8 @@ class SeaweedProcess:
         args = [binary, "server", f"-dir={directory}", "-ip=127.0.0.1", "-ip.bind=127.0.0.1"]
         args += [f"-master.port={master}", f"-volume.port={volume}", "-filer"]
         args += [f"-filer.port={filer}", "-s3", f"-s3.port={server.s3_port}"]
-        args += ["-s3.port.iceberg=0", "-master.volumeSizeLimitMB=1024", "-volume.max=16"]
+        args += ["-s3.port.iceberg=0", "-s3.port.lance=0", "-master.volumeSizeLimitMB=1024"]
+        args += ["-volume.max=16"]
         args += ["-volume.preStopSeconds=0", "-metricsPort=0"]
         with server.log.open("w") as out:
             server.proc = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT)

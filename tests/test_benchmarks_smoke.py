@@ -77,12 +77,13 @@ HAS_VLLM = importlib.util.find_spec("vllm") is not None
 )
 def test_benchmark_runs_and_reports_json(script: str, tmp_path: Path) -> None:
     args = [arg.replace("{tmp}", str(tmp_path / "model")) for arg in TINY[script]]
-    out = subprocess.run(
+    run = subprocess.run(
         [sys.executable, str(BENCHMARKS / script), *args],
         capture_output=True,
         text=True,
-        check=True,
         timeout=600,
-    ).stdout
+    )
+    assert run.returncode == 0, f"{script} exited {run.returncode}:\n{run.stderr[-4000:]}"
+    out = run.stdout
     (line,) = [line for line in out.splitlines() if line.startswith("json: ")]
     assert json.loads(line.removeprefix("json: "))
