@@ -58,23 +58,20 @@ def test_every_benchmark_has_a_smoke_run() -> None:
     assert {p.name for p in BENCHMARKS.glob("bench_*.py")} == set(TINY)
 
 
-# Scripts that start vLLM engines: slow, and only where vLLM is installed.
+# Scripts that start vLLM engines or external stores: slow (the quick run skips
+# them); the vLLM one only runs where vLLM is installed.
 ENGINE_SCRIPTS = {"bench_vllm_ttft.py"}
+STORE_SCRIPTS = {"bench_redis_adapter.py", "bench_s3_adapter.py", "bench_mooncake_adapter.py"}
 HAS_VLLM = importlib.util.find_spec("vllm") is not None
 
 
-@pytest.mark.parametrize(
-    "script",
-    [
-        pytest.param(
-            name,
-            marks=[pytest.mark.slow, pytest.mark.skipif(not HAS_VLLM, reason="needs vLLM")]
-            if name in ENGINE_SCRIPTS
-            else [],
-        )
-        for name in sorted(TINY)
-    ],
-)
+def _marks(name: str) -> list[pytest.MarkDecorator]:
+    if name in ENGINE_SCRIPTS:
+        return [pytest.mark.slow, pytest.mark.skipif(not HAS_VLLM, reason="needs vLLM")]
+    return [pytest.mark.slow] if name in STORE_SCRIPTS else []
+
+
+@pytest.mark.parametrize("script", [pytest.param(n, marks=_marks(n)) for n in sorted(TINY)])
 def test_benchmark_runs_and_reports_json(script: str, tmp_path: Path) -> None:
     args = [arg.replace("{tmp}", str(tmp_path / "model")) for arg in TINY[script]]
     run = subprocess.run(
