@@ -109,7 +109,8 @@ def weed_binary() -> str | None:
 
 
 def free_port_pair() -> int:
-    """A free port whose +10000 (SeaweedFS's gRPC port for it) is free too."""
+    """A free port whose +10000 is free too (SeaweedFS's gRPC port for it, a
+    Redis Cluster node's bus port)."""
     for _ in range(100):
         port = free_port()
         if port + 10000 < 65536:

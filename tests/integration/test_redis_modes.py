@@ -14,7 +14,7 @@ import pytest
 from kvtier.l2 import CompletionQueue, TaskResult, make_adapter
 from tests.conftest import make_key
 from tests.integration.harness import wait_for
-from tests.servers import RedisProcess, redis_binary
+from tests.servers import RedisProcess, free_port_pair, redis_binary
 
 
 def command(port: int, *words: str) -> bytes:
@@ -59,7 +59,9 @@ def cluster(tmp_path: Path) -> Iterator[RedisProcess]:
         pytest.skip("no redis-server binary")
     conf = str(tmp_path / "nodes.conf")
     extra = ["--cluster-enabled", "yes", "--cluster-config-file", conf]
-    server = RedisProcess.start(binary, tmp_path / "cluster.log", extra=extra)
+    # The cluster bus listens on port + 10000: the port must leave room for it.
+    port = free_port_pair()
+    server = RedisProcess.start(binary, tmp_path / "cluster.log", port=port, extra=extra)
     try:
         assert command(server.port, "CLUSTER", "ADDSLOTSRANGE", "0", "16383").startswith(b"+OK")
         state = wait_for(
