@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 import tempfile
 from pathlib import Path
@@ -36,7 +35,7 @@ from common import report, timed
 from kvtier.keys import ObjectKey
 from kvtier.l2 import CompletionQueue, make_adapter
 from kvtier.l2.mooncake import MooncakeAdapter
-from shared_l2 import two_nodes
+from shared_l2 import throughput, two_nodes
 
 MiB = 1 << 20
 
@@ -83,20 +82,7 @@ def adapter_vs_raw(
     finally:
         adapter.close()
         raw.close()
-    total = count * size
-
-    def ratio(raw_name: str, name: str) -> float:
-        pairs = zip(samples[raw_name], samples[name], strict=True)
-        return statistics.median([r / a for r, a in pairs])
-
-    return {
-        "put_gbs": total / statistics.median(samples["put"]) / 1e9,
-        "get_gbs": total / statistics.median(samples["get"]) / 1e9,
-        "raw_put_gbs": total / statistics.median(samples["raw_put"]) / 1e9,
-        "raw_get_gbs": total / statistics.median(samples["raw_get"]) / 1e9,
-        "put_ratio": ratio("raw_put", "put"),
-        "get_ratio": ratio("raw_get", "get"),
-    }
+    return throughput(samples, count * size)
 
 
 def main() -> None:

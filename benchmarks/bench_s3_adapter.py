@@ -17,7 +17,6 @@ before the first put succeeds) and kvtier servers on 127.0.0.1.
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
 import tempfile
 from concurrent.futures import ThreadPoolExecutor
@@ -35,7 +34,7 @@ from common import report, timed
 from kvtier.keys import ObjectKey
 from kvtier.l2 import CompletionQueue, make_adapter
 from kvtier.l2.s3 import S3Adapter
-from shared_l2 import two_nodes
+from shared_l2 import throughput, two_nodes
 
 MiB = 1 << 20
 
@@ -79,20 +78,7 @@ def adapter_vs_raw(server: SeaweedProcess, count: int, size: int, rounds: int) -
     finally:
         pool.shutdown()
         adapter.close()
-    total = count * size
-
-    def ratio(raw_name: str, name: str) -> float:
-        pairs = zip(samples[raw_name], samples[name], strict=True)
-        return statistics.median([r / a for r, a in pairs])
-
-    return {
-        "put_gbs": total / statistics.median(samples["put"]) / 1e9,
-        "get_gbs": total / statistics.median(samples["get"]) / 1e9,
-        "raw_put_gbs": total / statistics.median(samples["raw_put"]) / 1e9,
-        "raw_get_gbs": total / statistics.median(samples["raw_get"]) / 1e9,
-        "put_ratio": ratio("raw_put", "put"),
-        "get_ratio": ratio("raw_get", "get"),
-    }
+    return throughput(samples, count * size)
 
 
 def main() -> None:

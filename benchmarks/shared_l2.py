@@ -1,10 +1,11 @@
 """Two ``kvtier serve`` nodes with separate L1s sharing one L2 store: node B's
 lookup-to-admitted latency for chunks node A stored (used by the shared-L2
-benchmarks)."""
+benchmarks), and their throughput summary."""
 
 from __future__ import annotations
 
 import json
+import statistics
 import time
 import urllib.request
 from pathlib import Path
@@ -60,4 +61,19 @@ def two_nodes(shared: dict[str, Any], tmp: Path, rounds: int) -> dict[str, float
         "object_bytes": layout.object_bytes(),
         "lookup_to_admitted_p50_s": percentile(latencies, 50),
         "lookup_to_admitted_p95_s": percentile(latencies, 95),
+    }
+
+
+def throughput(samples: dict[str, list[float]], total: int) -> dict[str, float]:
+    """GB/s of ``put``/``get`` through an adapter and ``raw_put``/``raw_get``
+    through its raw client (median seconds), and the median per-round ratio."""
+
+    def ratio(raw_name: str, name: str) -> float:
+        pairs = zip(samples[raw_name], samples[name], strict=True)
+        return statistics.median([r / a for r, a in pairs])
+
+    return {
+        **{f"{k}_gbs": total / statistics.median(v) / 1e9 for k, v in samples.items()},
+        "put_ratio": ratio("raw_put", "put"),
+        "get_ratio": ratio("raw_get", "get"),
     }
