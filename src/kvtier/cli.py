@@ -9,6 +9,7 @@ import sys
 from collections.abc import Sequence
 
 from kvtier import __version__
+from kvtier.planner.command import add_parser as add_plan_parser
 from kvtier.units import parse_size
 
 
@@ -128,6 +129,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     demo.add_argument("--json", metavar="FILE", help="also write the results to FILE as JSON")
     demo.set_defaults(run=_demo)
+    add_plan_parser(commands)
     srv = commands.add_parser("serve", help="run the node's shared cache server")
     srv.add_argument("--config", help="TOML file with any of the options below")
     srv.add_argument("--host", help="bind address (default 127.0.0.1)")

@@ -17,11 +17,13 @@ locks on the rest are released before the answer.
 
 from __future__ import annotations
 
+import dataclasses
 import hmac
 import itertools
 import logging
 import secrets
 import time
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -40,6 +42,7 @@ from kvtier.storage import StorageManager
 log = logging.getLogger(__name__)
 
 Frames = list[npt.NDArray[np.uint8]]
+LAYOUTS_SEEN = 64  # namespaces whose layouts /status shows
 Buffer = bytes | memoryview
 
 
@@ -125,6 +128,10 @@ class CacheServer:
         self._orphans: list[PrefetchHandle] = []  # lookups whose session ended in flight
         self.metrics = ServerMetrics()
         self.counters: dict[str, int] = {}
+        self._started = clock()
+        # namespace -> its layouts, for /status (kvtier plan --from-server); the
+        # most recent LAYOUTS_SEEN namespaces, whether or not still connected
+        self._layouts_seen: OrderedDict[str, dict[str, object]] = OrderedDict()
 
     # ------------------------------------------------------------ dispatch
 
@@ -205,6 +212,7 @@ class CacheServer:
         )
         client.last_seen = self._clock()
         self._clients[peer] = client
+        self._remember_layouts(client)
         self._count("hellos")
         arena = self.storage.l1.arena_name if hello.shm else None
         return p.Welcome(chunk_size, self.boot_id, arena)
@@ -370,7 +378,9 @@ class CacheServer:
             "clients": len(self._clients),
             "sessions": sum(len(c.sessions) for c in self._clients.values()),
             "store_reservations": len(self._reservations),
+            "uptime_s": self._clock() - self._started,
             "namespaces": sorted({f"{c.model}@{c.salt}" for c in self._clients.values()}),
+            "layouts": dict(self._layouts_seen),
             "server": dict(self.counters),
             "storage": self.storage.status(),
         }
@@ -389,6 +399,15 @@ class CacheServer:
             raise RequestError("no_hello", "send hello first (or again, after a server restart)")
         client.last_seen = self._clock()
         return client
+
+    def _remember_layouts(self, client: _Client) -> None:
+        namespace = f"{client.model}@{client.salt}"
+        self._layouts_seen.pop(namespace, None)
+        self._layouts_seen[namespace] = {
+            str(group): dataclasses.asdict(layout) for group, layout in client.layouts.items()
+        }
+        while len(self._layouts_seen) > LAYOUTS_SEEN:
+            self._layouts_seen.popitem(last=False)
 
     def _touch_client(self, peer: bytes) -> None:
         client = self._clients.get(peer)
