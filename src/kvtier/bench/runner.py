@@ -27,8 +27,6 @@ from kvtier.bench.summary import percentiles, summarize
 from kvtier.bench.trace import TraceRequest
 
 WARM_UP_REQUESTS = 3
-RECOVERY_WINDOW = 5  # requests in the rolling hit ratio that must recover
-RECOVERED = 0.9  # ... to this share of the hit ratio before the fault
 
 Progress = Callable[[str, RequestResult | None], None]  # (config, result or None: started)
 
@@ -133,10 +131,12 @@ def run_configuration(
     return ConfigRun(name, results, samples, summary, events)
 
 
-def fault_summary(run: ConfigRun, remote: str) -> dict[str, Any]:
-    """TTFT and hits before, during and after the store was down, and how
-    long after the restart hits came back."""
+def fault_summary(run: ConfigRun, clean: ConfigRun | None, remote: str) -> dict[str, Any]:
+    """TTFT and hits before, during and after the store was down, next to the
+    same requests in the run without the fault (``clean``: the same trace and
+    configuration), and how long after the restart the hits were back."""
     kill, restart = run.events["kill"], run.events["restart"]
+    baseline = {r.id: r for r in clean.results} if clean is not None else {}
     phases: dict[str, list[RequestResult]] = {"before": [], "during": [], "after": []}
     for result in run.results:
         phase = (
@@ -145,32 +145,45 @@ def fault_summary(run: ConfigRun, remote: str) -> dict[str, Any]:
         phases[phase].append(result)
     report: dict[str, Any] = {"kill_s": kill, "restart_s": restart, "remote": remote}
     for phase, results in phases.items():
-        ok = [r for r in results if r.ok]
-        prompt = sum(r.prompt_tokens for r in ok)
         report[phase] = {
             "requests": len(results),
-            "failed_requests": len(results) - len(ok),
-            **percentiles([r.ttft_s for r in ok if r.ttft_s is not None], "ttft"),
-            "hit_ratio": sum(r.cached_tokens or 0 for r in ok) / prompt if prompt else 0.0,
+            "failed_requests": sum(not r.ok for r in results),
+            **_latency_and_hits(results),
+            "without_fault": _latency_and_hits(
+                [baseline[r.id] for r in results if r.id in baseline]
+            ),
         }
-    report["hit_recovery_s"] = _hit_recovery(
-        phases["after"], report["before"]["hit_ratio"], restart
-    )
+    report["hit_recovery_s"] = _hit_recovery(phases["after"], baseline, restart)
     report["l2_hits_resume_s"] = _l2_hits_resume(run.samples, remote, restart)
     report["failed_requests"] = run.summary["failed_requests"]
     report["output_mismatches"] = run.summary["output_mismatches"]
     return report
 
 
-def _hit_recovery(after: list[RequestResult], before_ratio: float, restart: float) -> float | None:
-    """Seconds from the restart until the hit ratio of the last few requests
-    sent is back to ``RECOVERED`` of what it was before the fault."""
-    done = sorted((r for r in after if r.ok and r.prompt_tokens), key=lambda r: r.sent_s)
-    for end in range(1, len(done) + 1):
-        window = done[max(0, end - RECOVERY_WINDOW) : end]
-        ratio = sum(r.cached_tokens or 0 for r in window) / sum(r.prompt_tokens for r in window)
-        if ratio >= RECOVERED * before_ratio:
-            return max(0.0, done[end - 1].sent_s - restart)
+def _latency_and_hits(results: Sequence[RequestResult]) -> dict[str, Any]:
+    ok = [r for r in results if r.ok]
+    prompt = sum(r.prompt_tokens for r in ok)
+    return {
+        **percentiles([r.ttft_s for r in ok if r.ttft_s is not None], "ttft"),
+        "hit_tokens": sum(r.cached_tokens or 0 for r in ok),
+        "hit_ratio": sum(r.cached_tokens or 0 for r in ok) / prompt if prompt else 0.0,
+    }
+
+
+def _hit_recovery(
+    after: list[RequestResult], baseline: dict[str, RequestResult], restart: float
+) -> float | None:
+    """Seconds from the restart to the first request from which on every
+    request hit as much as it did in the run without the fault."""
+    ordered = sorted(after, key=lambda r: r.sent_s)
+
+    def recovered(r: RequestResult) -> bool:
+        clean = baseline.get(r.id)
+        return clean is None or (r.cached_tokens or 0) >= (clean.cached_tokens or 0)
+
+    for i, first in enumerate(ordered):
+        if all(recovered(r) for r in ordered[i:]):
+            return max(0.0, first.sent_s - restart)
     return None
 
 

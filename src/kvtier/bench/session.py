@@ -201,7 +201,11 @@ def run_bench(request: BenchRequest, console: Console | None = None) -> dict[str
                 f"output differences {summary['output_mismatches']}"
             )
     configs = {name: run.summary for name, run in runs.items() if name != "fault"}
-    fault_report = fault_summary(runs["fault"], request.remote) if "fault" in runs else None
+    fault_report = (
+        fault_summary(runs["fault"], runs.get("apc+l1+remote"), request.remote)
+        if "fault" in runs
+        else None
+    )
     figures = ["ttft_cdf.png", "hits_over_time.png"]
     clean = {name: run for name, run in runs.items() if name != "fault"}
     plots.ttft_cdf(clean, out / figures[0])

@@ -8,6 +8,7 @@ import pytest
 
 from kvtier.bench.replay import RequestResult
 from kvtier.bench.report import targets
+from kvtier.bench.runner import ConfigRun, fault_summary
 from kvtier.bench.sampler import Sample, by_key, parse_counters
 from kvtier.bench.summary import mismatches, percentiles, summarize
 
@@ -128,3 +129,24 @@ def test_targets() -> None:
     assert worse["no_output_differences"]["by_configuration"]["apc+l1"] == 1
     assert worse["no_failed_requests"]["by_configuration"]["fault"] == 2
     assert not worse["no_output_differences"]["met"] and not worse["no_failed_requests"]["met"]
+
+
+def test_fault_summary_against_the_run_without_the_fault() -> None:
+    def run(cached: list[int], name: str) -> ConfigRun:
+        results = [result(f"r{i}", float(i), 0.1 * (i + 1), [1], c) for i, c in enumerate(cached)]
+        summary = {"failed_requests": 0, "output_mismatches": 0}
+        return ConfigRun(name, results, [], summary, {"kill": 1.5, "restart": 3.5})
+
+    clean = run([100, 200, 300, 300, 300, 300], "apc+l1+remote")
+    # sent at 0..5 s: before = r0, r1; during = r2, r3; after = r4, r5
+    faulty = run([100, 200, 0, 100, 100, 300], "fault")
+    report = fault_summary(faulty, clean, "redis")
+    assert [report[p]["requests"] for p in ("before", "during", "after")] == [2, 2, 2]
+    assert report["during"]["hit_tokens"] == 100
+    assert report["during"]["without_fault"]["hit_tokens"] == 600
+    assert report["after"]["hit_ratio"] == 0.2  # 400 of 2,000 prompt tokens
+    assert report["before"]["ttft_p50_s"] == report["before"]["without_fault"]["ttft_p50_s"]
+    assert report["hit_recovery_s"] == 1.5  # r5, sent at 5.0 s, is the first to hit as much
+    assert report["l2_hits_resume_s"] is None  # no samples
+    never = fault_summary(run([100, 200, 0, 0, 0, 0], "fault"), clean, "redis")
+    assert never["hit_recovery_s"] is None
