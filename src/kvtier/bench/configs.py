@@ -109,9 +109,10 @@ def _start_store(settings: BenchSettings, log_dir: Path) -> Store:
 
 
 @contextmanager
-def serve(config: Configuration, settings: BenchSettings) -> Iterator[Running]:
-    """Start ``config`` (its stores, cache server and vLLM), stop it all at exit."""
-    log_dir = settings.workdir / "logs" / config.name.replace("+", "_")
+def serve(config: Configuration, settings: BenchSettings, label: str = "") -> Iterator[Running]:
+    """Start ``config`` (its stores, cache server and vLLM), stop it all at
+    exit; logs go to ``WORKDIR/logs/LABEL`` (default: the configuration's name)."""
+    log_dir = settings.workdir / "logs" / (label or config.name).replace("+", "_")
     log_dir.mkdir(parents=True, exist_ok=True)
     with ExitStack() as stack:
         store, kvtier, peer_pid = None, None, None

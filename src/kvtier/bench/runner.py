@@ -111,7 +111,7 @@ def run_configuration(
     """Start ``name``, warm it up, replay ``trace`` (with the fault, if any)."""
     config = CONFIGURATIONS[name]
     model = str(settings.engine.model)
-    with serve(config, settings) as running:
+    with serve(config, settings, f"{name}-fault" if fault else name) as running:
         warm_up(running, model, trace, vocab_size)
         progress(name, None)
         faults: list[tuple[float, Callable[[], None]]] = []
