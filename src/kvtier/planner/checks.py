@@ -53,9 +53,10 @@ def plan_warnings(plan: Plan) -> tuple[str, ...]:
     smallest = min(sized, key=lambda g: g.bytes_per_object, default=None)
     if smallest is not None and smallest.bytes_per_object < SMALL_OBJECT_BYTES:
         warnings.append(
-            f"{smallest.name} objects are {both(smallest.bytes_per_object)} each: at "
-            f"{plan.metadata_objects_per_s:,.0f} object look-ups per second, per-object costs "
-            "(metadata, RPCs, IOPS) rather than bytes become the limit; a larger "
+            f"{smallest.name} objects are {both(smallest.bytes_per_object)} each: per-object "
+            "costs (a directory look-up, an RPC, a lease, an IOP) rival moving the bytes, so "
+            "metadata rather than bandwidth limits throughput as traffic grows "
+            f"({plan.metadata_objects_per_s:,.0f} object look-ups per second here); a larger "
             "--chunk-size makes fewer, bigger objects (seed Q43)"
         )
     recompute = plan.recompute_seconds_per_prefix
