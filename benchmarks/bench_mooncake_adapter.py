@@ -27,17 +27,12 @@ from typing import Any
 import numpy as np
 from blake3 import blake3
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo root, for tests.servers
-
-from tests.servers import MooncakeProcess, mooncake_binaries
-
-from common import report, timed
+from common import timed
+from kvtier.bench.stores import MooncakeProcess, mooncake_binaries
 from kvtier.keys import ObjectKey
 from kvtier.l2 import CompletionQueue, make_adapter
 from kvtier.l2.mooncake import MooncakeAdapter
-from shared_l2 import throughput, two_nodes
-
-MiB = 1 << 20
+from shared_l2 import compare_and_report, throughput
 
 
 def adapter_vs_raw(
@@ -95,36 +90,23 @@ def main() -> None:
     binaries = mooncake_binaries()
     if binaries is None:
         sys.exit("no mooncake_master: pip install mooncake-transfer-engine-non-cuda")
-    shapes = [tuple(int(x) for x in s.split("x")) for s in args.shapes.split(",")]
     tmp = Path(tempfile.mkdtemp(prefix="kvtier-bench-mooncake-"))
     # The master's usual 5 s read lease: a 512 MiB batch outlives the tests' 200 ms.
     server = MooncakeProcess.start(binaries, tmp, segment="2GB", lease_ttl_ms=5000)
-    rows: list[tuple[str, str]] = []
-    results: dict[str, object] = {"server": "mooncake", "rounds": args.rounds}
+    options = json.loads(args.adapter)
     try:
-        for count, mib in shapes:
-            r = adapter_vs_raw(server, count, mib * MiB, args.rounds, json.loads(args.adapter))
-            results[f"{count}x{mib}MiB"] = r
-            rows.append(
-                (
-                    f"{count} x {mib} MiB store / load",
-                    f"{r['put_gbs']:.2f} / {r['get_gbs']:.2f} GB/s = {r['put_ratio']:.2f}x / "
-                    f"{r['get_ratio']:.2f}x raw Mooncake client ({r['raw_put_gbs']:.2f} / "
-                    f"{r['raw_get_gbs']:.2f} GB/s)",
-                )
-            )
-        nodes = two_nodes(server.spec(name="shared"), tmp, args.node_rounds)
-        results["two_nodes"] = nodes
-        rows.append(
-            (
-                "node B lookup -> admitted, 32 x 2 MiB from the store",
-                f"p50 {nodes['lookup_to_admitted_p50_s'] * 1e3:.1f} ms, "
-                f"p95 {nodes['lookup_to_admitted_p95_s'] * 1e3:.1f} ms",
-            )
+        compare_and_report(
+            "mooncake L2 adapter (Mooncake Store, TCP)",
+            "Mooncake client",
+            args.shapes,
+            lambda count, size: adapter_vs_raw(server, count, size, args.rounds, options),
+            server.spec(name="shared"),
+            tmp,
+            args.node_rounds,
+            {"server": "mooncake", "rounds": args.rounds},
         )
     finally:
         server.stop()
-    report("mooncake L2 adapter (Mooncake Store, TCP)", rows, results)
 
 
 if __name__ == "__main__":

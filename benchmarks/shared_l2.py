@@ -1,6 +1,7 @@
-"""Two ``kvtier serve`` nodes with separate L1s sharing one L2 store: node B's
-lookup-to-admitted latency for chunks node A stored (used by the shared-L2
-benchmarks), and their throughput summary."""
+"""What the shared-L2 benchmarks share: two ``kvtier serve`` nodes with
+separate L1s sharing one L2 store (node B's lookup-to-admitted latency for
+chunks node A stored), the adapter-vs-raw-client throughput summary, and the
+report that puts both together."""
 
 from __future__ import annotations
 
@@ -8,18 +9,20 @@ import json
 import statistics
 import time
 import urllib.request
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from common import percentile
+from common import percentile, report
 from kvtier.keys import Namespace, TokenHasher
 from kvtier.layout import KVLayout
 from kvtier.server.client import CacheClient, ClientConfig
 from kvtier.server.process import ServerProcess
 from kvtier.server.protocol import LayoutSpec
 
+MiB = 1 << 20
 # 8 layers, 2 KV heads of 128, bf16: 8 KiB per token, 2 MiB per 256-token chunk.
 SPEC = LayoutSpec(group=0, num_layers=8, kv_heads=2, head_dim=128, dtype="bfloat16")
 
@@ -77,3 +80,40 @@ def throughput(samples: dict[str, list[float]], total: int) -> dict[str, float]:
         "put_ratio": ratio("raw_put", "put"),
         "get_ratio": ratio("raw_get", "get"),
     }
+
+
+def compare_and_report(
+    title: str,
+    raw_client: str,
+    shapes: str,
+    measure: Callable[[int, int], dict[str, float]],
+    shared: dict[str, Any],
+    tmp: Path,
+    node_rounds: int,
+    results: dict[str, object],
+) -> None:
+    """``measure(count, object_bytes)`` for each ``COUNTxMIB`` of ``shapes``, then
+    ``two_nodes`` over the ``shared`` spec; prints the table and the JSON line."""
+    rows: list[tuple[str, str]] = []
+    for shape in shapes.split(","):
+        count, mib = (int(x) for x in shape.split("x"))
+        r = measure(count, mib * MiB)
+        results[f"{count}x{mib}MiB"] = r
+        rows.append(
+            (
+                f"{count} x {mib} MiB store / load",
+                f"{r['put_gbs']:.2f} / {r['get_gbs']:.2f} GB/s = {r['put_ratio']:.2f}x / "
+                f"{r['get_ratio']:.2f}x raw {raw_client} ({r['raw_put_gbs']:.2f} / "
+                f"{r['raw_get_gbs']:.2f} GB/s)",
+            )
+        )
+    nodes = two_nodes(shared, tmp, node_rounds)
+    results["two_nodes"] = nodes
+    rows.append(
+        (
+            "node B lookup -> admitted, 32 x 2 MiB from the store",
+            f"p50 {nodes['lookup_to_admitted_p50_s'] * 1e3:.1f} ms, "
+            f"p95 {nodes['lookup_to_admitted_p95_s'] * 1e3:.1f} ms",
+        )
+    )
+    report(title, rows, results)

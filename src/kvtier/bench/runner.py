@@ -75,15 +75,13 @@ async def _replay_sampled(
 ) -> tuple[list[RequestResult], list[Sample], dict[str, float]]:
     started = time.perf_counter()
     http = running.kvtier.http if running.kvtier else None
-    sampler = Sampler(running.engine.url, http, [], started)
-    sampler.pids = running.pids()
+    sampler = Sampler(running.engine.url, http, running.pids, started)
     events: dict[str, float] = {}
 
     async def inject(at: float, action: Callable[[], None], name: str) -> None:
         await asyncio.sleep(max(0.0, started + at - time.perf_counter()))
         events[name] = time.perf_counter() - started
         await asyncio.to_thread(action)
-        sampler.pids = running.pids()  # a restarted store has new processes
 
     sampling = asyncio.create_task(sampler.run())
     injecting = [

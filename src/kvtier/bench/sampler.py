@@ -14,7 +14,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import aiohttp
@@ -85,7 +85,7 @@ class Sampler:
 
     vllm_url: str
     kvtier_http: str | None
-    pids: list[int]
+    pids: Callable[[], Sequence[int]]  # asked at every sample: a restarted store has new ones
     started: float
     every_s: float = 0.5
     samples: list[Sample] = field(default_factory=list)
@@ -99,7 +99,7 @@ class Sampler:
             with contextlib.suppress(aiohttp.ClientError, asyncio.TimeoutError):
                 async with session.get(f"{url}/metrics") as response:
                     counters.update(parse_counters(await response.text(), prefix))
-        rss = await asyncio.to_thread(resident_bytes, self.pids)
+        rss = await asyncio.to_thread(resident_bytes, self.pids())
         sample = Sample(time.perf_counter() - self.started, counters, rss)
         self.samples.append(sample)
         return sample

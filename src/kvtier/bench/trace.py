@@ -139,6 +139,13 @@ def _arrivals(rng: np.random.Generator, count: int, rate: float) -> list[float]:
 
 def rag_prompts(spec: RagSpec) -> list[tuple[list[int], tuple[int, ...]]]:
     """Each request's prompt and the documents in it, in prompt order."""
+    return _rag(spec)[2]
+
+
+def _rag(
+    spec: RagSpec,
+) -> tuple[list[int], list[list[int]], list[tuple[list[int], tuple[int, ...]]]]:
+    """The system prompt, the documents, and each request's prompt with its documents."""
     system, documents, draw = _rag_corpus(spec)
     popularity = 1.0 / np.arange(1, spec.documents + 1) ** spec.zipf
     popularity /= popularity.sum()
@@ -148,7 +155,7 @@ def rag_prompts(spec: RagSpec) -> list[tuple[list[int], tuple[int, ...]]]:
         chosen = tuple(int(d) for d in draw.rng.choice(spec.documents, count, False, popularity))
         prompt = system + [t for d in chosen for t in documents[d]]
         prompts.append((prompt + draw.tokens(spec.question_tokens), chosen))
-    return prompts
+    return system, documents, prompts
 
 
 def _rag_corpus(spec: RagSpec) -> tuple[list[int], list[list[int]], _Draw]:
@@ -164,12 +171,12 @@ def rag_trace(spec: RagSpec) -> list[TraceRequest]:
     timing = np.random.default_rng([spec.seed, 1])
     arrivals = _arrivals(timing, spec.requests, spec.rate)
     trace = []
+    system, documents, prompts = _rag(spec)
     if spec.prime:
-        system, documents, _ = _rag_corpus(spec)
         for d, document in enumerate(documents):
             primer = tuple(system + document)
             trace.append(TraceRequest(f"prime-{d:03d}", 0.0, primer, 1, f"doc {d}", warm=True))
-    for i, (prompt, docs) in enumerate(rag_prompts(spec)):
+    for i, (prompt, docs) in enumerate(prompts):
         label = "docs " + "+".join(str(d) for d in docs)
         output = int(timing.integers(spec.output_tokens[0], spec.output_tokens[1] + 1))
         trace.append(TraceRequest(f"rag-{i:04d}", arrivals[i], tuple(prompt), output, label))

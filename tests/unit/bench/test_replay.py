@@ -62,9 +62,10 @@ def test_replay_measures_each_request() -> None:
     a, b, bad, short = results
     assert a.tokens == [6, 7, 8] and b.tokens == [2, 3]
     assert a.ok and b.ok and a.cached_tokens == 2 and a.prompt_tokens == 4
-    assert 0.04 < a.ttft_s < 0.5  # type: ignore[operator]
-    assert len(a.itls()) == 2 and all(0.005 < gap < 0.3 for gap in a.itls())
-    assert b.sent_s >= 0.3 and a.sent_s < 0.1  # sent at their arrival times
+    # lower bounds only: the server's own sleeps and the trace's arrival times
+    assert a.ttft_s is not None and a.ttft_s >= 0.05
+    assert len(a.itls()) == 2 and all(gap >= 0.005 for gap in a.itls())
+    assert b.sent_s >= b.arrival_s == 0.3 and a.sent_s < b.sent_s  # sent at their arrival
     assert elapsed >= 0.35
     assert not bad.ok and bad.error is not None and bad.error.startswith("HTTP 400")
     assert not short.ok and short.error == "2 tokens came back, not 3"
