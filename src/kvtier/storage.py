@@ -20,6 +20,7 @@ the controllers have their own.
 from __future__ import annotations
 
 import itertools
+import logging
 import threading
 from collections import Counter
 from collections.abc import Mapping, Sequence
@@ -43,6 +44,8 @@ from kvtier.l2 import L2Adapter, TaskKind, TaskResult, make_adapter
 from kvtier.layout import KVLayout
 
 Buffer = npt.NDArray[np.generic] | bytes | bytearray | memoryview
+LOOKUP_GRACE_S = 5.0  # past a lookup's deadline before lookup_chunks gives up on it
+log = logging.getLogger(__name__)
 
 
 def byte_view(buffer: Buffer, what: str = "buffer") -> npt.NDArray[np.uint8]:
@@ -101,6 +104,7 @@ class StorageManager:
         self._held: dict[ObjectKey, _Held] = {}
         self._temporary: set[ObjectKey] = set()
         self._tags = itertools.count()
+        self._lookup_timeouts = 0
 
     # ---------------------------------------------------------------- write
 
@@ -123,7 +127,7 @@ class StorageManager:
                     f"store: buffer {wrong[0]} has {sources[wrong[0]].nbytes} bytes; "
                     f"the layout says {expected}"
                 )
-        tag, placements, fence = self.reserve_store(keys, [s.nbytes for s in sources])
+        tag, placements, fence = self.reserve_store(keys, [s.nbytes for s in sources], layout)
         try:
             for placement, source in zip(placements, sources, strict=True):
                 if placement.result is L1Result.SUCCESS:
@@ -143,14 +147,15 @@ class StorageManager:
         return results
 
     def reserve_store(
-        self, keys: Sequence[ObjectKey], sizes: Sequence[int]
+        self, keys: Sequence[ObjectKey], sizes: Sequence[int], layout: KVLayout | None = None
     ) -> tuple[WriterTag, list[Placement], IOFence]:
         """First half of a store whose bytes another process writes into the
         arena: stage ``keys`` and fence their memory. Per key the placement is
         SUCCESS (write there), NOT_WRITABLE (resident already: skip) or
         OUT_OF_MEMORY. Finish with ``commit_store`` or ``abort_store``."""
         tag = WriterTag(f"store-{next(self._tags)}")
-        placements = self.l1.reserve_write(keys, sizes, tag)
+        digest = layout.digest() if layout else ""
+        placements = self.l1.reserve_write(keys, sizes, tag, layout=digest)
         staged = [k for k, p in zip(keys, placements, strict=True) if p.result is L1Result.SUCCESS]
         _, fence = self.l1.fence(staged, tag)
         return tag, placements, fence
@@ -159,12 +164,20 @@ class StorageManager:
         self, tag: WriterTag, fence: IOFence, layout: KVLayout | None = None
     ) -> list[ObjectKey]:
         """Publish what ``reserve_store`` staged (its bytes are written), queue
-        it for L2, and return the keys this call admitted."""
+        it for L2, and return the keys this call admitted. Objects the store
+        controller will write back are published with a read lock it owns, so
+        L1 cannot evict them before they are in L2."""
         self.l1.unfence(fence)
         staged = [obj.key for obj in fence.objects]
-        results = self.l1.finish_write(staged, tag)
+        pin = self.store_controller.pins_admissions
+        if pin:
+            results = [p.result for p in self.l1.finish_write_and_reserve_read(staged, tag)]
+        else:
+            results = self.l1.finish_write(staged, tag)
         admitted = [k for k, r in zip(staged, results, strict=True) if r is L1Result.SUCCESS]
-        self.store_controller.on_admitted(admitted, layout.digest() if layout else "")
+        nbytes = fence.objects[0].size if fence.objects else 0
+        digest = layout.digest() if layout else ""
+        self.store_controller.on_admitted(admitted, digest, nbytes, pinned=pin)
         return admitted
 
     def abort_store(self, tag: WriterTag, fence: IOFence) -> None:
@@ -208,9 +221,20 @@ class StorageManager:
         layouts: Mapping[int, KVLayout] | None = None,
         deadline_s: float | None = None,
     ) -> LookupResult:
-        """Lock the longest prefix of chunks whose every object L1 has or can load."""
-        result = self.collect(self.submit_lookup(chunks, layouts, deadline_s))
-        assert result is not None  # wait() without a timeout always has a result
+        """Lock the longest prefix of chunks whose every object L1 has or can
+        load. The prefetch controller answers by the deadline; should it not
+        (a bug), the lookup is a miss ``LOOKUP_GRACE_S`` later, never a hang."""
+        handle = self.submit_lookup(chunks, layouts, deadline_s)
+        wait = (deadline_s or self.config.prefetch.deadline_s) + LOOKUP_GRACE_S
+        result = self.collect(handle, wait)
+        if result is None:
+            late = handle.abandon()  # a result that comes later is released for us
+            result = self.collect(handle, 0) if late is not None else None
+        if result is None:
+            with self._lock:
+                self._lookup_timeouts += 1
+            log.error("storage: a lookup was not answered %.1f s after its deadline", wait)
+            return LookupResult(0, {}, {})
         return result
 
     def lookup(
@@ -266,6 +290,7 @@ class StorageManager:
     def status(self) -> dict[str, object]:
         return {
             "held_lookup_locks": self.held_locks(),
+            "lookup_timeouts": self._lookup_timeouts,
             "l1": self.l1.status(),
             "l2": {a.name: a.status() for a in self.adapters},
             "store": self.store_controller.status(),

@@ -86,9 +86,12 @@ def test_out_of_memory_while_everything_is_locked(storage: StorageManager) -> No
 
 
 def test_a_batch_past_the_watermark_keeps_the_prefix_head(storage: StorageManager) -> None:
-    keys = [make_key(i) for i in range(16)]  # 64 of 64 pages: evicts down to 60 %
-    storage.store(keys, [payload(i, 4 * PAGE) for i in range(16)])
-    assert storage.lookup(keys).hit_chunks == 9  # 36 pages kept: the first nine chunks
+    keys = [make_key(i) for i in range(15)]  # 60 of 64 pages: never its own victims
+    storage.store(keys, [payload(i, 4 * PAGE) for i in range(15)])
+    assert storage.lookup(keys).hit_chunks == 15
+    storage.release(keys)
+    storage.store([make_key(99)], [payload(99, PAGE)])  # 61 pages: evict down to 60 %
+    assert storage.lookup(keys).hit_chunks == 9  # the batch's tail went first
     storage.release(keys[:9])
     assert_clean(storage.l1)
 

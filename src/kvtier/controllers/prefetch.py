@@ -20,19 +20,29 @@ For one request (a prompt's chunks, each one or more objects: ranks x groups)::
   is done); when it lands it is admitted unlocked, warming the cache.
 - Leases: every object an adapter's lookup found is unlocked on that adapter
   exactly once — after its load, or when the plan does not use that copy.
-- Bounds: at most ``max_inflight_requests`` requests are worked on at once
-  (the rest wait in order); loads start while fewer than
-  ``max_inflight_bytes`` are in flight (one batch may always run).
+- Bounds: at most ``max_inflight_requests`` requests are worked on at once;
+  up to ``max_backlog_requests`` more wait in order, without holding L1
+  locks (they lock L1 again when they start); beyond that a request gets
+  what L1 has at once (counted as ``backlog_full``). Loads start while fewer
+  than ``max_inflight_bytes`` are in flight (one batch may always run). An
+  object larger than L1 is a miss.
 - Loaded objects stay in L1 (``retain_loaded``) or are marked temporary in
   the result, for the caller to drop after reading them.
+- A caller that stops waiting ``abandon``s its handle; the locks of a
+  result that comes later are released here.
+- An exception in the worker's body is logged, counted (``worker_errors``)
+  and ends only the request it concerned (a miss); the locks, staging
+  copies and fences of that step are released on the way out.
 
 Thread safety: ``submit`` runs step 1 on the caller's thread (L1 has its own
-lock) and hands the rest to the worker thread through ``_events``. Every
-field below except ``_counters`` (thread-safe) is the worker's.
+lock) and hands the rest to the worker thread through ``_events``, under
+``_submit_lock`` so that nothing arrives after ``stop()``. Every field below
+except ``_counters`` (thread-safe) is the worker's.
 """
 
 from __future__ import annotations
 
+import functools
 import heapq
 import itertools
 import logging
@@ -40,7 +50,7 @@ import queue
 import threading
 import time
 from collections import Counter, deque
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from kvtier.counters import Counters
@@ -59,11 +69,17 @@ GiB = 1 << 30
 class PrefetchConfig:
     deadline_s: float = 5.0
     max_inflight_requests: int = 64
+    max_backlog_requests: int = 1024
     max_inflight_bytes: int = 1 * GiB
     retain_loaded: bool = True
 
     def __post_init__(self) -> None:
-        for name in ("deadline_s", "max_inflight_requests", "max_inflight_bytes"):
+        for name in (
+            "deadline_s",
+            "max_inflight_requests",
+            "max_backlog_requests",
+            "max_inflight_bytes",
+        ):
             if not getattr(self, name) > 0:
                 raise ValueError(f"prefetch option {name!r} must be positive")
 
@@ -83,8 +99,10 @@ class PrefetchHandle:
     """The caller's view of one request: pending until ``result()`` is set."""
 
     def __init__(self) -> None:
+        self._lock = threading.Lock()
         self._done = threading.Event()
         self._result: LookupResult | None = None
+        self._abandoned = False
 
     def result(self) -> LookupResult | None:
         """The result, or None while the lookup is pending."""
@@ -94,9 +112,24 @@ class PrefetchHandle:
         self._done.wait(timeout)
         return self.result()
 
-    def _set(self, result: LookupResult) -> None:
-        self._result = result
-        self._done.set()
+    def abandon(self) -> LookupResult | None:
+        """Stop waiting. Returns the result if it came meanwhile (the caller
+        owns its locks); else None, and a result that comes later has its
+        locks released by the controller."""
+        with self._lock:
+            if self._done.is_set():
+                return self._result
+            self._abandoned = True
+            return None
+
+    def _set(self, result: LookupResult) -> bool:
+        """Deliver; False (nothing delivered) if the caller abandoned it."""
+        with self._lock:
+            if self._abandoned:
+                return False
+            self._result = result
+            self._done.set()
+            return True
 
 
 @dataclass(eq=False)
@@ -111,6 +144,7 @@ class _Request:
     waiting_lookups: set[str] = field(default_factory=set)
     found: dict[str, set[ObjectKey]] = field(default_factory=dict)
     pending_loads: set[ObjectKey] = field(default_factory=set)
+    parked: bool = False  # waiting in the backlog with its L1 locks given back
     done: bool = False
 
 
@@ -142,8 +176,10 @@ class PrefetchController:
         self._inflight: dict[ObjectKey, _LoadBatch] = {}  # single flight
         self._budget_wait: deque[tuple[_Request, str, int, list[ObjectKey]]] = deque()
         self._inflight_bytes = 0
+        self._draining = False  # _finish is starting backlog requests
         self._stopping = False  # the worker's view
-        self._closed = False  # set by stop(), read by submit() on callers' threads
+        self._submit_lock = threading.Lock()
+        self._closed = False  # under _submit_lock: set by stop(), read by submit()
         self._counters = Counters()
         self._thread = threading.Thread(target=self._run, name="kvtier-prefetch", daemon=True)
         self._thread.start()
@@ -165,20 +201,17 @@ class PrefetchController:
         handle = PrefetchHandle()
         deadline = time.monotonic() + (deadline_s or self.config.deadline_s)
         request = _Request(frozen, layouts or {}, deadline, handle, limit=len(frozen))
-        placements = self._l1.reserve_read(flat)
-        for key, placement in zip(flat, placements, strict=True):
-            if placement.result is L1Result.SUCCESS:
-                request.locked[key] = placement
-                request.tier[key] = L1_TIER
+        self._lock_l1(request)
         self._counters.add("lookups")
         if len(request.locked) == len(flat):  # a full L1 hit: the common, hot case
             self._answer(request)
             return handle
-        request.limit = self._loadable_prefix(request)
-        if self._closed or not self._adapters or self._all_locked(request):
-            self._answer(request)  # the worker never sees this request
-        else:
-            self._events.put(request)
+        if self._adapters and not self._all_locked(request):
+            with self._submit_lock:
+                if not self._closed:
+                    self._events.put(request)
+                    return handle
+        self._answer(request)  # the worker never sees this request
         return handle
 
     def on_result(self, result: TaskResult) -> None:
@@ -187,8 +220,9 @@ class PrefetchController:
 
     def stop(self) -> None:
         """Finish every request as it stands, wait for loads in flight, then stop."""
-        self._closed = True
-        self._events.put("stop")
+        with self._submit_lock:
+            self._closed = True
+            self._events.put("stop")
         self._thread.join()
 
     def status(self) -> dict[str, object]:
@@ -205,24 +239,15 @@ class PrefetchController:
                 event = self._events.get(timeout=timeout)
             except queue.Empty:
                 event = None
-            if event == "stop":
-                self._stopping = True
-                waiting, self._backlog = list(self._backlog), deque()
-                for request in [*waiting, *self._active]:
-                    self._finish(request, give_up=True)
-            elif isinstance(event, _Request):
-                self._admit(event)
-            elif isinstance(event, TaskResult):
-                if event.kind is TaskKind.LOOKUP:
-                    self._on_lookup(event)
-                else:
-                    self._on_load(event)
-            self._expire(time.monotonic())
-            self._launch_waiting()
-            self._set_gauges()
+            for step in (self._dispatch, self._upkeep):
+                try:
+                    step(event)
+                except Exception:
+                    self._counters.add("worker_errors")
+                    log.exception("prefetch: the worker failed on %s; going on", _describe(event))
             if self._stopping and not self._loads and not self._lookups:
                 break
-        # Requests that raced with stop(): answer them as misses.
+        # Nothing arrives after stop(); answer what came before it as misses.
         while True:
             try:
                 event = self._events.get_nowait()
@@ -231,18 +256,60 @@ class PrefetchController:
             if isinstance(event, _Request):
                 self._answer(event, give_up=True)
 
+    def _dispatch(self, event: object) -> None:
+        if event == "stop":
+            self._stopping = True
+            waiting, self._backlog = list(self._backlog), deque()
+            for request in [*waiting, *self._active]:
+                self._finish(request, give_up=True)
+        elif isinstance(event, _Request):
+            self._guarded(event, self._admit)
+        elif isinstance(event, TaskResult) and event.kind is TaskKind.LOOKUP:
+            self._on_lookup(event)
+        elif isinstance(event, TaskResult):
+            self._on_load(event)
+
+    def _upkeep(self, event: object) -> None:
+        self._expire(time.monotonic())
+        self._launch_waiting()
+        self._set_gauges()
+
+    def _guarded(self, request: _Request, step: Callable[[_Request], None]) -> None:
+        """Run a step of one request; if it fails, that request ends as a miss
+        (its locks and leases released) and the exception goes on."""
+        try:
+            step(request)
+        except BaseException:
+            self._finish(request, give_up=True)
+            raise
+
     def _admit(self, request: _Request) -> None:
         if self._stopping:
             self._finish(request, give_up=True)
-        elif len(self._active) >= self.config.max_inflight_requests:
+        elif len(self._active) < self.config.max_inflight_requests:
+            self._start(request)
+        elif len(self._backlog) >= self.config.max_backlog_requests:
+            self._counters.add("backlog_full")
+            self._answer(request)  # what L1 had: no L2 this time
+        else:
+            # Waiting must not pin L1: give the locks back, take them again at _start.
+            self._l1.finish_read(list(request.locked))
+            request.locked.clear()
+            request.tier.clear()
+            request.parked = True
             self._backlog.append(request)
             heapq.heappush(self._deadlines, (request.deadline, next(self._seq), request))
-        else:
-            self._start(request)
 
     def _start(self, request: _Request) -> None:
         self._active.add(request)
-        heapq.heappush(self._deadlines, (request.deadline, next(self._seq), request))
+        if request.parked:
+            request.parked = False
+            self._lock_l1(request)
+            if self._all_locked(request):
+                self._finish(request)
+                return
+        else:
+            heapq.heappush(self._deadlines, (request.deadline, next(self._seq), request))
         missing = [k for c in request.chunks[: request.limit] for k in c if k not in request.locked]
         for name, adapter in self._adapters.items():
             request.waiting_lookups.add(name)
@@ -258,7 +325,7 @@ class PrefetchController:
         request.found[result.adapter] = found
         request.waiting_lookups.discard(result.adapter)
         if not request.waiting_lookups:
-            self._plan(request)
+            self._guarded(request, self._plan)
 
     def _plan(self, request: _Request) -> None:
         """Pick a source for every object of the loadable prefix, then load."""
@@ -295,7 +362,7 @@ class PrefetchController:
         for (name, group), keys in assigned.items():
             self._budget_wait.append((request, name, group, keys))
         self._launch_waiting()
-        if not request.pending_loads and not any(r is request for r, *_ in self._budget_wait):
+        if not request.pending_loads and not self._budget_waiting(request):
             self._finish(request)
 
     def _launch_waiting(self) -> None:
@@ -309,35 +376,51 @@ class PrefetchController:
             if request.done:
                 self._unlock(name, set(keys))
                 continue
-            self._start_load(request, name, request.layouts[group], keys)
-            if not request.pending_loads and not any(r is request for r, *_ in self._budget_wait):
+            layout = request.layouts[group]
+            load = functools.partial(self._start_load, name=name, layout=layout, keys=keys)
+            self._guarded(request, load)
+            if not request.pending_loads and not self._budget_waiting(request):
                 self._finish(request)
 
     def _start_load(
         self, request: _Request, name: str, layout: KVLayout, keys: list[ObjectKey]
     ) -> None:
+        """Stage ``keys`` in L1 and load them from adapter ``name``. The
+        adapter's leases on ``keys`` are returned here for what is not loaded,
+        or when the load completes; on an exception, here, for all."""
         tag = WriterTag(f"prefetch-{next(self._seq)}")
         size = layout.object_bytes()
-        placements = self._l1.reserve_write(keys, [size] * len(keys), tag)
+        digest = layout.digest()
         staged: list[ObjectKey] = []
-        for key, placement in zip(keys, placements, strict=True):
-            if placement.result is L1Result.SUCCESS:
-                staged.append(key)
-            elif placement.result is L1Result.NOT_WRITABLE:
-                self._take_resident(request, key)  # published meanwhile: read it from L1
-            else:
-                self._counters.add("staging_out_of_memory")
+        fence: IOFence | None = None
+        try:
+            placements = self._l1.reserve_write(keys, [size] * len(keys), tag, layout=digest)
+            for key, placement in zip(keys, placements, strict=True):
+                if placement.result is L1Result.SUCCESS:
+                    staged.append(key)
+                elif placement.result is L1Result.NOT_WRITABLE:
+                    self._take_resident(request, key)  # published meanwhile: read it from L1
+                else:
+                    self._counters.add("staging_out_of_memory")  # too large for L1, or no room
+            if not staged:
+                self._unlock(name, set(keys))
+                return
+            _, fence = self._l1.fence(staged, tag)
+            views = [self._l1.view(p) for p in placements if p.result is L1Result.SUCCESS]
+            batch = _LoadBatch(name, tag, fence, size * len(staged), {k: [request] for k in staged})
+            task = self._adapters[name].submit_load(staged, views, digest)
+        except BaseException:
+            if fence is not None:
+                self._l1.unfence(fence)
+            if staged:
+                self._l1.abort_write(staged, tag)
+            self._unlock(name, set(keys))
+            raise
         self._unlock(name, set(keys) - set(staged))
-        if not staged:
-            return
-        _, fence = self._l1.fence(staged, tag)
-        views = [self._l1.view(p) for p in placements if p.result is L1Result.SUCCESS]
-        batch = _LoadBatch(name, tag, fence, size * len(staged), {k: [request] for k in staged})
         for key in staged:
             self._inflight[key] = batch
             request.pending_loads.add(key)
         self._inflight_bytes += batch.nbytes
-        task = self._adapters[name].submit_load(staged, views, layout.digest())
         self._loads[(name, task)] = batch
 
     def _take_resident(self, request: _Request, key: ObjectKey) -> None:
@@ -351,13 +434,29 @@ class PrefetchController:
         if batch is None:
             log.error("prefetch: result for unknown load %s/%d", result.adapter, result.task)
             return
-        self._l1.unfence(batch.fence)
         self._inflight_bytes -= batch.nbytes
-        self._unlock(result.adapter, set(result.keys))
+        for key in result.keys:
+            del self._inflight[key]
+        try:
+            self._l1.unfence(batch.fence)
+            self._unlock(result.adapter, set(result.keys))
+            touched = self._admit_loaded(batch, result)
+        except BaseException:  # drop what is still staged; its requests end as misses
+            self._l1.abort_write(list(result.keys), batch.tag)
+            for requests in batch.subscribers.values():
+                for request in requests:
+                    self._finish(request, give_up=True)
+            raise
+        for request in touched:
+            if not request.pending_loads and not self._budget_waiting(request):
+                self._finish(request)
+
+    def _admit_loaded(self, batch: _LoadBatch, result: TaskResult) -> set[_Request]:
+        """Publish the loaded copies, locked once per live subscriber; return
+        the requests this load concerned."""
         waiting: dict[int, list[ObjectKey]] = {}  # number of live subscribers -> keys
         touched: set[_Request] = set()
         for key, ok in zip(result.keys, result.ok, strict=True):
-            del self._inflight[key]
             live = [r for r in batch.subscribers[key] if not r.done]
             touched.update(live)
             for request in live:
@@ -380,29 +479,35 @@ class PrefetchController:
                     if not request.done:
                         request.locked[key] = placement
                         request.tier[key] = result.adapter
-        for request in touched:
-            if not request.pending_loads and not any(r is request for r, *_ in self._budget_wait):
-                self._finish(request)
+        return touched
 
     def _expire(self, now: float) -> None:
         while self._deadlines and self._deadlines[0][0] <= now:
             _, _, request = heapq.heappop(self._deadlines)
             if not request.done:
                 self._counters.add("deadline_misses")
-                if request in self._backlog:
+                if request.parked:  # still in the backlog: what L1 has now
                     self._backlog.remove(request)
+                    request.parked = False
+                    self._lock_l1(request)
                 self._finish(request)
 
     def _finish(self, request: _Request, give_up: bool = False) -> None:
-        """Answer a request the worker was handling and start the next one."""
+        """Answer a request the worker was handling and start the next ones."""
         self._active.discard(request)
         self._answer(request, give_up)
-        while (
-            not self._stopping
-            and self._backlog
-            and len(self._active) < self.config.max_inflight_requests
-        ):
-            self._start(self._backlog.popleft())
+        if self._draining:
+            return  # the loop below, further up the stack, goes on
+        self._draining = True
+        try:
+            while (
+                not self._stopping
+                and self._backlog
+                and len(self._active) < self.config.max_inflight_requests
+            ):
+                self._guarded(self._backlog.popleft(), self._start)
+        finally:
+            self._draining = False
 
     def _answer(self, request: _Request, give_up: bool = False) -> None:
         """Fold to the longest fully locked prefix, release the rest, set the result."""
@@ -435,12 +540,28 @@ class PrefetchController:
         temporary: frozenset[ObjectKey] = frozenset()
         if not self.config.retain_loaded:
             temporary = frozenset(k for k in placements if request.tier[k] != L1_TIER)
+        if not request.handle._set(LookupResult(hit, placements, dict(tiers), temporary)):
+            self._counters.add("abandoned")  # the caller stopped waiting: nobody reads these
+            self._l1.finish_read(list(placements))
+            return
         self._counters.add("hit_chunks", hit)
         for tier, n in tiers.items():
             self._counters.add(f"hit_objects.{tier}", n)
-        request.handle._set(LookupResult(hit, placements, dict(tiers), temporary))
 
     # ------------------------------------------------------------- helpers
+
+    def _lock_l1(self, request: _Request) -> None:
+        """Step 1: read-lock what L1 has of the request; set how far a hit can reach."""
+        wanted = [k for c in request.chunks for k in c if k not in request.locked]
+        for key, placement in zip(wanted, self._l1.reserve_read(wanted), strict=True):
+            if placement.result is L1Result.SUCCESS:
+                request.locked[key] = placement
+                request.tier[key] = L1_TIER
+        if len(request.locked) < sum(map(len, request.chunks)):
+            request.limit = self._loadable_prefix(request)
+
+    def _budget_waiting(self, request: _Request) -> bool:
+        return any(r is request for r, *_ in self._budget_wait)
 
     def _loadable_prefix(self, request: _Request) -> int:
         """Chunks up to the first one with an L1-missing object of unknown layout."""
@@ -465,3 +586,11 @@ class PrefetchController:
             inflight_bytes=self._inflight_bytes,
             inflight_objects=len(self._inflight),
         )
+
+
+def _describe(event: object) -> str:
+    if isinstance(event, TaskResult):
+        return f"the {event.kind.value} result of {event.adapter} task {event.task}"
+    if isinstance(event, _Request):
+        return f"a lookup of {len(event.chunks)} chunks"
+    return repr(event)

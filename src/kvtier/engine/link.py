@@ -191,7 +191,9 @@ class LocalLink:
 
     def store(self, request_id: str, hashes: Sequence[bytes], object_bytes: int, fill: Fill) -> int:
         keys = self._keys(hashes)
-        tag, placements, fence = self.storage.reserve_store(keys, [object_bytes] * len(keys))
+        tag, placements, fence = self.storage.reserve_store(
+            keys, [object_bytes] * len(keys), self.layout
+        )
         try:
             for i, placement in enumerate(placements):
                 if placement.result is L1Result.SUCCESS:

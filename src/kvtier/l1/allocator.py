@@ -43,15 +43,13 @@ class FreeListAllocator:
         return -(-size // self.alignment)
 
     def allocate(self, sizes: Sequence[int]) -> list[int] | None:
-        """Byte offsets for every size, or None (and nothing allocated) if any fails."""
+        """Byte offsets for every size, or None (and nothing allocated) if any
+        fails, a size larger than the whole capacity included."""
         for size in sizes:
             if isinstance(size, bool) or not isinstance(size, int) or size <= 0:
                 raise ValueError(f"allocation size must be a positive int, got {size!r}")
-            if size > self.capacity:
-                raise ValueError(
-                    f"allocation of {size} bytes exceeds the arena capacity of "
-                    f"{self.capacity} bytes; raise the L1 size or use smaller chunks"
-                )
+        if any(size > self.capacity for size in sizes):
+            return None
         starts: list[int] = []
         for size in sizes:
             start = self._take(self.pages_for(size))

@@ -34,8 +34,15 @@ Rules:
   only at ``unfence``.
 - Eviction keeps used bytes (resident + staging) between the watermarks: it
   starts after an admission pushes usage above ``high_watermark`` and stops
-  at ``low_watermark``; ``reserve_write`` also evicts what it needs. A policy
-  exception is logged and counted, and costs only that eviction round.
+  at ``low_watermark``; ``reserve_write`` also evicts what it needs. The
+  objects an admission publishes are never its own victims, and when locked,
+  staging and just-published bytes alone exceed the low watermark the round
+  is skipped (counted as ``watermark_unreachable``): evicting every other
+  object would not reach the mark and would only empty the cache, one store
+  evicting the previous one. A policy exception is logged and counted, and
+  costs only that eviction round.
+- An object larger than the whole arena is OUT_OF_MEMORY (counted as
+  ``too_large``), like any batch that cannot fit.
 
 Every method takes a batch and returns one result per key; caller mistakes
 (mismatched lengths, bad sizes, a key twice in one write transition) raise
@@ -79,6 +86,8 @@ COUNTERS = (
     "expired_write_leases",
     "expired_read_leases",
     "out_of_memory",
+    "too_large",
+    "watermark_unreachable",
     "duplicate_writes",
 )
 
@@ -144,13 +153,16 @@ class L1Manager:
         sizes: Sequence[int],
         tag: WriterTag,
         costs: Sequence[float] | None = None,
+        layout: str = "",
     ) -> list[Placement]:
         """Stage new objects for ``tag``; their memory is all-or-nothing.
 
         Per key: SUCCESS with an offset; NOT_WRITABLE if already resident;
         WRONG_STATE if this tag already stages it; OUT_OF_MEMORY for every
-        key that needed memory if the batch does not fit after eviction.
-        ``costs`` (recompute seconds saved) feed cost-aware eviction.
+        key that needed memory if the batch does not fit after eviction (or
+        holds an object larger than the arena). ``costs`` (recompute seconds
+        saved) feed cost-aware eviction; ``layout`` (the objects' layout
+        digest) stays with them for ``resident_objects``.
         """
         if len(sizes) != len(keys) or (costs is not None and len(costs) != len(keys)):
             raise ValueError("reserve_write: keys, sizes and costs must have the same length")
@@ -169,6 +181,8 @@ class L1Manager:
             offsets = self._allocate([sizes[i] for i in wanted]) if wanted else []
             if offsets is None:
                 self._counters["out_of_memory"] += 1
+                if any(sizes[i] > self._arena.capacity for i in wanted):
+                    self._counters["too_large"] += 1
                 for i in wanted:
                     results[i] = Placement(L1Result.OUT_OF_MEMORY)
             else:
@@ -182,6 +196,7 @@ class L1Manager:
                         state=ObjectState.STAGING,
                         tag=tag,
                         cost=None if costs is None else costs[i],
+                        layout=layout,
                     )
                     self._staging[(keys[i], tag)] = obj
                     self._staging_bytes += obj.reserved
@@ -265,10 +280,11 @@ class L1Manager:
 
     def fence(
         self, keys: Sequence[ObjectKey], tag: WriterTag | None = None
-    ) -> tuple[list[L1Result], IOFence]:
+    ) -> tuple[list[Placement], IOFence]:
         """Pin memory for an I/O: ``tag``'s staged copies, or (tag None) resident
-        objects. NOT_FOUND keys are not pinned and must not be touched by the
-        I/O. The caller must ``unfence`` the returned fence exactly once."""
+        objects; per key where it is (SUCCESS), or NOT_FOUND: not pinned, not
+        to be touched by the I/O. The caller must ``unfence`` the returned
+        fence exactly once."""
         with self._lock:
             self._reap(self._clock())
             fence = IOFence()
@@ -276,12 +292,12 @@ class L1Manager:
             for key in keys:
                 obj = self._resident.get(key) if tag is None else self._staging.get((key, tag))
                 if obj is None:
-                    results.append(L1Result.NOT_FOUND)
+                    results.append(Placement(L1Result.NOT_FOUND))
                     continue
                 obj.io_fences += 1
                 self._fenced_objects += obj.io_fences == 1
                 fence.objects.append(obj)
-                results.append(L1Result.SUCCESS)
+                results.append(Placement(L1Result.SUCCESS, obj.offset, obj.size))
             return results, fence
 
     def unfence(self, fence: IOFence) -> None:
@@ -344,6 +360,12 @@ class L1Manager:
         """Whether ``key`` is resident (staging copies do not count)."""
         with self._lock:
             return key in self._resident
+
+    def resident_objects(self) -> list[tuple[ObjectKey, str]]:
+        """Every resident object's key and layout digest, newest admission
+        first (a snapshot: any of them may be evicted right after)."""
+        with self._lock:
+            return [(obj.key, obj.layout) for obj in reversed(self._resident.values())]
 
     def status(self) -> dict[str, object]:
         with self._lock:
@@ -418,13 +440,24 @@ class L1Manager:
                 if read_locks:
                     self._lock_read(winner, read_locks, now)
                 results.append(Placement(L1Result.SUCCESS, winner.offset, winner.size))
+            # Evict before the policy knows the new objects: they cannot be picked.
+            self._evict_to_watermark(sum(o.reserved for o in admitted if not o.read_locks))
             for obj in reversed(admitted):
                 self._policy.admit(obj.key, obj.reserved, obj.cost)
-            high = self.config.high_watermark * self._arena.capacity
-            if self._arena.used_bytes > high:
-                low = self.config.low_watermark * self._arena.capacity
-                self._evict(int(self._arena.used_bytes - low))
             return results
+
+    def _evict_to_watermark(self, fresh_bytes: int) -> None:
+        """After an admission: evict down to the low watermark if usage passed
+        the high one, unless unevictable bytes alone are above the low mark."""
+        capacity = self._arena.capacity
+        used = self._arena.used_bytes
+        if used <= self.config.high_watermark * capacity:
+            return
+        low = self.config.low_watermark * capacity
+        if self._staging_bytes + self._locked_bytes + fresh_bytes > low:
+            self._counters["watermark_unreachable"] += 1
+            return
+        self._evict(int(used - low))
 
     def _allocate(self, sizes: list[int]) -> list[int] | None:
         offsets = self._arena.allocate(sizes)

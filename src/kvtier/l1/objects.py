@@ -47,6 +47,7 @@ class L1Object:
     state: ObjectState
     tag: WriterTag | None = None
     cost: float | None = None
+    layout: str = ""  # the layout digest its bytes follow ("" if the writer gave none)
     read_locks: int = 0
     lease_expiry: float | None = None
     armed_at: float | None = None  # due time of this object's live entry in the lease heap

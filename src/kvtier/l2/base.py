@@ -25,7 +25,13 @@ controller loop::
   corrupt copy sets that key's bit to False and counts the reason in
   ``status()["failures"]``; nothing raises into the caller. After a
   connection failure the adapter backs off (doubling, capped) and answers
-  submits at once as misses until the back-off ends, then reconnects.
+  submits at once as misses until the back-off ends, then reconnects (one
+  thread reconnects; parts that come meanwhile are misses, "reconnecting").
+  ``recoveries`` counts the times the backend answered again after failing:
+  a store that restarted may have come back empty, so the store controller
+  re-seeds it from L1.
+- A store skips the keys the backend already holds (``skip_present``): one
+  lookup round instead of rewriting objects that L1 re-admitted.
 - Corrupt copies (``kvtier.l2.format``) are misses and are deleted or
   quarantined by the adapter, counted as ``corrupt_objects``.
 
@@ -112,6 +118,7 @@ class AdapterConfig:
     timeout_s: float = 5.0
     backoff_initial_s: float = 0.5
     backoff_max_s: float = 30.0
+    skip_present: bool = True  # a store first asks which keys the backend holds already
 
     def __post_init__(self) -> None:
         if self.io_threads <= 0:
@@ -152,6 +159,12 @@ class L2Adapter(ABC):
         for backends that transfer without copying from registered memory."""
         return None
 
+    @property
+    def recoveries(self) -> int:
+        """How often the backend answered again after failing (0 for adapters
+        that cannot fail that way)."""
+        return 0
+
     @abstractmethod
     def unlock(self, keys: Sequence[ObjectKey]) -> None: ...
 
@@ -180,6 +193,10 @@ class BackendUnavailable(Exception):
     """Raised by a backend method when it cannot reach its server (starts back-off)."""
 
 
+class _Reconnecting(Exception):
+    """Another thread is reconnecting the backend: this part is a miss."""
+
+
 class BlockingAdapter(L2Adapter):
     """Runs blocking batch I/O on thread pools and turns failures into misses.
 
@@ -197,7 +214,8 @@ class BlockingAdapter(L2Adapter):
     result is delivered once, by the part that finishes last. Adapters whose
     lookup is an in-memory check set ``inline_lookup`` and answer at once.
 
-    Thread safety: ``_lock`` guards counters and the back-off state.
+    Thread safety: ``_lock`` guards counters and the back-off and reconnect
+    state. ``clock`` (monotonic seconds) times the back-off; tests replace it.
     """
 
     inline_lookup: ClassVar[bool] = False
@@ -206,6 +224,7 @@ class BlockingAdapter(L2Adapter):
         self.config = config
         self.name = config.name or self.type_name
         self.writable = config.write
+        self.clock: Callable[[], float] = time.monotonic
         self._on_complete = on_complete
         self._tasks = itertools.count(1)
         self._lock = threading.Lock()
@@ -213,9 +232,12 @@ class BlockingAdapter(L2Adapter):
         self._read_pool = ThreadPoolExecutor(threads, thread_name_prefix=f"l2-{self.name}-r")
         self._write_pool = ThreadPoolExecutor(threads, thread_name_prefix=f"l2-{self.name}-w")
         self._closed = False
+        self._down = False  # the last backend call failed as unreachable or timed out
         self._down_until = 0.0
         self._backoff = config.backoff_initial_s
         self._needs_reconnect = False
+        self._reconnecting = False
+        self._recoveries = 0
         self._failures: Counter[str] = Counter()
         self._counters = Counter[str]()
 
@@ -235,6 +257,11 @@ class BlockingAdapter(L2Adapter):
     ) -> TaskId:
         self._check_batch(keys, buffers)
         return self._submit(_Task(TaskKind.LOAD, tuple(keys), buffers, layout))
+
+    @property
+    def recoveries(self) -> int:
+        with self._lock:
+            return self._recoveries
 
     def unlock(self, keys: Sequence[ObjectKey]) -> None:
         try:
@@ -260,8 +287,9 @@ class BlockingAdapter(L2Adapter):
             return {
                 "type": self.type_name,
                 "name": self.name,
-                "healthy": time.monotonic() >= self._down_until,
+                "healthy": self.clock() >= self._down_until,
                 "closed": self._closed,
+                "recoveries": self._recoveries,
                 "failures": dict(self._failures),
                 **self._counters,
                 **self._backend_status(),
@@ -286,6 +314,11 @@ class BlockingAdapter(L2Adapter):
         """Read each payload into its buffer; per key whether it is there and valid."""
 
     def _unlock(self, keys: Sequence[ObjectKey]) -> None:
+        return None
+
+    def _refresh(self, keys: Sequence[ObjectKey]) -> None:
+        """Keys a store found present already: renew whatever ages them out
+        (a TTL), as rewriting them would have."""
         return None
 
     def _reconnect(self) -> None:
@@ -328,7 +361,7 @@ class BlockingAdapter(L2Adapter):
         task.remaining = parts
         with self._lock:  # close() sets _closed under it, so the pools are still up here
             refused = "closed" if self._closed else None
-            if refused is None and time.monotonic() < self._down_until:
+            if refused is None and self.clock() < self._down_until:
                 refused = "backoff"
             if refused is None and not inline:
                 pool = self._write_pool if task.kind is TaskKind.STORE else self._read_pool
@@ -348,19 +381,18 @@ class BlockingAdapter(L2Adapter):
         ok: Sequence[bool]
         nbytes = 0
         try:
-            if self._needs_reconnect:
-                self._reconnect()
-                self._needs_reconnect = False
+            self._connected()
             if task.kind is TaskKind.STORE:
-                written = self._store(keys, buffers, task.layout)
-                ok = [w is not None for w in written]
-                nbytes = sum(w or 0 for w in written)
+                ok, nbytes = self._store_missing(keys, buffers, task.layout)
             elif task.kind is TaskKind.LOAD:
                 ok = self._load(keys, buffers, task.layout)
                 nbytes = sum(b.nbytes for b, hit in zip(buffers, ok, strict=True) if hit)
             else:
                 ok = self._lookup(keys)
             self._backend_ok()
+        except _Reconnecting:
+            self._count_failure("reconnecting", len(keys))
+            ok = [False] * len(keys)
         except (BackendUnavailable, TimeoutError, ConnectionError) as exc:
             reason = "timeout" if isinstance(exc, TimeoutError) else "unreachable"
             self._backend_down(reason, exc)
@@ -383,19 +415,64 @@ class BlockingAdapter(L2Adapter):
         result = TaskResult(self.name, task.id, task.kind, task.keys, tuple(task.ok), task.nbytes)
         self._deliver(result)
 
+    def _store_missing(
+        self, keys: Sequence[ObjectKey], buffers: Sequence[Buffer], layout: str
+    ) -> tuple[list[bool], int]:
+        """Store the keys the backend lacks; per key whether it holds it now,
+        and the bytes written."""
+        present = self._lookup(keys) if self.config.skip_present else [False] * len(keys)
+        kept = [k for k, found in zip(keys, present, strict=True) if found]
+        if kept:
+            self._unlock(kept)  # the lookup's leases: nothing will be read
+            self._refresh(kept)
+            with self._lock:
+                self._counters["store_present"] += len(kept)
+        todo = [i for i, found in enumerate(present) if not found]
+        written = self._store([keys[i] for i in todo], [buffers[i] for i in todo], layout)
+        ok = list(present)
+        for i, w in zip(todo, written, strict=True):
+            ok[i] = w is not None
+        return ok, sum(w or 0 for w in written)
+
+    def _connected(self) -> None:
+        """Reconnect first if a failure asked for it; only one thread does."""
+        with self._lock:
+            if not self._needs_reconnect:
+                return
+            if self._reconnecting:
+                raise _Reconnecting
+            self._reconnecting = True
+        try:
+            self._reconnect()
+        finally:
+            with self._lock:
+                self._reconnecting = False
+        with self._lock:
+            self._needs_reconnect = False
+
     def _deliver(self, result: TaskResult) -> None:
+        """Hand a result over. The callbacks of kvtier's controllers only queue
+        it; one that raises anyway loses this result (its caller's fences and
+        locks wait for their leases), so it is logged and counted."""
         try:
             self._on_complete(result)
         except Exception:
             log.exception("L2 %s: completion callback failed for task %d", self.name, result.task)
+            with self._lock:
+                self._counters["callback_failures"] += 1
 
     def _backend_ok(self) -> None:
         with self._lock:
             self._backoff = self.config.backoff_initial_s
+            if self._down:
+                self._down = False
+                self._recoveries += 1
+                log.warning("L2 %s: backend answers again", self.name)
 
     def _backend_down(self, reason: str, exc: BaseException) -> None:
         with self._lock:
-            self._down_until = time.monotonic() + self._backoff
+            self._down = True
+            self._down_until = self.clock() + self._backoff
             log.warning(
                 "L2 %s: backend %s (%s); misses for %.1f s", self.name, reason, exc, self._backoff
             )

@@ -90,6 +90,12 @@ class MockAdapter(BlockingAdapter):
             self._used += len(value) - len(self._objects[key])
             self._objects[key] = value
 
+    def wipe(self) -> None:
+        """Forget every object, as a store restarted without persistence does."""
+        with self._data_lock:
+            self._objects.clear()
+            self._used = 0
+
     def keys(self) -> list[ObjectKey]:
         with self._data_lock:
             return list(self._objects)

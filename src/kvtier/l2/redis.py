@@ -9,7 +9,8 @@ redis-py (hiredis parses replies when installed).
   per ``batch_keys`` keys for lookups), so a large batch never holds a
   connection for long and small ones cost one round trip.
 - ``ttl_s`` > 0 sets an expiry on every stored object (Redis then evicts by
-  its own policy; with ``maxmemory`` set, ``allkeys-lru`` suits a cache).
+  its own policy; with ``maxmemory`` set, ``allkeys-lru`` suits a cache); a
+  store of an object Redis holds already renews its expiry instead.
 - ``cluster``: ``RedisCluster`` with the same URL as its first node; a
   pipeline is split by slot across the nodes by redis-py.
 - Connection errors and timeouts fail the whole batch (back-off, then the
@@ -146,6 +147,18 @@ class RedisAdapter(BlockingAdapter):
             for i, value in zip(part, self._execute(pipe), strict=True):
                 loaded.append(self._check(keys[i], value, buffers[i], layout))
         return loaded
+
+    def _refresh(self, keys: Sequence[ObjectKey]) -> None:
+        """Objects a store found present get their TTL back, as a SET would."""
+        ttl_ms = int(self.redis_config.ttl_s * 1000)
+        if not ttl_ms:
+            return
+        step = self.redis_config.batch_keys
+        for start in range(0, len(keys), step):
+            pipe = self._client.pipeline(transaction=False)
+            for key in keys[start : start + step]:
+                pipe.pexpire(self.name_of(key), ttl_ms)
+            self._execute(pipe)
 
     def _reconnect(self) -> None:
         try:

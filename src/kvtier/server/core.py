@@ -277,7 +277,7 @@ class CacheServer:
         keys = [k for chunk in self._keys(client, req.hashes, req.group) for k in chunk]
         session = self._session_for_store(client, req.request_id)  # validates the id
         tag, placements, fence = self.storage.reserve_store(
-            keys, [layout.object_bytes()] * len(keys)
+            keys, [layout.object_bytes()] * len(keys), layout
         )
         rid = next(self._reservation_ids)
         already = sum(pl.result is L1Result.NOT_WRITABLE for pl in placements)

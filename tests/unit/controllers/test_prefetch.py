@@ -22,7 +22,7 @@ from kvtier.l2.fs import FSAdapter
 from kvtier.l2.mock import MockAdapter
 from kvtier.layout import KVLayout
 from kvtier.storage import StorageManager
-from tests.conftest import make_key
+from tests.conftest import FakeClock, make_key
 from tests.ledger import assert_clean
 from tests.unit.controllers import (
     LAYOUT,
@@ -374,9 +374,12 @@ def test_after_a_connection_failure_the_adapter_refuses_until_the_back_off_ends(
     assert_settled(storage)
 
 
-def test_an_unreachable_backend_is_a_miss_until_it_comes_back(stack: Stack) -> None:
-    storage = stack.build({"type": "mock", "backoff_initial_s": 0.01, "backoff_max_s": 0.01})
+def test_an_unreachable_backend_is_a_miss_until_it_comes_back(
+    stack: Stack, clock: FakeClock
+) -> None:
+    storage = stack.build({"type": "mock", "backoff_initial_s": 10.0, "backoff_max_s": 10.0})
     mock = the_mock(storage)
+    mock.clock = clock
     keys = [make_key(i) for i in range(4)]
     data = seed_l2(storage, keys, keep=keys[:2])
     mock.faults.unreachable = True
@@ -385,6 +388,7 @@ def test_an_unreachable_backend_is_a_miss_until_it_comes_back(stack: Stack) -> N
     storage.release(keys[:2])
     assert failures(mock) == {"unreachable": 2}
     for _ in range(5):  # refused during the back-off, or unreachable again after it
+        clock.advance(6.0)
         result = storage.lookup(keys, LAYOUT)
         assert_hit(storage, result, keys, data, 2, {L1_TIER: 2})
         storage.release(keys[:2])
@@ -394,14 +398,13 @@ def test_an_unreachable_backend_is_a_miss_until_it_comes_back(stack: Stack) -> N
     assert counters(mock.status(), "load_keys") == 0
 
     mock.faults.unreachable = False
-    for _ in range(2000):  # lookups until the back-off is over
-        result = storage.lookup(keys, LAYOUT)
-        if result.hit_chunks == 4:
-            break
-        assert_hit(storage, result, keys, data, 2, {L1_TIER: 2})
-        storage.release(keys[:2])
-        time.sleep(0.005)
+    result = storage.lookup(keys, LAYOUT)  # still backing off
+    assert_hit(storage, result, keys, data, 2, {L1_TIER: 2})
+    storage.release(keys[:2])
+    clock.advance(60.0)  # the back-off is over
+    result = storage.lookup(keys, LAYOUT)
     assert_hit(storage, result, keys, data, 4, {L1_TIER: 2, "mock": 2})
+    assert mock.recoveries == 1
     storage.release(keys)
     assert_settled(storage)
 
@@ -612,6 +615,7 @@ def test_duplicate_keys_in_one_lookup_are_refused(stack: Stack) -> None:
         storage.lookup([keys[0], keys[1], keys[0]], LAYOUT)
     with pytest.raises(ValueError, match="appears twice"):
         storage.lookup_chunks([(keys[0], keys[1]), (keys[1],)], {0: LAYOUT})
+    assert storage.flush(timeout=10)  # the store controller's locks go once written back
     assert storage.l1.audit()["read_locks"] == 0  # nothing was locked
     assert_settled(storage)
 
@@ -654,3 +658,131 @@ def test_leases_of_a_fast_adapter_are_returned_after_a_deadline(stack: Stack) ->
     wait_until(lambda: b.status()["leases"] == 0, "b's leases to be returned")
     assert a.status()["leases"] == 0  # 3: leaked
     assert_settled(storage)
+
+
+# ------------------------------------------------------------- robustness
+
+
+def test_an_l2_object_larger_than_l1_is_a_miss(stack: Stack) -> None:
+    """The adversarial run's finding: a server restarted with a smaller L1 over
+    an fs L2 of large objects killed the prefetch worker (reserve_write raised
+    on its thread). Now such an object is a miss, and the worker goes on."""
+    big = KVLayout(4, 1, 64, "float32", 256)  # 512 KiB objects
+    first = stack.build(stack.fs(), l1_bytes=4 * (1 << 20))
+    keys = [make_key(i) for i in range(2)]
+    data = [np.full(big.object_bytes(), i, np.uint8) for i in range(2)]
+    first.store(keys, data, big)
+    assert first.flush(timeout=10)
+    stack.close(first)
+    small = stack.build(stack.fs(), l1_bytes=64 * PAGE)  # 256 KiB: smaller than one object
+    result = small.lookup(keys, big)
+    assert (result.hit_chunks, dict(result.objects_by_tier)) == (0, {})
+    assert counters(prefetch_status(small), "staging_out_of_memory") == 2  # per object
+    assert small.l1.status()["too_large"] == 1
+    assert "worker_errors" not in prefetch_status(small)
+    seed = seed_l2(small, [make_key(10)])  # the worker still serves lookups
+    result = small.lookup([make_key(10)], LAYOUT)
+    assert_hit(small, result, [make_key(10)], seed, 1, {"fs": 1})
+    small.release([make_key(10)])
+    assert_settled(small)
+
+
+def test_a_failing_worker_step_ends_only_its_request(
+    stack: Stack, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    storage = stack.build({"type": "mock"})
+    keys = [make_key(i) for i in range(4)]
+    data = seed_l2(storage, keys, keep=keys[:1])
+    real = storage.l1.reserve_write
+    failures_left = [1]
+
+    def reserve_write(*args: object, **kwargs: object) -> object:
+        if failures_left[0]:
+            failures_left[0] -= 1
+            raise RuntimeError("injected")
+        return real(*args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(storage.l1, "reserve_write", reserve_write)
+    result = storage.lookup(keys, LAYOUT)
+    assert (result.hit_chunks, dict(result.objects_by_tier)) == (0, {})  # given up: a miss
+    assert counters(prefetch_status(storage), "worker_errors") == 1
+    wait_until(lambda: prefetch_idle(storage), "the prefetch controller to go idle")
+    assert_clean(storage.l1)  # the L1 lock of the request was released
+    assert the_mock(storage).status()["leases"] == 0
+    result = storage.lookup(keys, LAYOUT)  # the worker goes on
+    assert_hit(storage, result, keys, data, 4, {L1_TIER: 1, "mock": 3})
+    storage.release(keys)
+    assert_settled(storage)
+
+
+def test_a_backlog_request_holds_no_l1_lock_while_it_waits(stack: Stack) -> None:
+    storage = stack.build(
+        {"type": "mock"},
+        prefetch=PrefetchConfig(max_inflight_requests=1, max_backlog_requests=1),
+    )
+    mock = the_mock(storage)
+    keys = [make_key(i) for i in range(6)]
+    data = seed_l2(storage, keys, keep=[keys[0], keys[3]])
+    gate = stack.gate(mock, "_load")
+    first = storage.submit_lookup([[k] for k in keys[:3]], {0: LAYOUT})  # L1 has keys[0]
+    gate.wait_for(lambda g: g.calls >= 1, "the first lookup to be loading")
+    second = storage.submit_lookup([[k] for k in keys[3:]], {0: LAYOUT})  # L1 has keys[3]
+    wait_until(lambda: prefetch_status(storage).get("backlog_requests") == 1, "a backlog")
+    assert storage.l1.audit()["read_locks"] == 1  # the first request's; not the parked one's
+    third = storage.submit_lookup([[keys[3]], [make_key(99)]], {0: LAYOUT})  # backlog full
+    third_result = storage.collect(third, timeout=10)
+    assert third_result is not None and third_result.hit_chunks == 1  # what L1 had, at once
+    assert counters(prefetch_status(storage), "backlog_full") == 1
+    storage.release([keys[3]])
+    gate.open()
+    for handle, chunk in ((first, keys[:3]), (second, keys[3:])):
+        result = storage.collect(handle, timeout=10)
+        assert result is not None
+        assert_hit(storage, result, chunk, data, 3, {L1_TIER: 1, "mock": 2})
+        storage.release(chunk)
+    assert_settled(storage)
+
+
+def test_an_abandoned_lookup_has_its_late_result_released(stack: Stack) -> None:
+    storage = stack.build({"type": "mock"})
+    mock = the_mock(storage)
+    keys = [make_key(i) for i in range(3)]
+    seed_l2(storage, keys, keep=keys[:1])
+    gate = stack.gate(mock, "_load")
+    handle = storage.submit_lookup([[k] for k in keys], {0: LAYOUT})
+    gate.wait_for(lambda g: g.calls >= 1, "the load to reach the adapter")
+    assert handle.abandon() is None
+    gate.open()
+    wait_until(lambda: "abandoned" in prefetch_status(storage), "the late result")
+    assert storage.collect(handle, timeout=0) is None  # never delivered
+    assert_settled(storage)
+
+
+def test_lookups_racing_stop_are_all_answered(stack: Stack) -> None:
+    storage = stack.build({"type": "mock", "latency_s": 0.001})
+    keys = [make_key(i) for i in range(4)]
+    seed_l2(storage, keys, keep=keys[:1])
+    handles = []
+    go = threading.Event()
+
+    def submit() -> None:
+        go.wait()
+        for _ in range(200):
+            handles.append(storage.submit_lookup([[k] for k in keys], {0: LAYOUT}))
+
+    threads = [threading.Thread(target=submit) for _ in range(3)]
+    for thread in threads:
+        thread.start()
+    go.set()
+    storage.prefetch.stop()
+    for thread in threads:
+        thread.join()
+    assert len(handles) == 600
+    for handle in handles:
+        result = handle.wait(timeout=10)
+        assert result is not None, "a lookup that raced stop() was never answered"
+        storage.collect(handle, 0)
+        storage.release(list(result.placements))
+    assert storage.status()["held_lookup_locks"] == 0
+    assert storage.flush(timeout=10)
+    assert_clean(storage.l1)

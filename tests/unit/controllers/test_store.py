@@ -4,18 +4,22 @@ their turn, store failures and bad store input."""
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
 
 from kvtier.controllers import StoreConfig
+from kvtier.keys import ObjectKey
 from kvtier.l1 import L1Result
 from kvtier.l2.fs import FSAdapter
 from kvtier.l2.mock import MockAdapter
 from kvtier.storage import StorageManager
-from tests.conftest import make_key
+from tests.conftest import FakeClock, S, make_key
+from tests.ledger import assert_clean
 from tests.unit.controllers import (
     LAYOUT,
     OBJ,
@@ -142,11 +146,12 @@ def test_unknown_policy_is_refused() -> None:
 # -------------------------------------------------- locks and in-flight bound
 
 
-def test_read_locks_only_while_storing_and_at_most_one_batch_in_flight(stack: Stack) -> None:
+def test_locked_until_written_back_and_at_most_one_batch_in_flight(stack: Stack) -> None:
     """Every L2 store is held at the adapter until the test lets it through. The
     adapter has threads for several batches, yet at every step exactly one
-    batch is outstanding, and only its objects are read-locked and fenced in
-    L1; the queued ones are neither."""
+    batch is outstanding and only its objects are fenced in L1. Every object
+    not yet written back stays read-locked (pinned since its admission), so
+    L1 cannot evict it first; once written, nothing of it is held."""
     batch = 2
     storage = stack.build(
         {"type": "mock", "io_threads": 8},
@@ -169,9 +174,11 @@ def test_read_locks_only_while_storing_and_at_most_one_batch_in_flight(stack: St
         assert sorted(gate.keys[-batch:], key=keys.index) == in_flight
         assert len(gate.keys) == step * batch
         audit = storage.l1.audit()
-        assert audit["read_locks"] == batch and audit["io_fences"] == batch, audit
-        assert storage.l1.delete(in_flight) == [L1Result.LOCKED] * batch
+        pending = len(keys) - (step - 1) * batch  # in flight or queued
+        assert audit["read_locks"] == pending and audit["io_fences"] == batch, audit
+        assert storage.l1.delete(keys[(step - 1) * batch :]) == [L1Result.LOCKED] * pending
         assert store_status(storage)["inflight_bytes"] == batch * OBJ
+        assert store_status(storage)["pinned_bytes"] == queued * OBJ
         gate.release_entered()
     assert storage.flush(timeout=10)
     assert gate.peak_bytes == batch * OBJ
@@ -204,9 +211,42 @@ def test_in_flight_bytes_stay_under_a_bound_that_is_not_a_whole_batch(stack: Sta
     assert_settled(storage)
 
 
-def test_objects_deleted_before_their_turn_are_skipped(stack: Stack) -> None:
+def test_objects_not_yet_written_back_are_never_evicted(stack: Stack) -> None:
+    """A tiny L1 while the first L2 store is held: every admitted object stays
+    locked until written, so once L1 is full of them a new store is refused
+    (OUT_OF_MEMORY: it is not reported as stored) instead of evicting one."""
     storage = stack.build(
-        {"type": "mock"}, store=StoreConfig(batch_objects=1, max_inflight_bytes=OBJ)
+        {"type": "mock"},
+        l1_bytes=16 * PAGE,  # eight objects
+        store=StoreConfig(batch_objects=1, max_inflight_bytes=OBJ),
+    )
+    (mock,) = storage.adapters
+    assert isinstance(mock, MockAdapter)
+    gate = stack.gate(mock, "_store")
+    keys = [make_key(i) for i in range(10)]
+    data = [payload(i) for i in range(10)]
+    storage.store(keys[:1], data[:1], LAYOUT)
+    gate.wait_for(lambda g: g.active_bytes == OBJ, "the first store to be in flight")
+    results = [storage.store([k], [d], LAYOUT)[0] for k, d in zip(keys[1:], data[1:], strict=True)]
+    assert results == [L1Result.SUCCESS] * 7 + [L1Result.OUT_OF_MEMORY] * 2
+    assert storage.l1.status()["evictions"] == 0
+    assert storage.l1.delete(keys[:8]) == [L1Result.LOCKED] * 8
+    gate.open()
+    assert storage.flush(timeout=10)
+    status = store_status(storage)
+    assert counters(status, "stored_objects.mock") == 8
+    assert "skipped_evicted" not in status
+    assert set(mock.keys()) == set(keys[:8])
+    assert_settled(storage)
+    assert storage.store(keys[8:], data[8:], LAYOUT) == [L1Result.SUCCESS] * 2  # room again
+    assert storage.flush(timeout=10)
+    assert_settled(storage)
+
+
+def test_past_the_pinned_bound_objects_may_go_before_their_turn(stack: Stack) -> None:
+    storage = stack.build(
+        {"type": "mock"},
+        store=StoreConfig(batch_objects=1, max_inflight_bytes=OBJ, max_pinned_bytes=2 * OBJ),
     )
     (mock,) = storage.adapters
     assert isinstance(mock, MockAdapter)
@@ -217,44 +257,15 @@ def test_objects_deleted_before_their_turn_are_skipped(stack: Stack) -> None:
         lambda: gate.active_bytes == OBJ and store_status(storage).get("queued_objects") == 3,
         "the first object to be in flight",
     )
-    assert gate.keys == keys[:1]
-    assert storage.l1.delete(keys[1:3]) == [L1Result.SUCCESS] * 2  # queued: not locked
-    assert storage.l1.delete(keys[:1]) == [L1Result.LOCKED]  # in flight
+    assert store_status(storage)["unpinned_over_bound"] == 2
+    assert storage.l1.delete(keys[:2]) == [L1Result.LOCKED] * 2  # in flight, pinned
+    assert storage.l1.delete(keys[2:]) == [L1Result.SUCCESS] * 2  # queued, unpinned
     gate.open()
     assert storage.flush(timeout=10)
     status = store_status(storage)
     assert status["skipped_evicted"] == 2
     assert counters(status, "stored_objects.mock") == 2
-    assert set(mock.keys()) == {keys[0], keys[3]}
-    assert_settled(storage)
-
-
-def test_objects_evicted_before_their_turn_are_skipped(stack: Stack) -> None:
-    """A tiny L1 evicts queued objects while the first store is held; exactly
-    those are skipped, and the ones still resident are written."""
-    storage = stack.build(
-        {"type": "mock"},
-        l1_bytes=16 * PAGE,  # eight objects
-        store=StoreConfig(batch_objects=1, max_inflight_bytes=OBJ),
-    )
-    (mock,) = storage.adapters
-    assert isinstance(mock, MockAdapter)
-    gate = stack.gate(mock, "_store")
-    keys = [make_key(i) for i in range(20)]
-    data = [payload(i) for i in range(20)]
-    storage.store(keys[:1], data[:1], LAYOUT)
-    gate.wait_for(lambda g: g.active_bytes == OBJ, "the first store to be in flight")
-    for key, buffer in zip(keys[1:], data[1:], strict=True):
-        assert storage.store([key], [buffer], LAYOUT) == [L1Result.SUCCESS]
-    resident = [k for k in keys if storage.l1.contains(k)]
-    assert keys[0] in resident  # locked by its store: never evicted
-    assert storage.l1.status()["evictions"] == len(keys) - len(resident) > 0
-    gate.open()
-    assert storage.flush(timeout=10)
-    status = store_status(storage)
-    assert status["skipped_evicted"] == len(keys) - len(resident)
-    assert counters(status, "stored_objects.mock") == len(resident)
-    assert set(mock.keys()) == set(resident)
+    assert set(mock.keys()) == set(keys[:2])
     assert_settled(storage)
 
 
@@ -292,6 +303,132 @@ def test_store_failures_on_one_adapter_do_not_stop_the_other(stack: Stack) -> No
     assert counters(status, "stored_objects.fs") == 3
     assert bad.keys() == [] and fs.status()["objects"] == 3
     assert_settled(storage)
+
+
+# ------------------------------------------------------------- re-seeding
+
+
+def outage(storage: StorageManager, mock: MockAdapter, clock: FakeClock, *, wipe: bool) -> None:
+    """The backend goes away (emptied, if ``wipe``), a lookup finds it down,
+    it comes back and the next lookup finds it answering again."""
+    mock.faults.unreachable = True
+    if wipe:
+        mock.wipe()
+    probe = [make_key(1000)]  # never stored: every lookup asks the mock
+    assert storage.lookup(probe, LAYOUT).hit_chunks == 0
+    mock.faults.unreachable = False
+    clock.advance(60.0)
+    assert storage.lookup(probe, LAYOUT).hit_chunks == 0
+    assert mock.recoveries == 1
+
+
+def test_a_store_that_comes_back_empty_is_reseeded_from_l1(stack: Stack, clock: FakeClock) -> None:
+    storage = stack.build({"type": "mock"}, stack.fs())
+    mock, _ = storage.adapters
+    assert isinstance(mock, MockAdapter)
+    mock.clock = clock
+    keys = [make_key(i) for i in range(6)]
+    storage.store(keys, [payload(i) for i in range(6)], LAYOUT)
+    assert storage.flush(timeout=10)
+    storage.l1.delete(keys[4:])  # L1 keeps four
+    outage(storage, mock, clock, wipe=True)
+    assert storage.flush(timeout=10)  # re-seeding is part of what flush waits for
+    assert set(mock.keys()) == set(keys[:4])  # what L1 held; the rest is gone for good
+    status = store_status(storage)
+    assert counters(status, "reseeds.mock") == 1
+    assert counters(status, "reseeded_objects.mock") == 4
+    assert "reseeds.fs" not in status  # the fs adapter never failed
+    assert counters(mock.status(), "store_present") == 0
+    storage.l1.delete(keys[:4])
+    result = storage.lookup(keys, LAYOUT)  # fs has all six; the mock is asked first
+    assert (result.hit_chunks, dict(result.objects_by_tier)) == (6, {"mock": 4, "fs": 2})
+    storage.release(keys)
+    assert_settled(storage)
+
+
+def test_a_store_that_kept_its_objects_costs_only_a_lookup_to_reseed(
+    stack: Stack, clock: FakeClock
+) -> None:
+    storage = stack.build({"type": "mock"})
+    (mock,) = storage.adapters
+    assert isinstance(mock, MockAdapter)
+    mock.clock = clock
+    keys = [make_key(i) for i in range(4)]
+    storage.store(keys, [payload(i) for i in range(4)], LAYOUT)
+    assert storage.flush(timeout=10)
+    outage(storage, mock, clock, wipe=False)
+    assert storage.flush(timeout=10)
+    assert counters(store_status(storage), "reseeded_objects.mock") == 4
+    assert counters(mock.status(), "store_present") == 4
+    assert counters(mock.status(), "store_bytes") == counters(
+        store_status(storage), "stored_bytes.mock"
+    )  # nothing written twice
+    assert_settled(storage)
+
+
+def test_no_reseed_under_other_policies(stack: Stack, clock: FakeClock) -> None:
+    storage = stack.build({"type": "mock"}, store=StoreConfig(policy="hit_count>=1"))
+    (mock,) = storage.adapters
+    assert isinstance(mock, MockAdapter)
+    mock.clock = clock
+    keys = [make_key(i) for i in range(2)]
+    storage.store(keys, [payload(i) for i in range(2)], LAYOUT)
+    outage(storage, mock, clock, wipe=True)
+    assert storage.flush(timeout=10)
+    assert mock.keys() == []
+    assert "reseeds.mock" not in store_status(storage)
+    assert_settled(storage)
+
+
+# --------------------------------------------------------- worker failures
+
+
+def test_a_failing_worker_step_is_counted_and_leaves_nothing_held(
+    stack: Stack, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    storage = stack.build({"type": "mock"})
+    (mock,) = storage.adapters
+    assert isinstance(mock, MockAdapter)
+    real_fence = storage.l1.fence
+    failures_left = [1]
+
+    def fence(keys: list[ObjectKey], tag: Any = None) -> Any:
+        if tag is None and failures_left[0]:  # the store controller's fence
+            failures_left[0] -= 1
+            raise RuntimeError("injected")
+        return real_fence(keys, tag)
+
+    monkeypatch.setattr(storage.l1, "fence", fence)
+    keys = [make_key(i) for i in range(4)]
+    assert storage.store(keys[:2], [payload(i) for i in range(2)], LAYOUT) == [S, S]
+    assert storage.flush(timeout=10)
+    assert counters(store_status(storage), "worker_errors") == 1
+    assert mock.keys() == []  # that batch was dropped, its pins given back
+    assert storage.store(keys[2:], [payload(i) for i in range(2, 4)], LAYOUT) == [S, S]
+    assert storage.flush(timeout=10)
+    assert set(mock.keys()) == set(keys[2:])  # the worker goes on
+    assert_settled(storage)
+
+
+def test_stop_gives_back_the_pins_of_queued_objects(stack: Stack) -> None:
+    storage = stack.build(
+        {"type": "mock"}, store=StoreConfig(batch_objects=1, max_inflight_bytes=OBJ)
+    )
+    (mock,) = storage.adapters
+    gate = stack.gate(mock, "_store")
+    keys = [make_key(i) for i in range(4)]
+    storage.store(keys, [payload(i) for i in range(4)], LAYOUT)
+    gate.wait_for(lambda g: g.calls == 1, "the first store to reach the adapter")
+    assert storage.l1.audit()["read_locks"] == 4
+    stopping = threading.Thread(target=storage.store_controller.stop)
+    stopping.start()
+    gate.open()
+    stopping.join(timeout=10)
+    assert not stopping.is_alive()
+    assert counters(store_status(storage), "dropped_at_stop") == 3
+    assert_clean(storage.l1)
+    storage.store_controller.on_admitted(keys[:1], "", OBJ, pinned=False)  # after stop: ignored
+    assert storage.flush(timeout=1)
 
 
 # ----------------------------------------------------------------- bad input

@@ -163,8 +163,6 @@ def test_bad_arguments_raise(make_l1: MakeL1) -> None:
         l1.reserve_write([k], [1, 2], A)
     with pytest.raises(ValueError, match="distinct"):
         l1.reserve_write([k, k], [1, 1], A)
-    with pytest.raises(ValueError, match="exceeds the arena capacity"):
-        l1.reserve_write([k], [1 << 30], A)
     with pytest.raises(ValueError, match="positive int"):
         l1.reserve_write([k], [0], A)
     with pytest.raises(ValueError, match="n must be a positive int"):
@@ -242,8 +240,8 @@ def test_fence_keeps_expired_staging_memory_until_io_completes(
     l1 = make_l1(size_bytes=4 * PAGE, write_lease_s=10, high_watermark=1.0, low_watermark=0.5)
     key = make_key(0)
     (placement,) = l1.reserve_write([key], [4 * PAGE], A)
-    codes, fence = l1.fence([key], A)
-    assert codes == [S]
+    placements, fence = l1.fence([key], A)
+    assert [p.result for p in placements] == [S]
     clock.advance(11)  # the writer looks dead, but its I/O is still in flight
     l1.reap_expired()
     assert l1.finish_write([key], A) == [NF]
@@ -267,8 +265,8 @@ def test_fenced_resident_object_is_not_evicted_after_its_read_lease_expires(
     k0, k1 = make_key(0), make_key(1)
     put(l1, [k0])
     l1.reserve_read([k0])
-    codes, fence = l1.fence([k0])
-    assert codes == [S]
+    placements, fence = l1.fence([k0])
+    assert [p.result for p in placements] == [S]
     clock.advance(6)
     assert l1.finish_read([k0]) == [WS]  # the lock expired...
     assert l1.delete([k0]) == [LK]  # ...but the fence still protects the bytes
@@ -282,8 +280,8 @@ def test_fenced_resident_object_is_not_evicted_after_its_read_lease_expires(
 
 def test_fence_of_missing_objects(make_l1: MakeL1) -> None:
     l1 = make_l1()
-    codes, fence = l1.fence([make_key(0)], A)
-    assert codes == [NF] and fence.objects == []
+    placements, fence = l1.fence([make_key(0)], A)
+    assert [p.result for p in placements] == [NF] and fence.objects == []
     l1.unfence(fence)
     assert_clean(l1)
 
@@ -330,6 +328,61 @@ def test_watermarks(make_l1: MakeL1) -> None:
     put(l1, [k[8]])  # 9/10 > 80 %: evict down to 6/10
     assert l1.status()["used_bytes"] == 6 * PAGE
     assert resident(l1, k) == [False] * 3 + [True] * 6
+    assert_clean(l1)
+
+
+def test_an_admission_never_evicts_what_it_publishes(make_l1: MakeL1) -> None:
+    """The adversarial run's finding: with most of L1 read-locked by others, a
+    new store used to be evicted by its own watermark round (the policy,
+    unable to reach the low mark, returned every evictable key: the new one).
+    Now the round is skipped while locked bytes alone exceed the low mark, and
+    stores pile up until reserve_write needs room and evicts the oldest."""
+    l1 = make_l1(size_bytes=16 * PAGE, high_watermark=0.8, low_watermark=0.6)
+    held = [make_key(i) for i in range(12)]  # 12/16 locked by other readers
+    put(l1, held)
+    l1.reserve_read(held)
+    new = [make_key(100 + i) for i in range(5)]
+    for key in new[:4]:
+        put(l1, [key])  # 13..16 of 16 used, above the high mark each time
+        assert l1.contains(key)
+    assert resident(l1, new[:4]) == [True] * 4
+    assert l1.status()["evictions"] == 0
+    assert l1.status()["watermark_unreachable"] == 4
+    put(l1, [new[4]])  # full: reserve_write evicts the least recent unlocked one
+    assert resident(l1, new) == [False, True, True, True, True]
+    l1.finish_read(held)
+    assert_clean(l1)
+
+
+def test_watermark_round_spares_the_batch_it_follows(make_l1: MakeL1) -> None:
+    l1 = make_l1(size_bytes=10 * PAGE, high_watermark=0.8, low_watermark=0.5)
+    old = [make_key(i) for i in range(5)]
+    put(l1, old)
+    new = [make_key(10 + i) for i in range(4)]
+    put(l1, new)  # 9/10 > 80 %: down to 5/10 from the old objects only
+    assert resident(l1, old) == [True] + [False] * 4  # a batch's first key is most recent
+    assert resident(l1, new) == [True] * 4
+    assert_clean(l1)
+
+
+def test_object_larger_than_l1_is_out_of_memory(make_l1: MakeL1) -> None:
+    l1 = make_l1(size_bytes=4 * PAGE)
+    put(l1, [make_key(0)])
+    k = [make_key(1), make_key(2)]
+    assert [p.result for p in l1.reserve_write(k, [PAGE, 5 * PAGE], A)] == [OOM, OOM]
+    assert l1.status()["too_large"] == 1
+    assert l1.status()["evictions"] == 0  # nothing evicted for a batch that can never fit
+    assert l1.contains(make_key(0))
+    assert_clean(l1)
+
+
+def test_resident_objects_keep_their_layout(make_l1: MakeL1) -> None:
+    l1 = make_l1()
+    k = [make_key(i) for i in range(3)]
+    l1.reserve_write(k[:2], [PAGE, PAGE], A, layout="digest-a")
+    l1.finish_write(k[:2], A)
+    put(l1, k[2:])
+    assert l1.resident_objects() == [(k[2], ""), (k[1], "digest-a"), (k[0], "digest-a")]
     assert_clean(l1)
 
 

@@ -150,6 +150,12 @@ class L1ManagerMachine(RuleBasedStateMachine):
             s.reserved for s in self.staging.values()
         )
 
+    def pinned(self) -> int:
+        """Bytes no eviction can free: staging copies and read-locked objects."""
+        return sum(o.reserved for o in self.resident.values() if o.locks) + sum(
+            s.reserved for s in self.staging.values()
+        )
+
     def evictable_in_order(self) -> list[ObjectKey]:
         return [k for k in self.lru if self.resident[k].locks == 0]
 
@@ -260,9 +266,7 @@ class L1ManagerMachine(RuleBasedStateMachine):
         need = sum(reserved(size) for _, size in wanted)
         used_before = self.used()
         evictable = self.evictable_in_order()
-        pinned = sum(o.reserved for o in self.resident.values() if o.locks) + sum(
-            s.reserved for s in self.staging.values()
-        )
+        pinned = self.pinned()
 
         placements = self.manager.reserve_write(keys, sizes_, tag)
 
@@ -287,6 +291,7 @@ class L1ManagerMachine(RuleBasedStateMachine):
         if need > CAPACITY - pinned:  # cannot fit beside locked and staged objects
             assert outcomes == {OOM} and not gone, "evicted for a batch that can never fit"
             self.counters["out_of_memory"] += 1
+            self.counters["too_large"] += any(size > CAPACITY for _, size in wanted)
             return
         if outcomes == {OOM}:
             self.counters["out_of_memory"] += 1
@@ -331,12 +336,17 @@ class L1ManagerMachine(RuleBasedStateMachine):
             if n:
                 self.lock(key, n)
             expected.append(Placement(S, winner.offset, winner.size))
-        for key in reversed(admitted):  # the batch's first key ends up most recent
-            self.lru.append(key)
         used = self.used()
         if used > CONFIG.high_watermark * CAPACITY:
             event("publish crossed the high watermark")
-            self.evicted(self.lru_select(int(used - CONFIG.low_watermark * CAPACITY)))
+            fresh = sum(self.resident[k].reserved for k in admitted if not self.resident[k].locks)
+            if self.pinned() + fresh > CONFIG.low_watermark * CAPACITY:
+                event("the low watermark was out of reach")
+                self.counters["watermark_unreachable"] += 1
+            else:  # before the new keys join the LRU order: never their own victims
+                self.evicted(self.lru_select(int(used - CONFIG.low_watermark * CAPACITY)))
+        for key in reversed(admitted):  # the batch's first key ends up most recent
+            self.lru.append(key)
         return expected
 
     @rule()

@@ -494,7 +494,29 @@ def test_load_into_a_buffer_of_the_wrong_size_is_a_miss(h: ContractHarness, size
 # ------------------------------------------------------------ overwrite
 
 
-def test_storing_a_key_twice_leaves_one_valid_copy(h: ContractHarness) -> None:
+def test_a_store_skips_what_the_backend_holds(h: ContractHarness) -> None:
+    """The soak's write amplification: an object L1 re-admits is not written
+    again. One key's bytes are one prefix's KV, so the copy there is as good."""
+    keys = h.keys(0, 1)
+    first = payload(3000, seed=1)
+    _store_one(h, keys[0], first)
+    raw = h.raw(keys[0])
+    stored = h.store(keys, [payload(3000, seed=2), payload(3000, seed=3)])
+    assert stored.ok == (True, True)
+    assert stored.nbytes == len(h.raw(keys[1]))  # only the missing one was written
+    assert h.raw(keys[0]) == raw
+    assert h.adapter.status()["store_present"] == 1
+    out = _blank(3000)
+    assert h.load(keys[:1], out).ok == (True,)
+    assert np.array_equal(out[0], first)
+    assert h.failures() == Counter()
+
+
+def test_storing_a_key_twice_leaves_one_valid_copy(
+    open_adapter: Callable[..., ContractHarness],
+) -> None:
+    """Without ``skip_present`` the newest copy wins, whole."""
+    h = open_adapter(skip_present=False)
     key = h.key(0)
     first, second = payload(3000, seed=1), payload(2000, seed=2)
     _store_one(h, key, first)

@@ -308,7 +308,10 @@ def test_store_error_fails_only_that_key_and_leaves_nothing(
     assert fs.status("used_bytes") == stored.nbytes
 
 
-def test_failed_restore_keeps_the_old_copy(fs: FSHarness, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_failed_restore_keeps_the_old_copy(
+    open_fs: Callable[..., FSHarness], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    fs = open_fs(skip_present=False)  # rewrite the copy there
     key = make_key(1)
     old, new = payload(3000, seed=1), payload(3000, seed=2)
     assert fs.store([key], [old]).ok == (True,)
