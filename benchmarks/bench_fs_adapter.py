@@ -48,7 +48,14 @@ def main() -> None:
     keys = [ObjectKey(i.to_bytes(32, "big"), "bench", 0) for i in range(args.objects)]
     plain = root / "plain"
     completions = CompletionQueue()
-    spec = {"type": "fs", "path": str(root / "fs"), "io_threads": args.io_threads}
+    # Each round deletes the files behind the adapter's back and writes them
+    # again: without skip_present, as the index still lists them.
+    spec = {
+        "type": "fs",
+        "path": str(root / "fs"),
+        "io_threads": args.io_threads,
+        "skip_present": False,
+    }
     adapter = make_adapter(spec, completions.put)
 
     def plain_store() -> float:

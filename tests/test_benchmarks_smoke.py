@@ -26,6 +26,7 @@ TINY = {
     "bench_l1_copy.py": ["--objects", "2", "--object-mib", "1", "--repeats", "2"],
     "bench_l1_metadata.py": ["--objects", "2048", "--lookups", "20"],
     "bench_fs_adapter.py": ["--objects", "2", "--object-mib", "1", "--repeats", "1"],
+    "bench_fuzz_server.py": ["--messages", "2000", "--rounds", "2"],
     "bench_prefetch.py": ["--chunks", "4", "--object-kib", "64", "--rounds", "2"],
     "bench_vllm_ttft.py": [
         "--prefix",

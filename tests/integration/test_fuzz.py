@@ -11,17 +11,20 @@ import itertools
 import typing
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import msgspec
 import pytest
+import zmq
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvtier.server import protocol as p
 from kvtier.server.client import CacheClient
+from tests.integration import hostile
 from tests.integration import workload as w
-from tests.integration.harness import Server, ServerFactory
+from tests.integration.harness import Server, ServerFactory, wait_for
 
 MAX_EXAMPLES = 600  # about 3 s here
 HIT = 3  # chunks the fuzz socket's own lookup hits, for out-of-range cases
@@ -337,3 +340,102 @@ def test_wrong_hash_length_and_unregistered_group(fuzz_server: Server) -> None:
             reply, _ = w.call(socket, message)
             assert isinstance(reply, p.Error) and reply.code == "bad_request", (message, reply)
         assert w.status_via(socket)["storage"]["held_lookup_locks"] == 0
+
+
+# ------------------------------------------------------------ volume
+
+
+FUZZ_MESSAGES = 10_000  # about 10 s here; benchmarks/bench_fuzz_server.py runs longer
+
+
+def rss_anon_bytes(pid: int) -> int:
+    """The server's private resident memory (the shared-memory arena excluded)."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("RssAnon:"):
+            return int(line.split()[1]) * 1024
+    raise AssertionError("no RssAnon in /proc status")
+
+
+def test_ten_thousand_hostile_messages_get_one_reply_each(
+    fuzz_server: Server, tmp_path: Path
+) -> None:
+    """The issue's target: at least 10,000 hostile messages against a live
+    server, each answered exactly once; the server alive, its memory bounded,
+    nothing left held, and a normal client correct afterwards."""
+    server = fuzz_server
+    before = rss_anon_bytes(server.pid)
+    report = hostile.blast(server.rpc, iter(hostile.HostileMessages(seed=14)), FUZZ_MESSAGES)
+    after = rss_anon_bytes(server.pid)
+    assert report.messages == FUZZ_MESSAGES
+    assert len(report.kinds) == 10, report.kinds  # every family was drawn
+    assert server.proc.poll() is None, server.log
+    assert "internal" not in report.replies, report.replies
+    assert after - before < 64 << 20, (before, after)  # transient buffers, not one per message
+    status = w.live_status(server.rpc)
+    assert status["storage"]["held_lookup_locks"] == 0
+    assert status["store_reservations"] == 0
+    assert status["session_objects"] == 0
+    assert status["storage"]["l1"]["staging_objects"] == 0
+    assert "errors.internal" not in status["server"]
+    assert "loop_errors" not in status["transport"]
+    assert "Traceback" not in server.log
+    # A well-behaved client still stores, hits and reads back its own bytes.
+    client = CacheClient(w.client_config(server.rpc, shm=True, client_id="after-fuzz"))
+    try:
+        hashes = w.chunk_hashes(256, seed=77, n_chunks=3)
+        data = w.payloads(77, 3, SIZE)
+        assert client.store("after", hashes, data) == 3
+        state = client.lookup("after-read", hashes)
+        assert client.query(state, timeout_s=10.0) == 3
+        out = w.empty_buffers(3, SIZE)
+        assert client.retrieve_into("after-read", 0, 3, out)
+        assert all((a == b).all() for a, b in zip(out, data, strict=True))
+        client.end_session("after-read")
+    finally:
+        client.close()
+
+
+def test_a_message_nested_past_the_recursion_limit_is_an_error(fuzz_server: Server) -> None:
+    """The finding that stopped the server: one unauthenticated message with
+    an unknown field nested ~10,000 levels deep (RecursionError in msgspec)."""
+    for level in (b"\x91", b"\x81\xa1k"):
+        body = b"\x82\xa2zz" + level * 10_000 + b"\xc0" + b"\xa2op\xa4ping"
+        with w.raw_dealer(fuzz_server.rpc) as socket:
+            w.send_raw(socket, [body])
+            reply, _ = w.recv_reply(socket)
+            assert isinstance(reply, p.Error) and reply.code == "bad_request", reply
+            assert w.call(socket, p.Ping())[0] == p.Pong(fuzz_server.boot_id)
+    assert fuzz_server.proc.poll() is None
+
+
+def test_a_stolen_routing_id_does_not_inherit_a_registration(fuzz_server: Server) -> None:
+    """The finding: with ROUTER_HANDOVER a peer with no token that presented an
+    authenticated client's routing id inherited its registration."""
+    context = zmq.Context.instance()
+    owner = context.socket(zmq.DEALER)
+    owner.setsockopt(zmq.ROUTING_ID, b"victim-id")
+    owner.setsockopt(zmq.LINGER, 0)
+    owner.connect(fuzz_server.rpc)
+    try:
+        assert isinstance(w.call(owner, w.hello(client_id="victim"))[0], p.Welcome)
+        assert w.call(owner, p.Lookup("mine", HASHES))[0] == p.Ack()
+    finally:
+        owner.close(linger=0)
+    thief = context.socket(zmq.DEALER)
+    thief.setsockopt(zmq.ROUTING_ID, b"victim-id")
+    thief.setsockopt(zmq.LINGER, 0)
+    thief.connect(fuzz_server.rpc)
+
+    def query() -> p.Reply | None:
+        # Until the server has dropped the owner's connection, the id is taken
+        # and the thief's messages go nowhere: ask again.
+        try:
+            return w.call(thief, p.Query("mine"), timeout_s=2.0)[0]
+        except AssertionError:
+            return None
+
+    try:
+        reply = wait_for(query, lambda r: r is not None)
+        assert isinstance(reply, p.Error) and reply.code == "no_hello", reply
+    finally:
+        thief.close(linger=0)

@@ -32,7 +32,7 @@ from transformers import AutoModelForCausalLM, PreTrainedModel
 
 from kvtier.engine.hf import Generation, KVTierModel, kv_layout
 from kvtier.engine.link import Hit, ServerLink
-from kvtier.keys import TokenHasher
+from kvtier.keys import TokenHasher, salt_label
 from kvtier.l1 import L1Config
 from kvtier.server.process import clean_env, read_line, stop_process
 from kvtier.storage import StorageConfig, StorageManager
@@ -252,6 +252,21 @@ def test_identity_change_is_a_miss(
     assert changed.prefill(ids).hit_tokens == 64
     # Control: a second engine with the first identity does hit.
     run(backend.engine(model, **base), model, ids, hit=64, stored=0)
+    backend.assert_nothing_held()
+
+
+def test_any_tenant_name_is_a_salt_and_stays_its_own(
+    backend: Backend, models: dict[str, PreTrainedModel], seed: int
+) -> None:
+    """The adversarial run's findings: a salt such as an e-mail address was
+    refused at HELLO (through a server the engine ran uncached) or raised (in
+    process); and "acme corp" shared KV with the literal salt of its label."""
+    model = models["llama"]
+    ids = prompt(seed, 70)
+    run(backend.engine(model, salt="alice@example.com"), model, ids, hit=0, stored=64)
+    run(backend.engine(model, salt="alice@example.com"), model, ids, hit=64, stored=0)
+    run(backend.engine(model, salt="acme corp"), model, ids, hit=0, stored=64)
+    run(backend.engine(model, salt=salt_label("acme corp")), model, ids, hit=0, stored=64)
     backend.assert_nothing_held()
 
 

@@ -4,6 +4,7 @@ register again and find what was stored before in the fs L2."""
 from __future__ import annotations
 
 import signal
+import threading
 
 import numpy as np
 
@@ -100,3 +101,43 @@ def test_sigterm_stops_cleanly_with_locks_held(kvtier_server: ServerFactory) -> 
     assert kvtier_server.stop(server, signal.SIGTERM) == 0
     assert not (SHM_DIR / server.arena).exists()
     assert "Traceback" not in server.log
+
+
+def test_a_killed_server_leaves_no_arena_behind(kvtier_server: ServerFactory) -> None:
+    """The finding: after a SIGKILL the arena stayed in /dev/shm until another
+    kvtier process started in the same directory. The server's reaper child
+    removes it as soon as the server is gone; a client's mapping stays valid."""
+    server = kvtier_server.start()
+    client = CacheClient(w.client_config(server.rpc, shm=True))
+    try:
+        store_and_flush(client, seed=5, n=1)
+        arena = SHM_DIR / server.arena
+        assert arena.exists()
+        server.proc.send_signal(signal.SIGKILL)  # by PID: no clean-up of its own
+        server.proc.wait()
+        assert wait_for(arena.exists, lambda exists: not exists) is False
+    finally:
+        client.close()
+
+
+def test_a_lookup_against_a_dead_server_waits_for_its_ack_only(
+    kvtier_server: ServerFactory,
+) -> None:
+    """The finding: a lookup with a pipelined WAIT blocked for the WAIT's time
+    plus the request timeout, because the WAIT's timeout also covered the
+    LOOKUP's ack. Against a dead server it now gives up after the ack's
+    timeout (1 s here), not the hour the WAIT allows (the join is a guard
+    against that hang, not a timing)."""
+    server = kvtier_server.start()
+    client = CacheClient(w.client_config(server.rpc, shm=False, request_timeout_s=1.0))
+    try:
+        hashes = w.chunk_hashes(256, 9, 2)
+        kvtier_server.kill(server)
+        states = []
+        lookup = threading.Thread(target=lambda: states.append(client.lookup("x", hashes, 0, 3600)))
+        lookup.start()
+        lookup.join(timeout=120)
+        assert not lookup.is_alive(), "the lookup waited for the WAIT's hour"
+        assert (states[0].acked, states[0].hit) == (False, 0)
+    finally:
+        client.close()

@@ -54,6 +54,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from kvtier.counters import Counters
+from kvtier.failures import FailureLog
 from kvtier.keys import ObjectKey
 from kvtier.l1 import IOFence, L1Manager, L1Result, Placement, WriterTag
 from kvtier.l2.base import L2Adapter, TaskId, TaskKind, TaskResult
@@ -181,6 +182,7 @@ class PrefetchController:
         self._submit_lock = threading.Lock()
         self._closed = False  # under _submit_lock: set by stop(), read by submit()
         self._counters = Counters()
+        self._failures = FailureLog(log, self._counters)
         self._thread = threading.Thread(target=self._run, name="kvtier-prefetch", daemon=True)
         self._thread.start()
 
@@ -243,8 +245,7 @@ class PrefetchController:
                 try:
                     step(event)
                 except Exception:
-                    self._counters.add("worker_errors")
-                    log.exception("prefetch: the worker failed on %s; going on", _describe(event))
+                    self._failures.record(f"prefetch: the worker, on {_describe(event)},")
             if self._stopping and not self._loads and not self._lookups:
                 break
         # Nothing arrives after stop(); answer what came before it as misses.

@@ -11,9 +11,9 @@ policy:
 
 Under ``all`` an object is admitted with a read lock that this controller
 owns (``pinned``) until its L2 stores are over: L1 never evicts an object
-before it was written back. Pinned bytes are bounded (``max_pinned_bytes``);
-beyond that objects are queued unpinned and may be evicted before their turn
-(skipped, counted). A failed store is not retried: the object becomes
+before it was written back. Pinned bytes are bounded (``pinned_fraction`` of
+L1); beyond that objects are queued unpinned and may be evicted before their
+turn (skipped, counted). A failed store is not retried: the object becomes
 evictable like any other. The queue is bounded too (``max_queued_objects``).
 
 A worker thread takes queued objects in order, read-locks (unpinned ones)
@@ -50,6 +50,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from kvtier.counters import Counters
+from kvtier.failures import FailureLog
 from kvtier.keys import ObjectKey
 from kvtier.l1 import IOFence, L1Manager, L1Result
 from kvtier.l2.base import L2Adapter, TaskId, TaskResult
@@ -66,7 +67,9 @@ TICK_S = 0.5  # how often an idle worker looks for adapters that came back
 class StoreConfig:
     policy: str = "all"  # "all", "none" or "hit_count>=N"
     max_inflight_bytes: int = 512 * MiB
-    max_pinned_bytes: int = 1024 * MiB  # admitted objects held in L1 until written back
+    # Admitted objects held in L1 until written back, as a share of L1: the
+    # rest of L1 stays evictable for new stores while an L2 is slow.
+    pinned_fraction: float = 0.5
     batch_objects: int = 64
     max_queued_objects: int = 100_000  # beyond this, new objects are not written (counted)
     hit_table_objects: int = 1_000_000  # candidates remembered by the hit-count policy
@@ -80,9 +83,12 @@ class StoreConfig:
         for name in ("max_inflight_bytes", "batch_objects", "max_queued_objects"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"store option {name!r} must be positive")
-        for name in ("max_pinned_bytes", "reseed_bytes_per_s"):
-            if getattr(self, name) < 0:
-                raise ValueError(f"store option {name!r} must be >= 0")
+        if not 0.0 <= self.pinned_fraction <= 1.0:
+            raise ValueError(
+                f"store option 'pinned_fraction' must be in [0, 1], got {self.pinned_fraction}"
+            )
+        if self.reseed_bytes_per_s < 0:
+            raise ValueError("store option 'reseed_bytes_per_s' must be >= 0")
 
     @property
     def hit_threshold(self) -> int | None:
@@ -130,6 +136,7 @@ class StoreController:
         self._closed = False  # under _submit_lock
         self._queued: deque[_Queued] = deque()
         self._pinned_bytes = 0  # bytes of pinned objects queued or in flight
+        self._max_pinned = int(config.pinned_fraction * l1.capacity)
         self._candidates: OrderedDict[ObjectKey, _Candidate] = OrderedDict()
         self._batches: dict[tuple[str, TaskId], _Batch] = {}
         self._inflight_bytes = 0
@@ -139,6 +146,7 @@ class StoreController:
         self._reseed_budget = 0.0
         self._reseed_clock = time.monotonic()
         self._counters = Counters()
+        self._failures = FailureLog(log, self._counters)
         self._stopping = False
         self._thread = threading.Thread(target=self._run, name="kvtier-store", daemon=True)
         self._thread.start()
@@ -213,8 +221,7 @@ class StoreController:
             try:
                 self._step(event)
             except Exception:
-                self._counters.add("worker_errors")
-                log.exception("store: the worker failed on %s; going on", _describe(event))
+                self._failures.record(f"store: the worker, on {_describe(event)},")
             if self._stopping and not self._batches:
                 break
         self._release_queue()
@@ -255,7 +262,7 @@ class StoreController:
         if threshold is None:
             items = [_Queued(key, layout, nbytes, pinned) for key in keys]
             if pinned:
-                room = max(0, self.config.max_pinned_bytes - self._pinned_bytes)
+                room = max(0, self._max_pinned - self._pinned_bytes)
                 keep = min(len(items), room // nbytes if nbytes else len(items))
                 if keep < len(items):  # over the bound: queued, but evictable
                     self._counters.add("unpinned_over_bound", len(items) - keep)

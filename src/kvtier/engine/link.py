@@ -18,7 +18,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from kvtier.keys import Namespace, ObjectKey, chunk_keys, model_label
+from kvtier.keys import Namespace, ObjectKey, chunk_keys, model_label, salt_label
 from kvtier.l1 import L1Result
 from kvtier.layout import KVLayout
 from kvtier.server import protocol as p
@@ -118,7 +118,7 @@ class ServerLink:
             layouts=(spec,),
             revision=identity.revision,
             lora=identity.lora,
-            salt=identity.salt,
+            salt=salt_label(identity.salt),  # any tenant name: the server takes labels
             token=token,
             **client_options,  # type: ignore[arg-type]
         )
@@ -165,7 +165,7 @@ class LocalLink:
         self.storage = storage
         self.layout = layout
         self._label = model_label(identity.model)
-        self._salt = identity.salt
+        self._salt = salt_label(identity.salt)
         self._locked: dict[str, list[ObjectKey | None]] = {}  # request -> its hit chunks' keys
 
     @property

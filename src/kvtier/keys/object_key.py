@@ -31,6 +31,7 @@ _SAFE = re.compile(r"[A-Za-z0-9._-]*")
 _SEP = "@"
 _HEX_DIGEST = re.compile(f"[0-9a-f]{{{2 * HASH_BYTES}}}")
 _PLACEMENT = re.compile(r"r(\d{1,5})g(\d{1,5})")
+_HASHED_SALT = re.compile(r"s-[0-9a-f]{32}")
 
 
 def model_label(model: str) -> str:
@@ -39,9 +40,12 @@ def model_label(model: str) -> str:
 
 
 def salt_label(salt: str) -> str:
-    """A tenant salt made safe for ``ObjectKey.salt``: kept when it already
-    is, else ``s-`` and 32 hex digits of its blake3 (distinct salts stay distinct)."""
-    if len(salt) <= MAX_SALT_CHARS and _SAFE.fullmatch(salt):
+    """A tenant salt made safe for ``ObjectKey.salt``: kept when it already is
+    safe, else ``s-`` and 32 hex digits of its blake3. A safe salt that has
+    that very form is hashed too, so a kept salt never looks like a hashed
+    one and distinct salts always get distinct labels (short of a blake3
+    collision). Apply it once: a label is not a fixed point."""
+    if len(salt) <= MAX_SALT_CHARS and _SAFE.fullmatch(salt) and not _HASHED_SALT.fullmatch(salt):
         return salt
     return "s-" + blake3(salt.encode()).hexdigest(length=16)
 

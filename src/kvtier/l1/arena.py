@@ -29,11 +29,12 @@ class Arena:
         *,
         shm_dir: str = DEFAULT_SHM_DIR,
         populate: bool = True,
+        reaper: bool = False,
         alignment: int = PAGE_BYTES,
     ) -> None:
         self._allocator = FreeListAllocator(size_bytes, alignment)
         self._region = SharedRegion.create(
-            self._allocator.capacity, shm_dir=shm_dir, populate=populate
+            self._allocator.capacity, shm_dir=shm_dir, populate=populate, reaper=reaper
         )
 
     @property

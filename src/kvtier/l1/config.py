@@ -23,6 +23,7 @@ class L1Config:
     size_bytes: int = 4 * GiB
     shm_dir: str = DEFAULT_SHM_DIR
     populate: bool = True
+    reaper: bool = False  # a child process removes the arena's file if this one dies
     eviction_policy: str = "lru"
     high_watermark: float = 0.8
     low_watermark: float = 0.6

@@ -105,7 +105,10 @@ class L1Manager:
         self._clock = clock
         self._lock = threading.Lock()
         self._arena = Arena(
-            self.config.size_bytes, shm_dir=self.config.shm_dir, populate=self.config.populate
+            self.config.size_bytes,
+            shm_dir=self.config.shm_dir,
+            populate=self.config.populate,
+            reaper=self.config.reaper,
         )
         self._policy = make_policy(self.config.eviction_policy)
         self._resident: dict[ObjectKey, L1Object] = {}

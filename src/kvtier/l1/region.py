@@ -8,7 +8,11 @@ server's arena.
 
 Names are ``kvtier-{pid}-{random}``. A process that crashed leaves its file
 behind; ``SharedRegion.create`` removes every ``kvtier-*`` file whose pid no
-longer runs before it creates its own.
+longer runs before it creates its own. With ``reaper=True`` (the cache
+server's arena) a tiny child process also waits for the creator to die,
+SIGKILL included, and removes the file at once: tmpfs memory is not held
+until some other kvtier process happens to start. Processes that mapped the
+region keep their mapping; the memory goes when the last of them unmaps it.
 """
 
 from __future__ import annotations
@@ -19,6 +23,8 @@ import mmap
 import os
 import re
 import secrets
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -67,6 +73,7 @@ class SharedRegion:
         self.path = path
         self.size = size
         self.owner = owner
+        self.reaper: subprocess.Popen[bytes] | None = None
         self._mmap = mapping
         self.array: npt.NDArray[np.uint8] = np.frombuffer(mapping, dtype=np.uint8)
         self.prefaulted = threading.Event()  # set once every page is mapped here
@@ -78,7 +85,12 @@ class SharedRegion:
 
     @classmethod
     def create(
-        cls, size: int, *, shm_dir: str = DEFAULT_SHM_DIR, populate: bool = True
+        cls,
+        size: int,
+        *,
+        shm_dir: str = DEFAULT_SHM_DIR,
+        populate: bool = True,
+        reaper: bool = False,
     ) -> SharedRegion:
         """Create and map a new region of ``size`` bytes.
 
@@ -114,6 +126,8 @@ class SharedRegion:
         finally:
             os.close(fd)
         region = cls(path, size, mapping, owner=True)
+        if reaper:
+            region.reaper = _start_reaper(path)
         if populate:
             region.prefault()
         return region
@@ -178,6 +192,42 @@ class SharedRegion:
         if self.owner:
             self.path.unlink(missing_ok=True)
             self.owner = False
+        if self.reaper is not None:
+            _stop_reaper(self.reaper)
+            self.reaper = None
+
+
+# The reaper blocks reading its stdin, whose write end only the creator holds
+# (pipes are close-on-exec): the read returns when the creator closes it or dies.
+_REAPER = (
+    "import os, sys\n"
+    "sys.stdin.buffer.read()\n"
+    "try:\n"
+    "    os.unlink(sys.argv[1])\n"
+    "except FileNotFoundError:\n"
+    "    pass\n"
+)
+
+
+def _start_reaper(path: Path) -> subprocess.Popen[bytes]:
+    return subprocess.Popen(
+        [sys.executable, "-S", "-c", _REAPER, str(path)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,  # a ^C to the creator's group must not end it first
+    )
+
+
+def _stop_reaper(reaper: subprocess.Popen[bytes]) -> None:
+    """After the creator unlinked the file itself: let the reaper exit."""
+    assert reaper.stdin is not None
+    reaper.stdin.close()
+    try:
+        reaper.wait(timeout=5)
+    except subprocess.TimeoutExpired:
+        reaper.kill()
+        reaper.wait()
 
 
 def _no_room(size: int, available: int, shm_dir: str) -> str:

@@ -27,6 +27,8 @@ import numpy as np
 import numpy.typing as npt
 import zmq
 
+from kvtier.counters import Counters
+from kvtier.failures import FailureLog
 from kvtier.l1 import SharedRegion
 from kvtier.server import protocol as p
 
@@ -100,6 +102,7 @@ class CacheClient:
     def __init__(self, config: ClientConfig) -> None:
         self.config = config
         self.stats = ClientStats()
+        self._failures = FailureLog(log, Counters(), "heartbeat_errors")
         self.chunk_size: int | None = None
         self.boot_id: str | None = None
         self._lock = threading.Lock()
@@ -132,9 +135,11 @@ class CacheClient:
         pending after ``wait_s``."""
         state = LookupState(request_id)
         requests: list[Outgoing] = [(p.Lookup(request_id, list(hashes), group), ())]
+        timeouts = [self.config.request_timeout_s]  # the ack: a dead server is seen this soon
         if wait_s > 0:
             requests.append((p.Wait(request_id, wait_s), ()))
-        answers = self._pipeline(requests, wait_s + self.config.request_timeout_s)
+            timeouts.append(wait_s + self.config.request_timeout_s)
+        answers = self._pipeline(requests, timeouts)
         if not isinstance(answers[0][0], p.Ack):
             state.hit = 0
             return state
@@ -319,38 +324,48 @@ class CacheClient:
     def _call_frames(
         self, message: p.Message, timeout_s: float | None = None, frames: Sequence[object] = ()
     ) -> Answer:
-        return self._pipeline([(message, frames)], timeout_s)[0]
+        timeouts = None if timeout_s is None else [timeout_s]
+        return self._pipeline([(message, frames)], timeouts)[0]
 
-    def _pipeline(self, requests: list[Outgoing], timeout_s: float | None = None) -> list[Answer]:
-        """Send every request, then read their replies in order. The server
-        answers one peer's messages in the order they were sent, so a pipeline
-        saves round trips without reordering anything (seed Q17's race needs a
-        server that handles one client's messages concurrently; ours does not)."""
+    def _pipeline(
+        self, requests: list[Outgoing], timeouts: Sequence[float] | None = None
+    ) -> list[Answer]:
+        """Send every request, then read their replies in order, each within
+        its own timeout from the send (``request_timeout_s`` by default). The
+        server answers one peer's messages in the order they were sent, so a
+        pipeline saves round trips without reordering anything (seed Q17's
+        race needs a server that handles one client's messages concurrently;
+        ours does not)."""
         none: list[Answer] = [(None, [])] * len(requests)
         with self._lock:
             disconnected = self._socket is None or self.chunk_size is None
             if disconnected and (time.monotonic() < self._degraded_until or not self._connect()):
                 self.stats.degraded_requests += 1
                 return none
-            answers = self._exchange(requests, timeout_s) or none
+            answers = self._exchange(requests, timeouts) or none
             if isinstance(answers[0][0], p.Error) and answers[0][0].code == "no_hello":
                 self.stats.server_restarts += 1  # the server restarted: register, then again
-                answers = (self._exchange(requests, timeout_s) or none) if self._hello() else none
+                answers = (self._exchange(requests, timeouts) or none) if self._hello() else none
             for (message, _), (reply, _) in zip(requests, answers, strict=True):
                 if isinstance(reply, p.Error):
                     self.stats.errors[reply.code] = self.stats.errors.get(reply.code, 0) + 1
                     log.debug("client: %s refused: %s", type(message).__name__, reply.message)
             return answers
 
-    def _exchange(self, requests: list[Outgoing], timeout_s: float | None) -> list[Answer] | None:
+    def _exchange(
+        self, requests: list[Outgoing], timeouts: Sequence[float] | None
+    ) -> list[Answer] | None:
         assert self._socket is not None
-        timeout = self.config.request_timeout_s if timeout_s is None else timeout_s
+        if timeouts is None:
+            timeouts = [self.config.request_timeout_s] * len(requests)
         try:
+            sent = time.monotonic()
             for message, frames in requests:
                 self._socket.send_multipart([p.encode(message), *frames], copy=False)  # type: ignore[list-item]
             answers: list[Answer] = []
-            for _ in requests:
-                if not self._socket.poll(int(timeout * 1000)):
+            for timeout in timeouts:
+                left = sent + timeout - time.monotonic()
+                if not self._socket.poll(max(0, int(left * 1000))):
                     raise TimeoutError
                 parts = self._socket.recv_multipart(copy=False)
                 answers.append((p.decode_reply(parts[0].buffer), parts[1:]))
@@ -421,4 +436,7 @@ class CacheClient:
 
     def _beat(self) -> None:
         while not self._stop.wait(self.config.heartbeat_s):
-            self.ping()
+            try:
+                self.ping()
+            except Exception:  # a heartbeat that dies would let the server drop us
+                self._failures.record("client: the heartbeat")

@@ -31,10 +31,18 @@ import numpy as np
 import numpy.typing as npt
 
 from kvtier.controllers import LookupResult, PrefetchHandle
+from kvtier.counters import Counters
 from kvtier.keys import HASH_BYTES, ObjectKey, chunk_keys, model_label
 from kvtier.l1 import IOFence, L1Result, WriterTag
 from kvtier.layout import KVLayout
 from kvtier.server import protocol as p
+from kvtier.server.limits import (
+    MAX_TEXT_CHARS,
+    RequestError,
+    ServerLimits,
+    check_hello,
+    check_layouts,
+)
 from kvtier.server.metrics import ServerMetrics
 from kvtier.server.negotiation import ChunkSizeNegotiator
 from kvtier.storage import StorageManager
@@ -46,26 +54,11 @@ LAYOUTS_SEEN = 64  # namespaces whose layouts /status shows
 Buffer = bytes | memoryview
 
 
-class RequestError(Exception):
-    """A request the server refuses; becomes an ``Error`` reply."""
-
-    def __init__(self, code: str, message: str) -> None:
-        super().__init__(message)
-        self.code = code
-
-
-@dataclass(frozen=True, slots=True)
-class ServerLimits:
-    session_ttl_s: float = 300.0  # a session untouched this long is ended
-    client_ttl_s: float = 60.0  # a client silent this long (no ping) is dropped
-    max_chunks_per_request: int = 1 << 16
-    max_wait_s: float = 30.0
-
-
 @dataclass(eq=False)
 class _Session:
     request_id: str
-    keys: list[list[ObjectKey]]  # per chunk, per rank
+    keys: list[list[ObjectKey]]  # per chunk, per rank; cut to the hit once answered
+    objects: int = 0  # objects in ``keys``, counted against the session limits
     handle: PrefetchHandle | None = None
     result: LookupResult | None = None
     answered: bool = False
@@ -89,6 +82,7 @@ class _Reservation:
 @dataclass(eq=False)
 class _Client:
     peer: bytes
+    connection: str  # the transport's id of the connection that said hello
     client_id: str
     model: str
     salt: str
@@ -97,12 +91,19 @@ class _Client:
     shm: bool
     rank: int = -1  # -1: every rank's objects; r: rank r's only
     sessions: dict[str, _Session] = field(default_factory=dict)
+    objects: int = 0  # objects named by its sessions
+    reservations: int = 0
     last_seen: float = 0.0
 
 
+def _shown(text: str) -> str:
+    """A client's string in an error message, cut short: replies stay small."""
+    return repr(text) if len(text) <= 80 else repr(text[:80]) + f"... ({len(text)} characters)"
+
+
 def _check_request_id(request_id: str) -> None:
-    if not request_id or len(request_id) > 256:
-        raise RequestError("bad_request", "request_id must be 1-256 characters")
+    if not request_id or len(request_id) > MAX_TEXT_CHARS:
+        raise RequestError("bad_request", f"request_id must be 1-{MAX_TEXT_CHARS} characters")
 
 
 class CacheServer:
@@ -125,9 +126,10 @@ class CacheServer:
         self._clients: dict[bytes, _Client] = {}
         self._reservations: dict[int, _Reservation] = {}
         self._reservation_ids = itertools.count(1)
-        self._orphans: list[PrefetchHandle] = []  # lookups whose session ended in flight
+        self._session_objects = 0  # objects named by every client's sessions
         self.metrics = ServerMetrics()
         self.counters: dict[str, int] = {}
+        self.transport_counters = Counters()  # counted by the transport's threads
         self._started = clock()
         # namespace -> its layouts, for /status (kvtier plan --from-server); the
         # most recent LAYOUTS_SEEN namespaces, whether or not still connected
@@ -136,17 +138,20 @@ class CacheServer:
     # ------------------------------------------------------------ dispatch
 
     def handle(
-        self, peer: bytes, request: p.Request, frames: Sequence[Buffer]
+        self, peer: bytes, request: p.Request, frames: Sequence[Buffer], connection: str = ""
     ) -> tuple[p.Reply, Frames]:
-        """Run one request; never raises for anything a client can send."""
+        """Run one request from ``peer`` over ``connection`` (the transport's
+        id of the connection it came on: registration is bound to it, never
+        to the routing id a peer may choose); never raises for anything a
+        client can send."""
         op = type(request).__name__
         try:
             if isinstance(request, p.Hello):
-                return self._hello(peer, request), []
+                return self._hello(peer, connection, request), []
             if isinstance(request, p.Ping):
-                self._touch_client(peer)
+                self._touch_client(peer, connection)
                 return p.Pong(self.boot_id), []
-            client = self._client(peer)  # everything else needs a registered client
+            client = self._client(peer, connection)  # the rest needs a registered client
             if isinstance(request, p.Status):
                 return p.StatusReply(self.status()), []
             handler = getattr(self, f"_op_{type(request).__name__.lower()}")
@@ -165,21 +170,19 @@ class CacheServer:
 
     # ---------------------------------------------------------- operations
 
-    def _hello(self, peer: bytes, hello: p.Hello) -> p.Reply:
+    def _hello(self, peer: bytes, connection: str, hello: p.Hello) -> p.Reply:
         if hello.version != p.PROTOCOL_VERSION:
             raise RequestError(
                 "version", f"protocol {hello.version} is not {p.PROTOCOL_VERSION}; upgrade kvtier"
             )
-        if self._token and not hmac.compare_digest(hello.token, self._token):
+        # Bytes: compare_digest refuses a str with non-ASCII characters.
+        if self._token and not hmac.compare_digest(hello.token.encode(), self._token.encode()):
             raise RequestError("unauthorized", "wrong or missing auth token")
-        if hello.num_ranks <= 0 or hello.num_ranks > 1024:
-            raise RequestError("bad_request", f"num_ranks {hello.num_ranks} is out of range")
-        if not -1 <= hello.rank < hello.num_ranks:
+        check_hello(hello)
+        if peer not in self._clients and len(self._clients) >= self.limits.max_clients:
             raise RequestError(
-                "bad_request", f"rank {hello.rank} is outside [0, {hello.num_ranks}) (or -1)"
+                "busy", f"the server has {len(self._clients)} clients, its limit; try again later"
             )
-        if not hello.layouts:
-            raise RequestError("bad_request", "hello needs at least one layout")
         chunk_size = self.chunks.propose(hello.block_alignment)
         layouts = {
             spec.group: KVLayout(
@@ -194,6 +197,7 @@ class CacheServer:
             )
             for spec in hello.layouts
         }
+        check_layouts(layouts, chunk_size, self.storage.l1.capacity)
         label = model_label(hello.model)
         ObjectKey(bytes(HASH_BYTES), label, 0, 0, hello.salt)  # validates model and salt
         self.chunks.freeze(chunk_size)  # only a hello that is accepted fixes it
@@ -202,6 +206,7 @@ class CacheServer:
             self._drop_client(old)
         client = _Client(
             peer,
+            connection,
             hello.client_id,
             label,
             hello.salt,
@@ -221,8 +226,10 @@ class CacheServer:
         self, client: _Client, req: p.Lookup, frames: Sequence[Buffer]
     ) -> tuple[p.Reply, Frames]:
         layout = self._layout(client, req.group)
-        keys = self._keys(client, req.hashes, req.group)
         _check_request_id(req.request_id)
+        keys = self._keys(client, req.hashes, req.group)
+        old = client.sessions.get(req.request_id)
+        self._check_room(client, len(keys) * len(keys[0]) if keys else 0, old)
         handle = self.storage.submit_lookup(keys, {req.group: layout})  # may refuse the keys
         session = self._new_session(client, req.request_id, keys)
         session.handle = handle
@@ -233,14 +240,14 @@ class CacheServer:
     def _op_query(
         self, client: _Client, req: p.Query, frames: Sequence[Buffer]
     ) -> tuple[p.Reply, Frames]:
-        return self._poll(self._session(client, req.request_id), 0.0), []
+        return self._poll(client, self._session(client, req.request_id), 0.0), []
 
     def _op_wait(
         self, client: _Client, req: p.Wait, frames: Sequence[Buffer]
     ) -> tuple[p.Reply, Frames]:
         # The transport parks a WAIT until ``lookup_settled`` or its timeout, so
         # answering never blocks the loop: still pending at the deadline is None.
-        return self._poll(self._session(client, req.request_id), 0.0), []
+        return self._poll(client, self._session(client, req.request_id), 0.0), []
 
     def _op_retrieve(
         self, client: _Client, req: p.Retrieve, frames: Sequence[Buffer]
@@ -263,7 +270,9 @@ class CacheServer:
     ) -> tuple[p.Reply, Frames]:
         session = self._session(client, req.request_id)
         if session.result is None or not session.answered:
-            raise RequestError("not_ready", f"request {req.request_id!r} has no finished lookup")
+            raise RequestError(
+                "not_ready", f"request {_shown(req.request_id)} has no finished lookup"
+            )
         end = min(req.end, len(session.locked))
         if not 0 <= req.start <= end:
             raise RequestError("bad_range", f"release range [{req.start}, {req.end}) is invalid")
@@ -275,6 +284,12 @@ class CacheServer:
     ) -> tuple[p.Reply, Frames]:
         layout = self._layout(client, req.group)
         keys = [k for chunk in self._keys(client, req.hashes, req.group) for k in chunk]
+        if client.reservations >= self.limits.max_reservations_per_client:
+            raise RequestError(
+                "busy",
+                f"{client.reservations} store reservations are open, the limit; commit or abort "
+                "them first",
+            )
         session = self._session_for_store(client, req.request_id)  # validates the id
         tag, placements, fence = self.storage.reserve_store(
             keys, [layout.object_bytes()] * len(keys), layout
@@ -285,6 +300,7 @@ class CacheServer:
             client, req.request_id, tag, fence, layout, time.monotonic(), already
         )
         session.reservations.add(rid)
+        client.reservations += 1
         offsets = [
             pl.offset if pl.result is L1Result.SUCCESS and pl.offset is not None else -1
             for pl in placements
@@ -328,14 +344,14 @@ class CacheServer:
     ) -> tuple[p.Reply, Frames]:
         session = client.sessions.pop(req.request_id, None)
         if session is None:
-            raise RequestError("no_session", f"no session {req.request_id!r}")
-        self._end(session)
+            raise RequestError("no_session", f"no session {_shown(req.request_id)}")
+        self._end(client, session)
         return p.Ack(), []
 
     # ------------------------------------------------------------- upkeep
 
     def tick(self) -> None:
-        """Expire silent clients and idle sessions; finish orphaned lookups."""
+        """Expire silent clients and idle sessions."""
         now = self._clock()
         for client in list(self._clients.values()):
             if now - client.last_seen > self.limits.client_ttl_s:
@@ -350,22 +366,15 @@ class CacheServer:
                 if now - session.touched > self.limits.session_ttl_s:
                     self._count("expired_sessions")
                     del client.sessions[session.request_id]
-                    self._end(session)
-        still = []
-        for handle in self._orphans:
-            if handle.result() is None:
-                still.append(handle)
-                continue
-            result = self.storage.collect(handle, 0)
-            if result is not None:
-                self.storage.release(list(result.placements))
-        self._orphans = still
+                    self._end(client, session)
 
-    def lookup_settled(self, peer: bytes, request_id: str) -> bool:
+    def lookup_settled(self, peer: bytes, request_id: str, connection: str = "") -> bool:
         """Whether a WAIT for this lookup can be answered now (done, or unknown:
         then the answer is an error). The transport parks WAITs until then."""
         client = self._clients.get(peer)
-        session = client.sessions.get(request_id) if client else None
+        if client is None or client.connection != connection:
+            return True
+        session = client.sessions.get(request_id)
         return session is None or session.handle is None or session.handle.result() is not None
 
     def status(self) -> dict[str, object]:
@@ -377,11 +386,13 @@ class CacheServer:
             "chunk_size_frozen": self.chunks.frozen is not None,
             "clients": len(self._clients),
             "sessions": sum(len(c.sessions) for c in self._clients.values()),
+            "session_objects": self._session_objects,
             "store_reservations": len(self._reservations),
             "uptime_s": self._clock() - self._started,
             "namespaces": sorted({f"{c.model}@{c.salt}" for c in self._clients.values()}),
             "layouts": dict(self._layouts_seen),
             "server": dict(self.counters),
+            "transport": self.transport_counters.snapshot(),
             "storage": self.storage.status(),
         }
 
@@ -393,9 +404,9 @@ class CacheServer:
 
     # ---------------------------------------------------------- internals
 
-    def _client(self, peer: bytes) -> _Client:
+    def _client(self, peer: bytes, connection: str) -> _Client:
         client = self._clients.get(peer)
-        if client is None:
+        if client is None or client.connection != connection:
             raise RequestError("no_hello", "send hello first (or again, after a server restart)")
         client.last_seen = self._clock()
         return client
@@ -409,9 +420,9 @@ class CacheServer:
         while len(self._layouts_seen) > LAYOUTS_SEEN:
             self._layouts_seen.popitem(last=False)
 
-    def _touch_client(self, peer: bytes) -> None:
+    def _touch_client(self, peer: bytes, connection: str) -> None:
         client = self._clients.get(peer)
-        if client is not None:
+        if client is not None and client.connection == connection:
             client.last_seen = self._clock()
 
     def _layout(self, client: _Client, group: int) -> KVLayout:
@@ -421,14 +432,37 @@ class CacheServer:
         return layout
 
     def _keys(self, client: _Client, hashes: list[bytes], group: int) -> list[list[ObjectKey]]:
-        if len(hashes) > self.limits.max_chunks_per_request:
+        ranks = client.num_ranks if client.rank < 0 else 1
+        limit = self.limits.max_objects_per_request
+        if len(hashes) * ranks > limit:
             raise RequestError(
                 "bad_request",
-                f"{len(hashes)} chunks in one request; the limit is "
-                f"{self.limits.max_chunks_per_request}",
+                f"{len(hashes)} chunks x {ranks} ranks in one request; the limit is {limit} "
+                "objects: split the request",
             )
         keys = chunk_keys(hashes, client.model, client.num_ranks, group, client.salt)
         return keys if client.rank < 0 else [[chunk[client.rank]] for chunk in keys]
+
+    def _check_room(self, client: _Client, objects: int, replaced: _Session | None) -> None:
+        """Refuse a new session past the session limits (``replaced``: the
+        session of the same id that it would end)."""
+        freed = 0 if replaced is None else replaced.objects
+        sessions = len(client.sessions) - (replaced is not None)
+        if sessions >= self.limits.max_sessions_per_client:
+            raise RequestError(
+                "busy", f"{sessions} sessions are open, the limit; end some (END_SESSION) first"
+            )
+        mine = client.objects - freed + objects
+        total = self._session_objects - freed + objects
+        if mine > self.limits.max_session_objects_per_client or total > (
+            self.limits.max_session_objects
+        ):
+            raise RequestError(
+                "busy",
+                f"open sessions would name {mine} objects of this client and {total} in all; the "
+                f"limits are {self.limits.max_session_objects_per_client} and "
+                f"{self.limits.max_session_objects}: end sessions first",
+            )
 
     def _new_session(
         self, client: _Client, request_id: str, keys: list[list[ObjectKey]]
@@ -436,14 +470,22 @@ class CacheServer:
         _check_request_id(request_id)
         old = client.sessions.pop(request_id, None)
         if old is not None:
-            self._end(old)
+            self._end(client, old)
         session = _Session(request_id, keys, touched=self._clock())
         client.sessions[request_id] = session
+        self._hold(client, session, len(keys) * len(keys[0]) if keys else 0)
         return session
+
+    def _hold(self, client: _Client, session: _Session, objects: int) -> None:
+        """Count ``objects`` more (or fewer) named by ``session``."""
+        session.objects += objects
+        client.objects += objects
+        self._session_objects += objects
 
     def _session_for_store(self, client: _Client, request_id: str) -> _Session:
         session = client.sessions.get(request_id)
         if session is None:
+            self._check_room(client, 0, None)
             session = self._new_session(client, request_id, [])
         session.touched = self._clock()
         return session
@@ -451,31 +493,34 @@ class CacheServer:
     def _session(self, client: _Client, request_id: str) -> _Session:
         session = client.sessions.get(request_id)
         if session is None:
-            raise RequestError("no_session", f"no session {request_id!r}; send lookup first")
+            raise RequestError("no_session", f"no session {_shown(request_id)}; send lookup first")
         session.touched = self._clock()
         return session
 
-    def _poll(self, session: _Session, timeout: float) -> p.QueryResult:
+    def _poll(self, client: _Client, session: _Session, timeout: float) -> p.QueryResult:
         if session.answered:
             raise RequestError(
-                "consumed", f"the lookup of {session.request_id!r} was already answered"
+                "consumed", f"the lookup of {_shown(session.request_id)} was already answered"
             )
         if session.handle is None:
-            raise RequestError("no_lookup", f"session {session.request_id!r} has no lookup")
+            raise RequestError("no_lookup", f"session {_shown(session.request_id)} has no lookup")
         result = self.storage.collect(session.handle, timeout)
         if result is None:
             return p.QueryResult(None)
         session.result = result
         session.answered = True
         session.locked = [True] * result.hit_chunks
+        looked_up = len(session.keys)
+        ranks = len(session.keys[0]) if session.keys else 1
+        del session.keys[result.hit_chunks :]  # only the hit is named from now on
+        self._hold(client, session, -(looked_up - result.hit_chunks) * ranks)
         self.metrics.lookup_seconds.observe(time.monotonic() - session.started)
         self._count("hit_chunks", result.hit_chunks)
-        ranks = max(1, len(session.keys[0]) if session.keys else 1)
         chunk = self.chunks.frozen or self.chunks.minimum
         tiers = {tier: objects // ranks for tier, objects in result.objects_by_tier.items()}
         for tier, chunks in tiers.items():
             self._count(f"hit_tokens.{tier}", chunks * chunk)
-        self._count("lookup_tokens", len(session.keys) * chunk)
+        self._count("lookup_tokens", looked_up * chunk)
         return p.QueryResult(result.hit_chunks, tiers)
 
     def _check_range(self, session: _Session, start: int, end: int, what: str) -> None:
@@ -496,20 +541,25 @@ class CacheServer:
         if keys:
             self.storage.release(keys)
 
-    def _end(self, session: _Session) -> None:
+    def _end(self, client: _Client, session: _Session) -> None:
+        """Release whatever ``session`` holds (it is already out of ``client``'s table)."""
+        self._hold(client, session, -session.objects)
         if session.answered:
             self._release(session, 0, len(session.locked))
         elif session.handle is not None:
-            self._orphans.append(session.handle)
+            late = session.handle.abandon()  # a result that comes later is released for us
+            if late is not None and self.storage.collect(session.handle, 0) is not None:
+                self.storage.release(list(late.placements))
         for rid in list(session.reservations):
             res = self._reservations.pop(rid, None)
             if res is not None:
+                client.reservations -= 1
                 self.storage.abort_store(res.tag, res.fence)
         session.reservations.clear()
 
     def _drop_client(self, client: _Client) -> None:
         for session in list(client.sessions.values()):
-            self._end(session)
+            self._end(client, session)
         client.sessions.clear()
 
     def _take_reservation(self, client: _Client, rid: int) -> _Reservation:
@@ -517,6 +567,7 @@ class CacheServer:
         if res is None or res.client is not client:
             raise RequestError("no_reservation", f"no store reservation {rid}")
         del self._reservations[rid]
+        client.reservations -= 1
         session = client.sessions.get(res.request_id)
         if session is not None:
             session.reservations.discard(rid)

@@ -11,7 +11,8 @@ from kvtier.l1 import L1Config
 from kvtier.l2.registry import parse_spec
 from kvtier.server.admin import AdminHTTP
 from kvtier.server.config import ServerConfig
-from kvtier.server.core import CacheServer, ServerLimits
+from kvtier.server.core import CacheServer
+from kvtier.server.limits import ServerLimits
 from kvtier.server.transport import ServerTransport
 from kvtier.storage import StorageConfig, StorageManager
 from kvtier.units import format_size
@@ -22,7 +23,8 @@ log = logging.getLogger(__name__)
 def storage_config(config: ServerConfig) -> StorageConfig:
     local = () if config.l2_dir is None else ({"type": "fs", "path": config.l2_dir},)
     l2 = (*local, *(parse_spec(spec) for spec in config.l2))  # the local disk first
-    return StorageConfig(l1=L1Config(size_bytes=config.l1_bytes, shm_dir=config.shm_dir), l2=l2)
+    l1 = L1Config(size_bytes=config.l1_bytes, shm_dir=config.shm_dir, reaper=True)
+    return StorageConfig(l1=l1, l2=l2)
 
 
 def serve(config: ServerConfig, stop: threading.Event | None = None) -> None:

@@ -218,7 +218,7 @@ def test_objects_not_yet_written_back_are_never_evicted(stack: Stack) -> None:
     storage = stack.build(
         {"type": "mock"},
         l1_bytes=16 * PAGE,  # eight objects
-        store=StoreConfig(batch_objects=1, max_inflight_bytes=OBJ),
+        store=StoreConfig(batch_objects=1, max_inflight_bytes=OBJ, pinned_fraction=1.0),
     )
     (mock,) = storage.adapters
     assert isinstance(mock, MockAdapter)
@@ -246,7 +246,8 @@ def test_objects_not_yet_written_back_are_never_evicted(stack: Stack) -> None:
 def test_past_the_pinned_bound_objects_may_go_before_their_turn(stack: Stack) -> None:
     storage = stack.build(
         {"type": "mock"},
-        store=StoreConfig(batch_objects=1, max_inflight_bytes=OBJ, max_pinned_bytes=2 * OBJ),
+        l1_bytes=32 * PAGE,  # 16 objects
+        store=StoreConfig(batch_objects=1, max_inflight_bytes=OBJ, pinned_fraction=0.125),
     )
     (mock,) = storage.adapters
     assert isinstance(mock, MockAdapter)

@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kvtier.keys import ObjectKey, chunk_keys, model_label
+from kvtier.keys import ObjectKey, chunk_keys, model_label, salt_label
 
 HASH = bytes(range(32))
 SAFE = st.text(alphabet="abcXYZ019._-", max_size=20)
@@ -112,3 +112,31 @@ def test_chunk_keys_validate_their_input(kwargs: dict[str, object], message: str
     args: dict[str, object] = {"hashes": [bytes(32)], "model": "m", "ranks": 1, **kwargs}
     with pytest.raises((ValueError, TypeError), match=message):
         chunk_keys(**args)  # type: ignore[arg-type]
+
+
+def test_salt_labels_keep_safe_salts_and_hash_the_rest() -> None:
+    assert salt_label("tenant_1.a-b") == "tenant_1.a-b"
+    hashed = salt_label("tenant/with spaces")
+    assert hashed.startswith("s-") and len(hashed) == 34
+    assert hashed != salt_label("tenant/with  spaces")  # distinct salts stay distinct
+    assert salt_label("x" * 65) != salt_label("x" * 66)
+    assert salt_label("alice@example.com") == salt_label("alice@example.com")
+    ObjectKey(HASH, "m", 0, 0, salt_label("alice@example.com"))  # always a valid salt
+
+
+def test_a_salt_shaped_like_a_label_does_not_meet_the_salt_it_labels() -> None:
+    """The adversarial run's finding: "acme corp" and the literal salt
+    "s-" + its hash used to get the same label, so the two tenants shared KV."""
+    label = salt_label("acme corp")
+    assert salt_label(label) != label
+    assert salt_label("s-" + "0" * 32).startswith("s-")
+    assert salt_label("s-" + "0" * 31) == "s-" + "0" * 31  # not the label form: kept
+
+
+SALTS = st.one_of(st.text(max_size=80), st.text(max_size=80).map(salt_label))  # labels too
+
+
+@given(SALTS, SALTS)
+def test_distinct_salts_get_distinct_labels(a: str, b: str) -> None:
+    if a != b:
+        assert salt_label(a) != salt_label(b)

@@ -11,7 +11,8 @@ import pytest
 from kvtier.keys import Namespace, TokenHasher
 from kvtier.l1 import L1Config, L1Result
 from kvtier.server import protocol as p
-from kvtier.server.core import CacheServer, ServerLimits
+from kvtier.server.core import CacheServer
+from kvtier.server.limits import ServerLimits
 from kvtier.storage import StorageConfig, StorageManager
 from tests.conftest import FakeClock
 from tests.ledger import assert_clean
@@ -201,4 +202,147 @@ def test_both_store_paths_count_resident_objects_as_stored(
     reserved = call(server, b"A", p.StoreReserve("w", more))
     assert isinstance(reserved, p.Reserved) and reserved.offsets[:2] == [-1, -1]
     assert call(server, b"A", p.StoreCommit(reserved.reservation)) == p.Committed(3)
+    assert_clean(storage.l1)
+
+
+# ------------------------------------------------------- hostile clients
+
+
+def hello_layout(server: CacheServer, peer: bytes = b"A", **changes: object) -> p.Reply:
+    fields = {"group": 0, "num_layers": 1, "kv_heads": 1, "head_dim": 8, "dtype": "float32"}
+    layout = p.LayoutSpec(**{**fields, **changes})  # type: ignore[arg-type]
+    msg = p.Hello(p.PROTOCOL_VERSION, "c", "org/m", [layout], 1, 16)
+    return call(server, peer, msg)
+
+
+@pytest.mark.parametrize(
+    ("changes", "message"),
+    [
+        ({"num_layers": 2**62}, "num_layers 4611686018427387904 is outside [1, 4096]"),
+        ({"kv_heads": 0}, "kv_heads 0 is outside"),
+        ({"head_dim": -1}, "head_dim -1 is outside"),
+        ({"group": 2**40}, "group 1099511627776 is outside"),
+        ({"dtype": "float128"}, "dtype 'float128' is not one of"),
+        ({"format": "x" * 300}, "format is 300 characters"),
+        # K+V x 4096 layers x 4096 heads x 65536 x fp32 x 16 tokens = 2**47 bytes
+        (
+            {"num_layers": 4096, "kv_heads": 4096, "head_dim": 65536},
+            "takes 140737488355328 bytes (16 tokens), more than the server's whole L1",
+        ),
+    ],
+)
+def test_hello_bounds_every_layout_field_and_the_object_size(
+    server: CacheServer, changes: dict[str, object], message: str
+) -> None:
+    """The adversarial run's finding: num_layers=2**62 was accepted, and a later
+    STORE_RESERVE built a reply with a 2**73-byte size that could not be encoded."""
+    err = hello_layout(server, **changes)
+    assert isinstance(err, p.Error) and err.code == "bad_request", err
+    assert message in err.message
+    assert server.status()["clients"] == 0
+    assert server.status()["chunk_size_frozen"] is False
+
+
+def test_hello_cannot_freeze_an_absurd_chunk_size(server: CacheServer) -> None:
+    """The finding: block_alignment=2**40 fixed the chunk size for everyone."""
+    msg = p.Hello(p.PROTOCOL_VERSION, "c", "org/m", [LAYOUT], 1, block_alignment=2**40)
+    err = call(server, b"A", msg)
+    assert isinstance(err, p.Error) and "block_alignment 1099511627776 is outside" in err.message
+    assert server.status()["chunk_size_frozen"] is False
+    assert isinstance(hello(server), p.Welcome)  # a sane engine after it sets the size
+    assert server.status()["chunk_size"] == 16
+
+
+@pytest.mark.parametrize(
+    "changes",
+    [
+        {"num_ranks": 0},
+        {"num_ranks": 4096},
+        {"rank": 5},
+        {"client_id": "c" * 1000},
+        {"layouts": [LAYOUT, LAYOUT]},
+        {"layouts": [LAYOUT] * 20},
+    ],
+)
+def test_hello_bounds_the_rest(server: CacheServer, changes: dict[str, object]) -> None:
+    fields: dict[str, object] = {
+        "version": p.PROTOCOL_VERSION,
+        "client_id": "c",
+        "model": "org/m",
+        "layouts": [LAYOUT],
+        "block_alignment": 16,
+        **changes,
+    }
+    err = call(server, b"A", p.Hello(**fields))  # type: ignore[arg-type]
+    assert isinstance(err, p.Error) and err.code == "bad_request", err
+
+
+def test_a_non_ascii_token_is_refused_not_a_crash(storage: StorageManager) -> None:
+    server = CacheServer(storage, 16, auth_token="s3cret")
+    err = hello(server, token="sécret")
+    assert isinstance(err, p.Error) and err.code == "unauthorized"
+
+
+def test_registration_is_bound_to_the_connection(server: CacheServer) -> None:
+    """The finding: with ROUTER_HANDOVER a peer presenting a registered
+    client's routing id inherited its registration. The transport gives each
+    connection its own id; the same routing id on another connection is not
+    registered."""
+    msg = p.Hello(p.PROTOCOL_VERSION, "c", "org/m", [LAYOUT], 1, 16)
+    assert isinstance(server.handle(b"A", msg, [], "c1")[0], p.Welcome)
+    store_msg = p.Store("w", hashes(1))
+    frames = [np.zeros(OBJECT, np.uint8).tobytes()]
+    assert isinstance(server.handle(b"A", store_msg, frames, "c1")[0], p.Committed)  # type: ignore[arg-type]
+    stolen = server.handle(b"A", p.Lookup("r", hashes(1)), [], "c2")[0]
+    assert isinstance(stolen, p.Error) and stolen.code == "no_hello"
+    assert server.lookup_settled(b"A", "r", "c2")
+    assert isinstance(server.handle(b"A", p.Lookup("r", hashes(1)), [], "c1")[0], p.Ack)
+
+
+def test_an_answered_lookup_keeps_only_its_hit(
+    server: CacheServer, storage: StorageManager
+) -> None:
+    """The finding: a LOOKUP of 65,536 missing chunks pinned ~20 MiB until
+    END_SESSION. Once answered, a session names only the chunks it hit."""
+    hello(server)
+    hs = hashes(3)
+    store(server, b"A", hs)
+    call(server, b"A", p.Lookup("r", hs + hashes(1000, seed=4)))
+    assert server.status()["session_objects"] == 1003
+    assert call(server, b"A", p.Query("r")).hit_chunks == 3  # type: ignore[union-attr]
+    assert server.status()["session_objects"] == 3
+    call(server, b"A", p.EndSession("r"))
+    assert server.status()["session_objects"] == 0
+    assert_clean(storage.l1)
+
+
+def test_session_limits_are_clear_errors(storage: StorageManager, clock: FakeClock) -> None:
+    limits = ServerLimits(
+        max_objects_per_request=8,
+        max_sessions_per_client=2,
+        max_session_objects_per_client=10,
+        max_clients=1,
+        max_reservations_per_client=1,
+    )
+    server = CacheServer(storage, chunk_size=16, limits=limits, clock=clock)
+    hello(server)
+    err = call(server, b"A", p.Lookup("big", hashes(9)))
+    assert isinstance(err, p.Error) and "9 chunks x 1 ranks" in err.message
+    assert isinstance(call(server, b"A", p.Lookup("a", hashes(8))), p.Ack)
+    err = call(server, b"A", p.Lookup("b", hashes(3, seed=1)))
+    assert isinstance(err, p.Error) and err.code == "busy" and "would name 11" in err.message
+    assert isinstance(call(server, b"A", p.Lookup("a", hashes(8, seed=2))), p.Ack)  # replaces
+    assert isinstance(call(server, b"A", p.Lookup("b", hashes(2, seed=1))), p.Ack)
+    err = call(server, b"A", p.Lookup("c", hashes(1, seed=3)))
+    assert isinstance(err, p.Error) and err.code == "busy" and "2 sessions" in err.message
+    call(server, b"A", p.EndSession("b"))
+    reserved = call(server, b"A", p.StoreReserve("b", hashes(1, seed=5)))
+    assert isinstance(reserved, p.Reserved)
+    err = call(server, b"A", p.StoreReserve("b", hashes(1, seed=6)))
+    assert isinstance(err, p.Error) and err.code == "busy"
+    call(server, b"A", p.StoreAbort(reserved.reservation))
+    assert isinstance(call(server, b"A", p.StoreReserve("b", hashes(1, seed=6))), p.Reserved)
+    err = hello(server, peer=b"B")
+    assert isinstance(err, p.Error) and err.code == "busy" and "clients" in err.message
+    server.close()
     assert_clean(storage.l1)
