@@ -46,6 +46,7 @@ def test_quick_bench(tmp_path: Path) -> None:
     assert fault["failed_requests"] == 0 and fault["output_mismatches"] == 0
     assert 0 < fault["kill_s"] < fault["restart_s"]
     assert sum(fault[phase]["requests"] for phase in ("before", "during", "after")) == 20
+    assert fault["reseeded_objects"] > 0  # the restarted Redis was re-seeded from L1
     for name in results["plots"]:
         assert (out / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert len(results["plots"]) == 3

@@ -125,10 +125,14 @@ def _fault_lines(fault: Mapping[str, Any]) -> list[str]:
             f"| {p['failed_requests']} |"
         )
     recovery, resume = fault["hit_recovery_s"], fault["l2_hits_resume_s"]
+    remote = fault["remote"]
     rows += [
         "",
+        f"- recovered ({remote} answers again and is re-seeded from L1, "
+        f"{fault['reseeded_objects']} objects): {_after_restart(fault['recovery_s'])}",
+        f"- kvtier loads from {remote} again (its first L1 miss that {remote} holds): "
+        f"{_after_restart(resume)}",
         f"- every request hits as much as without the fault: {_after_restart(recovery)}",
-        f"- kvtier loads from {fault['remote']} again: {_after_restart(resume)}",
         f"- failed requests: {fault['failed_requests']}; output differences: "
         f"{fault['output_mismatches']}",
     ]

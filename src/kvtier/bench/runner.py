@@ -22,7 +22,15 @@ import numpy as np
 
 from kvtier.bench.configs import CONFIGURATIONS, BenchSettings, Running, serve
 from kvtier.bench.replay import RequestResult, replay, send
-from kvtier.bench.sampler import L2_LOADS, Sample, Sampler, by_key
+from kvtier.bench.sampler import (
+    L2_LOADS,
+    RESEED_PENDING,
+    RESEEDED,
+    RESEEDS,
+    Sample,
+    Sampler,
+    by_key,
+)
 from kvtier.bench.summary import percentiles, summarize
 from kvtier.bench.trace import TraceRequest
 
@@ -153,6 +161,12 @@ def fault_summary(run: ConfigRun, clean: ConfigRun | None, remote: str) -> dict[
         }
     report["hit_recovery_s"] = _hit_recovery(phases["after"], baseline, restart)
     report["l2_hits_resume_s"] = _l2_hits_resume(run.samples, remote, restart)
+    # Recovered: the store answers again and holds what L1 held (re-seeded).
+    # When a load is first served from it depends on the trace (an L1 miss it
+    # can serve), and when every request hits as much as without the fault on
+    # what was lost with it (objects evicted from L1 while it was down).
+    report["reseeded_s"], report["reseeded_objects"] = _reseeded(run.samples, remote, restart)
+    report["recovery_s"] = report["reseeded_s"]
     report["failed_requests"] = run.summary["failed_requests"]
     report["output_mismatches"] = run.summary["output_mismatches"]
     return report
@@ -194,6 +208,22 @@ def _l2_hits_resume(samples: Sequence[Sample], remote: str, restart: float) -> f
             return sample.t_s - restart
         previous = hits
     return None
+
+
+def _reseeded(samples: Sequence[Sample], remote: str, restart: float) -> tuple[float | None, int]:
+    """Seconds from the restart until the cache server had re-seeded the remote
+    store from L1 (a re-seed counted, none pending), and the objects it wrote."""
+    before = None
+    for sample in samples:
+        reseeds = by_key(sample.counters, RESEEDS).get(remote, 0.0)
+        if sample.t_s < restart:
+            before = reseeds
+            continue
+        pending = sample.counters.get(RESEED_PENDING, 0.0)
+        if before is not None and reseeds > before and pending == 0:
+            objects = by_key(sample.counters, RESEEDED).get(remote, 0.0)
+            return sample.t_s - restart, int(objects)
+    return None, 0
 
 
 def reference_tokens(run: ConfigRun) -> dict[str, list[int]]:

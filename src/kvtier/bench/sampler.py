@@ -25,6 +25,11 @@ Counters = dict[str, float]  # "name" or "name{key}" -> value
 
 # objects kvtier's lookups brought up from each L2 adapter into L1 (key: adapter)
 L2_LOADS = "kvtier_storage_prefetch_loaded_objects"
+# re-seeds of an L2 adapter that came back (key: adapter), the objects written
+# by them, and the objects still to re-seed (all adapters)
+RESEEDS = "kvtier_storage_store_reseeds"
+RESEEDED = "kvtier_storage_store_reseeded_objects"
+RESEED_PENDING = "kvtier_storage_store_reseed_objects"
 VLLM_COUNTERS = (
     "vllm:prefix_cache_hits_total",
     "vllm:prefix_cache_queries_total",
@@ -117,4 +122,15 @@ class Sampler:
         self._stop.set()
 
 
-__all__ = ["L2_LOADS", "VLLM_COUNTERS", "Sample", "Sampler", "by_key", "delta", "parse_counters"]
+__all__ = [
+    "L2_LOADS",
+    "RESEEDED",
+    "RESEEDS",
+    "RESEED_PENDING",
+    "VLLM_COUNTERS",
+    "Sample",
+    "Sampler",
+    "by_key",
+    "delta",
+    "parse_counters",
+]

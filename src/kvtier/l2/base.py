@@ -30,8 +30,10 @@ controller loop::
   ``recoveries`` counts the times the backend answered again after failing:
   a store that restarted may have come back empty, so the store controller
   re-seeds it from L1.
-- A store skips the keys the backend already holds (``skip_present``): one
-  lookup round instead of rewriting objects that L1 re-admitted.
+- A store does not rewrite what the backend holds (``skip_present``): keys
+  this adapter stored before (it remembers the last ``remembered_keys``) are
+  looked up first and skipped if present; other keys are written directly,
+  so new objects pay no extra round trip.
 - Corrupt copies (``kvtier.l2.format``) are misses and are deleted or
   quarantined by the adapter, counted as ``corrupt_objects``.
 
@@ -48,7 +50,7 @@ import queue
 import threading
 import time
 from abc import ABC, abstractmethod
-from collections import Counter
+from collections import Counter, OrderedDict
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -117,12 +119,18 @@ class AdapterConfig:
     io_threads: int = 4
     timeout_s: float = 5.0
     backoff_initial_s: float = 0.5
-    backoff_max_s: float = 30.0
-    skip_present: bool = True  # a store first asks which keys the backend holds already
+    # Short: a store that comes back (and may need re-seeding) is seen within
+    # this, and each try costs one part a reconnect (refused at once when the
+    # server is down; ``timeout_s`` when its host does not answer).
+    backoff_max_s: float = 2.0
+    skip_present: bool = True  # a store of a key stored before asks whether it is still there
+    remembered_keys: int = 1 << 16  # keys stored lately, for skip_present (~150 bytes each)
 
     def __post_init__(self) -> None:
         if self.io_threads <= 0:
             raise ValueError(f"option 'io_threads' must be positive, got {self.io_threads}")
+        if self.remembered_keys < 0:
+            raise ValueError(f"option 'remembered_keys' must be >= 0, got {self.remembered_keys}")
         if self.timeout_s <= 0:
             raise ValueError(f"option 'timeout_s' must be positive, got {self.timeout_s}")
         if not 0 < self.backoff_initial_s <= self.backoff_max_s:
@@ -238,6 +246,7 @@ class BlockingAdapter(L2Adapter):
         self._needs_reconnect = False
         self._reconnecting = False
         self._recoveries = 0
+        self._stored: OrderedDict[ObjectKey, None] = OrderedDict()  # stored lately, oldest first
         self._failures: Counter[str] = Counter()
         self._counters = Counter[str]()
 
@@ -418,20 +427,35 @@ class BlockingAdapter(L2Adapter):
     def _store_missing(
         self, keys: Sequence[ObjectKey], buffers: Sequence[Buffer], layout: str
     ) -> tuple[list[bool], int]:
-        """Store the keys the backend lacks; per key whether it holds it now,
-        and the bytes written."""
-        present = self._lookup(keys) if self.config.skip_present else [False] * len(keys)
-        kept = [k for k, found in zip(keys, present, strict=True) if found]
+        """Store what the backend lacks; per key whether it holds it now, and
+        the bytes written. Only keys stored before are asked about: a new
+        object costs no lookup, a re-admitted one a lookup instead of a write."""
+        present = [False] * len(keys)
+        if self.config.skip_present:
+            with self._lock:
+                known = [i for i, key in enumerate(keys) if key in self._stored]
+            if known:
+                found = self._lookup([keys[i] for i in known])
+                for i, hit in zip(known, found, strict=True):
+                    present[i] = hit
+        kept = [k for k, hit in zip(keys, present, strict=True) if hit]
         if kept:
             self._unlock(kept)  # the lookup's leases: nothing will be read
             self._refresh(kept)
-            with self._lock:
-                self._counters["store_present"] += len(kept)
-        todo = [i for i, found in enumerate(present) if not found]
+        todo = [i for i, hit in enumerate(present) if not hit]
         written = self._store([keys[i] for i in todo], [buffers[i] for i in todo], layout)
         ok = list(present)
         for i, w in zip(todo, written, strict=True):
             ok[i] = w is not None
+        with self._lock:
+            if kept:
+                self._counters["store_present"] += len(kept)
+            for key, stored in zip(keys, ok, strict=True):
+                if stored:
+                    self._stored[key] = None
+                    self._stored.move_to_end(key)
+            while len(self._stored) > self.config.remembered_keys:
+                self._stored.popitem(last=False)
         return ok, sum(w or 0 for w in written)
 
     def _connected(self) -> None:

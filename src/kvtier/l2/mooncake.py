@@ -149,14 +149,13 @@ class MooncakeAdapter(BlockingAdapter):
         return written
 
     def _put(self, names: list[str], ptrs: list[list[int]], sizes: list[list[int]]) -> list[int]:
-        """Put. With ``skip_present`` the base class asked already and these
-        are absent; without it the newest copy wins: a put does not replace an
-        object, so copies already there are removed first (one more round trip)."""
-        if not self.config.skip_present:
-            present = self._client("batch_is_exist", names)
-            stale = [name for name, code in zip(names, present, strict=True) if code == 1]
-            if stale:
-                self._client("batch_remove", stale, True)
+        """Put, the newest copy winning: a put does not replace an object, so
+        copies already there (another node may have written them) are removed
+        first (one more round trip)."""
+        present = self._client("batch_is_exist", names)
+        stale = [name for name, code in zip(names, present, strict=True) if code == 1]
+        if stale:
+            self._client("batch_remove", stale, True)
         return self._client("batch_put_from_multi_buffers", names, ptrs, sizes, self._replicate)
 
     def _lookup(self, keys: Sequence[ObjectKey]) -> list[bool]:

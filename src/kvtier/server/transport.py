@@ -8,8 +8,9 @@ reply or is counted as dropped:
 - a request the core fails on gets an ``internal`` error, and a reply that
   cannot be encoded is replaced by one;
 - a reply to a peer that went away is dropped (``dropped_replies``), and a
-  message over ``max_message_bytes`` makes ZeroMQ drop that connection
-  before the loop sees it.
+  message over ``max_message_bytes`` makes ZeroMQ close that connection
+  before the loop sees it (counted with the other closed connections as
+  ``disconnects``, from the socket's monitor).
 
 No exception in decode, dispatch, the tick, the parked-WAIT flush or send
 ends the loop: each is logged (once per defect), counted (``loop_errors``)
@@ -72,6 +73,7 @@ class ServerTransport:
         self._socket.setsockopt(zmq.ROUTER_MANDATORY, 1)
         self._socket.bind(address)
         self.address = self._socket.getsockopt_string(zmq.LAST_ENDPOINT)
+        self._monitor = self._socket.get_monitor_socket(zmq.EVENT_DISCONNECTED)
         self._parked: dict[tuple[bytes, str], _ParkedWait] = {}
         # What other threads (admin HTTP) may read: refreshed by the loop each tick.
         self.snapshot: dict[str, object] = core.status()
@@ -79,12 +81,16 @@ class ServerTransport:
     def serve(self, stop: threading.Event) -> None:
         poller = zmq.Poller()
         poller.register(self._socket, zmq.POLLIN)
+        poller.register(self._monitor, zmq.POLLIN)
         next_tick = time.monotonic() + TICK_S
         try:
             while not stop.is_set():
                 timeout_ms = 2 if self._parked else 100
                 try:
-                    if poller.poll(timeout_ms):
+                    ready = dict(poller.poll(timeout_ms))
+                    if self._monitor in ready:
+                        self._count_disconnects()
+                    if self._socket in ready:
                         self._receive()
                 except Exception:
                     self._failures.record("server: receiving")
@@ -93,9 +99,16 @@ class ServerTransport:
                     self._tick()
                     next_tick = time.monotonic() + TICK_S
         finally:
+            self._socket.disable_monitor()
+            self._monitor.close(linger=0)
             self._socket.close(linger=0)
             self._connections.close()
             self._context.term()
+
+    def _count_disconnects(self) -> None:
+        while self._monitor.poll(0):
+            self._monitor.recv_multipart()  # one event: a connection closed
+            self.counters.add("disconnects")
 
     def _receive(self) -> None:
         for _ in range(BATCH_MESSAGES):

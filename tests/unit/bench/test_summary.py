@@ -148,5 +148,32 @@ def test_fault_summary_against_the_run_without_the_fault() -> None:
     assert report["before"]["ttft_p50_s"] == report["before"]["without_fault"]["ttft_p50_s"]
     assert report["hit_recovery_s"] == 1.5  # r5, sent at 5.0 s, is the first to hit as much
     assert report["l2_hits_resume_s"] is None  # no samples
+    assert (report["reseeded_s"], report["recovery_s"]) == (None, None)
     never = fault_summary(run([100, 200, 0, 0, 0, 0], "fault"), clean, "redis")
     assert never["hit_recovery_s"] is None
+
+
+def test_recovery_is_when_the_store_is_back_and_reseeded() -> None:
+    def sample(t: float, reseeds: int, pending: int, reseeded: int, loads: int) -> Sample:
+        counters = {
+            "kvtier_storage_store_reseeds{redis}": float(reseeds),
+            "kvtier_storage_store_reseed_objects": float(pending),
+            "kvtier_storage_store_reseeded_objects{redis}": float(reseeded),
+            "kvtier_storage_prefetch_loaded_objects{redis}": float(loads),
+        }
+        return Sample(t, counters, 0)
+
+    samples = [
+        sample(1.0, 0, 0, 0, 5),  # before the kill
+        sample(3.0, 0, 0, 0, 5),  # down
+        sample(4.0, 1, 30, 10, 5),  # back at 3.5: re-seeding
+        sample(4.5, 1, 0, 40, 5),  # re-seeded
+        sample(6.0, 1, 0, 40, 7),  # loads from it again
+    ]
+    results = [result("r0", 0.0, 0.1, [1], 100)]
+    faulty = ConfigRun("fault", results, samples, {"failed_requests": 0, "output_mismatches": 0})
+    faulty.events.update(kill=2.0, restart=3.5)
+    report = fault_summary(faulty, None, "redis")
+    assert (report["reseeded_s"], report["reseeded_objects"]) == (1.0, 40)
+    assert report["l2_hits_resume_s"] == 2.5
+    assert report["recovery_s"] == 1.0  # answering and re-seeded

@@ -786,3 +786,29 @@ def test_lookups_racing_stop_are_all_answered(stack: Stack) -> None:
     assert storage.status()["held_lookup_locks"] == 0
     assert storage.flush(timeout=10)
     assert_clean(storage.l1)
+
+
+def test_a_lookup_the_worker_never_answers_is_a_miss_not_a_hang(
+    stack: Stack, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``lookup_chunks`` used to wait with no timeout: a stuck worker hung the
+    caller. Now it gives up past the deadline, and a late answer is released."""
+    storage = stack.build({"type": "mock"})
+    keys = [make_key(i) for i in range(3)]
+    seed_l2(storage, keys, keep=keys[:1])
+    stuck, entered = threading.Event(), threading.Event()
+    admit = storage.prefetch._admit
+
+    def stuck_admit(request: object) -> None:
+        entered.set()
+        stuck.wait(timeout=30)
+        admit(request)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(storage.prefetch, "_admit", stuck_admit)
+    monkeypatch.setattr("kvtier.storage.LOOKUP_GRACE_S", 0.05)
+    result = storage.lookup(keys, LAYOUT, deadline_s=0.05)
+    assert (result.hit_chunks, dict(result.placements)) == (0, {})
+    assert entered.is_set() and storage.status()["lookup_timeouts"] == 1
+    stuck.set()
+    wait_until(lambda: "abandoned" in prefetch_status(storage), "the late answer")
+    assert_settled(storage)

@@ -108,3 +108,25 @@ def test_a_failing_callback_is_counted(clock: FakeClock) -> None:
         assert len(delivered) == 1
     finally:
         adapter.close()
+
+
+def test_only_keys_stored_before_are_looked_up_first(mock: Harness) -> None:
+    """A new object costs no extra round trip; a re-stored one a lookup, not a write."""
+    adapter = the_mock(mock)
+    asked: list[int] = []
+    real = adapter._lookup
+
+    def lookup(keys: list[object]) -> list[bool]:
+        asked.append(len(keys))
+        return real(keys)  # type: ignore[arg-type]
+
+    adapter._lookup = lookup  # type: ignore[method-assign,assignment]
+    keys = [make_key(i) for i in range(4)]
+    assert mock.store(keys[:2], [payload(100, i) for i in range(2)]).ok == (True, True)
+    assert asked == []
+    stored = mock.store(keys, [payload(100, i) for i in range(4)])
+    assert stored.ok == (True,) * 4 and sum(asked) == 2  # the two stored before (in parts)
+    assert adapter.status()["store_present"] == 2
+    adapter.wipe()  # the backend lost them: stored again after the lookup
+    assert mock.store(keys[:1], [payload(100, 0)]).ok == (True,)
+    assert adapter.keys() == keys[:1]

@@ -346,3 +346,35 @@ def test_session_limits_are_clear_errors(storage: StorageManager, clock: FakeClo
     assert isinstance(err, p.Error) and err.code == "busy" and "clients" in err.message
     server.close()
     assert_clean(storage.l1)
+
+
+def test_a_store_reported_stored_is_kept_while_others_hold_most_of_l1(
+    storage: StorageManager,
+) -> None:
+    """The finding: with other clients read-locking 48 of 64 MiB, a new 4 MiB
+    store replied stored=1, was evicted by its own watermark round, and the
+    next lookup hit 0 (every later store did the same). Here 12 of 16 objects
+    are held by another client; each new store is kept until L1 is full."""
+    server = CacheServer(storage, chunk_size=16)
+    big = p.LayoutSpec(0, num_layers=32, kv_heads=1, head_dim=8, dtype="float32")  # 64 KiB
+    for peer in (b"A", b"B"):
+        msg = p.Hello(p.PROTOCOL_VERSION, peer.decode(), "org/m", [big], 1, 16)
+        assert isinstance(call(server, peer, msg), p.Welcome)
+    size = 2 * 32 * 8 * 4 * 16
+    held = hashes(12)
+    frames = [np.full(size, i, np.uint8).tobytes() for i in range(12)]
+    assert call(server, b"A", p.Store("w", held), frames) == p.Committed(12)
+    call(server, b"A", p.Lookup("hold", held))
+    assert call(server, b"A", p.Query("hold")).hit_chunks == 12  # type: ignore[union-attr]
+    assert storage.flush(timeout=10)  # no L2 here: nothing pinned for write-back
+    for i in range(4):  # 13..16 of 16 objects: past the high watermark every time
+        new = hashes(1, seed=100 + i)
+        stored = call(server, b"B", p.Store(f"s{i}", new), [bytes(size)])
+        assert stored == p.Committed(1)
+        call(server, b"B", p.Lookup(f"r{i}", new))
+        assert call(server, b"B", p.Query(f"r{i}")).hit_chunks == 1  # type: ignore[union-attr]
+        call(server, b"B", p.EndSession(f"r{i}"))
+    assert storage.l1.status()["evictions"] == 0
+    call(server, b"A", p.EndSession("hold"))
+    server.close()
+    assert_clean(storage.l1)
