@@ -5,11 +5,19 @@ logged a traceback, fails the test in teardown."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import threading
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 
+from kvtier.keys import ObjectKey
+from kvtier.l1 import L1Config
+from kvtier.server.core import CacheServer
+from kvtier.server.transport import ServerTransport
+from kvtier.storage import StorageConfig, StorageManager
 from tests.integration.harness import PeerFactory, Server, ServerFactory
 
 
@@ -49,3 +57,42 @@ def peers(tmp_path: Path) -> Iterator[PeerFactory]:
         yield factory
     finally:
         factory.close()
+
+
+@dataclass
+class Gated:
+    address: str
+    core: CacheServer
+    storage: StorageManager
+    gate: threading.Event  # L2 lookups wait for this
+
+
+@pytest.fixture
+def gated(monkeypatch: pytest.MonkeyPatch) -> Iterator[Gated]:
+    """A cache server in this process whose L2 lookups wait until ``gate`` is set."""
+    storage = StorageManager(
+        StorageConfig(l1=L1Config(size_bytes=8 << 20, populate=False), l2=({"type": "mock"},))
+    )
+    gate = threading.Event()
+    adapter: Any = storage.adapters[0]
+    real_lookup = adapter._lookup
+
+    def gated_lookup(keys: Sequence[ObjectKey]) -> list[bool]:
+        assert gate.wait(30), "the test never opened the gate"
+        result: list[bool] = real_lookup(keys)
+        return result
+
+    monkeypatch.setattr(adapter, "_lookup", gated_lookup)
+    core = CacheServer(storage, chunk_size=256)
+    transport = ServerTransport(core, "tcp://127.0.0.1:0")
+    stop = threading.Event()
+    thread = threading.Thread(target=transport.serve, args=(stop,), daemon=True)
+    thread.start()
+    try:
+        yield Gated(transport.address, core, storage, gate)
+    finally:
+        gate.set()
+        stop.set()
+        thread.join(10)
+        core.close()
+        storage.close()

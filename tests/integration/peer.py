@@ -33,8 +33,8 @@ def _store(args: argparse.Namespace) -> None:
         hashes = w.chunk_hashes(client.chunk_size, args.seed, args.chunks, args.ranks)
         buffers = w.payloads(args.seed, args.chunks, size, args.ranks)
         stored = client.store(f"store-{args.seed}", hashes, buffers)
-        # _region: whether the arena is mapped here, i.e. the shared-memory path ran.
-        _emit(stored=stored, chunk_size=client.chunk_size, arena=client._region is not None)
+        # shared_memory: whether the arena is mapped here, i.e. the shared-memory path ran.
+        _emit(stored=stored, chunk_size=client.chunk_size, arena=client.shared_memory)
     finally:
         client.close()
 
@@ -54,7 +54,7 @@ def _fetch(args: argparse.Namespace) -> None:
             ok = client.retrieve_into(request_id, 0, hit, out)
             np.save(args.out, np.stack(out))
         client.end_session(request_id)
-        _emit(hit=hit, retrieved=ok, acked=state.acked, arena=client._region is not None)
+        _emit(hit=hit, retrieved=ok, acked=state.acked, arena=client.shared_memory)
     finally:
         client.close()
 

@@ -25,7 +25,7 @@ def test_client_without_the_token_is_refused_and_degraded(auth_server: Server, t
         assert isinstance(w.call(observer, w.hello(token=TOKEN))[0], p.Welcome)
         before = w.status_via(observer)
         client = CacheClient(
-            w.client_config(auth_server.rpc, token=token, request_timeout_s=2.0, retry_s=60.0)
+            w.client_config(auth_server.rpc, auth_token=token, request_timeout_s=2.0, retry_s=60.0)
         )
         try:
             assert client.chunk_size is None and client.degraded
@@ -55,7 +55,7 @@ def test_raw_hello_without_the_token_gets_unauthorized(auth_server: Server, toke
 
 
 def test_client_with_the_token_works(auth_server: Server) -> None:
-    client = CacheClient(w.client_config(auth_server.rpc, token=TOKEN))
+    client = CacheClient(w.client_config(auth_server.rpc, auth_token=TOKEN))
     try:
         assert client.chunk_size == 256
         hashes = w.chunk_hashes(256, 2, 2)
@@ -80,7 +80,7 @@ def test_admin_reads_need_the_bearer_token(auth_server: Server, path: str) -> No
 
 
 def test_admin_clear_needs_the_bearer_token(auth_server: Server) -> None:
-    client = CacheClient(w.client_config(auth_server.rpc, token=TOKEN))
+    client = CacheClient(w.client_config(auth_server.rpc, auth_token=TOKEN))
     try:
         hashes = w.chunk_hashes(256, 3, 1)
         assert client.store("s", hashes, w.payloads(3, 1, w.object_bytes(256))) == 1
@@ -114,7 +114,7 @@ def test_without_a_token_everything_is_open(server: Server) -> None:
     for path in ("/healthz", "/status", "/metrics"):
         assert server.http_get(path, token="")[0] == 200
     assert server.http_get("/nope", token="")[0] == 404
-    client = CacheClient(w.client_config(server.rpc, token="anything"))
+    client = CacheClient(w.client_config(server.rpc, auth_token="anything"))
     try:
         assert client.chunk_size == 256  # a token nobody asked for is ignored
     finally:
@@ -124,7 +124,7 @@ def test_without_a_token_everything_is_open(server: Server) -> None:
 def test_rpc_status_needs_the_token_too(auth_server: Server) -> None:
     """Regression: STATUS over RPC used to answer any peer, hello or not, with
     every registered namespace (model@salt), while GET /status needed the token."""
-    client = CacheClient(w.client_config(auth_server.rpc, token=TOKEN, salt="tenant-a"))
+    client = CacheClient(w.client_config(auth_server.rpc, auth_token=TOKEN, salt="tenant-a"))
     try:
         assert client.chunk_size == 256
         with w.raw_dealer(auth_server.rpc) as socket:  # no hello, no token

@@ -92,8 +92,8 @@ class Backend:
             client = {"shm": self.kind == "server-shm", "heartbeat_s": 0}
             engine = KVTierModel(model, server=self.server.rpc, client_options=client, **options)
             assert isinstance(engine.link, ServerLink)
-            # _region: whether the arena is mapped here, i.e. the shared-memory path runs.
-            assert (engine.link.client._region is not None) == client["shm"]
+            # shared_memory: whether the arena is mapped here, i.e. the shared-memory path runs.
+            assert (engine.link.client.shared_memory) == client["shm"]
         self.engines.append(engine)
         return engine
 

@@ -79,7 +79,7 @@ def test_server_errors_name_what_to_do(
     guarded = kvtier_server.start(token="s3cret")
     assert main(["plan", "--from-server", guarded.http, "--sample-s", "0"]) == 2
     assert "HTTP 401 (pass --auth-token)" in capsys.readouterr().err
-    client = CacheClient(w.client_config(guarded.rpc, shm=False, token="s3cret"))
+    client = CacheClient(w.client_config(guarded.rpc, shm=False, auth_token="s3cret"))
     try:
         wait_for(lambda: guarded.status()["layouts"], bool)
         with pytest.raises(ValueError, match="no lookups in its uptime"):

@@ -2,70 +2,26 @@
 pending (None) is not a miss (0), and refused requests leave nothing behind.
 
 The pending cases need a lookup that stays pending until the test says so:
-those run the real ``ServerTransport`` and ``CacheServer`` in this process over
-a mock L2 whose lookups wait on a gate.
+those use the ``gated`` server (``conftest``): the real ``ServerTransport`` and
+``CacheServer`` in this process over a mock L2 whose lookups wait on a gate.
 """
 
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import pytest
 import zmq
 
 from kvtier.controllers import PrefetchHandle
-from kvtier.keys import ObjectKey
-from kvtier.l1 import L1Config
 from kvtier.server import protocol as p
 from kvtier.server.client import CacheClient
-from kvtier.server.core import CacheServer
-from kvtier.server.transport import ServerTransport
-from kvtier.storage import StorageConfig, StorageManager
 from tests.integration import workload as w
+from tests.integration.conftest import Gated
 from tests.integration.harness import Server
 
 SIZE = w.object_bytes(256)
-
-
-@dataclass
-class Gated:
-    address: str
-    core: CacheServer
-    storage: StorageManager
-    gate: threading.Event  # L2 lookups wait for this
-
-
-@pytest.fixture
-def gated(monkeypatch: pytest.MonkeyPatch) -> Iterator[Gated]:
-    storage = StorageManager(
-        StorageConfig(l1=L1Config(size_bytes=8 << 20, populate=False), l2=({"type": "mock"},))
-    )
-    gate = threading.Event()
-    adapter: Any = storage.adapters[0]
-    real_lookup = adapter._lookup
-
-    def gated_lookup(keys: Sequence[ObjectKey]) -> list[bool]:
-        assert gate.wait(30), "the test never opened the gate"
-        result: list[bool] = real_lookup(keys)
-        return result
-
-    monkeypatch.setattr(adapter, "_lookup", gated_lookup)
-    core = CacheServer(storage, chunk_size=256)
-    transport = ServerTransport(core, "tcp://127.0.0.1:0")
-    stop = threading.Event()
-    thread = threading.Thread(target=transport.serve, args=(stop,), daemon=True)
-    thread.start()
-    try:
-        yield Gated(transport.address, core, storage, gate)
-    finally:
-        gate.set()
-        stop.set()
-        thread.join(10)
-        core.close()
-        storage.close()
 
 
 def registered(socket: zmq.Socket[bytes]) -> None:
@@ -228,3 +184,44 @@ def test_refused_store_reserve_leaves_no_reservation(server: Server) -> None:
         # (When they leaked, not even dropping the client gave them back.)
         assert isinstance(w.call(socket, w.hello(shm=True))[0], p.Welcome)
         assert w.status_via(socket)["store_reservations"] == 0
+
+
+def test_a_slow_call_holds_up_no_other_engine_thread(gated: Gated) -> None:
+    """Issue 15's finding: ``CacheClient`` held its lock across socket waits, so
+    every engine thread queued behind one slow call (the heartbeat too). Now
+    one thread's WAIT stays parked on a shut gate while seven others, sharing
+    the same client, finish 20 requests each; the client counts the requests
+    it had on the wire at once."""
+    client = CacheClient(w.client_config(gated.address, shm=False))
+    slow_done = threading.Event()
+    seen_slow_done: list[bool] = []
+
+    def slow() -> None:
+        state = client.lookup("slow", w.chunk_hashes(256, seed=30, n_chunks=2), wait_s=30.0)
+        assert state.hit == 0  # a miss, once the gate opens
+        slow_done.set()
+
+    def fast(i: int) -> None:
+        hashes = w.chunk_hashes(256, seed=40 + i, n_chunks=1)
+        for j in range(20):
+            assert client.ping()
+            assert client.store(f"s{i}-{j}", hashes, w.payloads(40 + i, 1, SIZE)) == 1
+        seen_slow_done.append(slow_done.is_set())
+
+    try:
+        waiter = threading.Thread(target=slow)
+        waiter.start()
+        workers = [threading.Thread(target=fast, args=(i,)) for i in range(7)]
+        for worker in workers:
+            worker.start()
+        for worker in workers:
+            worker.join(timeout=60)
+        assert seen_slow_done == [False] * 7  # all finished while the slow call waited
+        assert client.stats.peak_in_flight >= 2
+        gated.gate.set()
+        waiter.join(timeout=60)
+        assert slow_done.is_set()
+        assert client.stats.errors == {} and client.stats.degraded_requests == 0
+    finally:
+        gated.gate.set()
+        client.close()

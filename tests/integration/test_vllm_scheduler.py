@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from kvtier.server.client import CacheClient, ClientConfig
+from tests.integration.conftest import Gated
 from tests.integration.harness import Server, wait_for
 
 pytest.importorskip("vllm")
@@ -75,7 +76,10 @@ def prompt(n: int, seed: int = 0) -> list[int]:
 
 @pytest.fixture
 def side(server: Server) -> Any:
-    scheduler = SchedulerSide(vllm_config(), ConnectorSettings(address=server.rpc))
+    # A lookup budget long enough that an answer always comes within it here
+    # (the default, 20 ms, defers a request whose answer is later).
+    settings = ConnectorSettings(address=server.rpc, lookup_wait_s=10.0)
+    scheduler = SchedulerSide(vllm_config(), settings)
     yield scheduler
     scheduler.close()
 
@@ -190,5 +194,28 @@ def test_server_away_is_a_miss_not_an_error(server: Server) -> None:
     side = SchedulerSide(vllm_config(), settings)
     try:
         assert side.get_num_new_matched_tokens(request("x", prompt(700)), 0) == (0, False)
+    finally:
+        side.close()
+
+
+def test_a_slow_lookup_defers_the_request_instead_of_blocking(gated: Gated) -> None:
+    """Issue 15: the scheduler thread must not wait on the network beyond its
+    budget. With the server's L2 lookups held, a new request's lookup is
+    deferred (None: asked again next step) instead of waiting for the answer,
+    and asking again does not wait either; once the answer is in, the request
+    gets it (a miss here: the L2 has nothing)."""
+    settings = ConnectorSettings(address=gated.address, lookup_wait_s=0.05, request_timeout_s=30)
+    side = SchedulerSide(vllm_config(), settings)
+    try:
+        req = request("slow", prompt(700, seed=9))
+        assert side.get_num_new_matched_tokens(req, 0) == (None, False)  # waited 50 ms at most
+        assert side.get_num_new_matched_tokens(req, 0) == (None, False)  # still held: no wait
+        gated.gate.set()
+        answer = wait_for(
+            lambda: side.get_num_new_matched_tokens(req, 0), lambda a: a[0] is not None
+        )
+        assert answer == (0, False)
+        side.request_finished(req, [])
+        assert side.timer.total_steps == 0  # no step was built: nothing was timed per step
     finally:
         side.close()

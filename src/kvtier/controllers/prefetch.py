@@ -104,6 +104,7 @@ class PrefetchHandle:
         self._done = threading.Event()
         self._result: LookupResult | None = None
         self._abandoned = False
+        self._callbacks: list[Callable[[], None]] = []
 
     def result(self) -> LookupResult | None:
         """The result, or None while the lookup is pending."""
@@ -123,6 +124,15 @@ class PrefetchHandle:
             self._abandoned = True
             return None
 
+    def add_done_callback(self, callback: Callable[[], None]) -> None:
+        """Call ``callback()`` once the result is set (at once if it is): from
+        the thread that sets it. It must not block, and it may not raise."""
+        with self._lock:
+            if not self._done.is_set():
+                self._callbacks.append(callback)
+                return
+        callback()
+
     def _set(self, result: LookupResult) -> bool:
         """Deliver; False (nothing delivered) if the caller abandoned it."""
         with self._lock:
@@ -130,7 +140,13 @@ class PrefetchHandle:
                 return False
             self._result = result
             self._done.set()
-            return True
+            callbacks, self._callbacks = self._callbacks, []
+        for callback in callbacks:
+            try:
+                callback()
+            except Exception:  # a caller's bug must not cost the worker its step
+                log.exception("prefetch: a lookup's done-callback failed")
+        return True
 
 
 @dataclass(eq=False)

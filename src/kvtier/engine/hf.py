@@ -193,7 +193,7 @@ class KVTierModel:
         name: str | None = None,
         revision: str | None = None,
         salt: str = "",
-        token: str = "",
+        auth_token: str = "",
         lookup_timeout_s: float = 5.0,
         client_options: dict[str, Any] | None = None,
     ) -> None:
@@ -210,7 +210,7 @@ class KVTierModel:
                 server,
                 self.identity,
                 kv_layout(model, 1),  # the server chooses the chunk size
-                token=token,
+                auth_token=auth_token,
                 lookup_timeout_s=lookup_timeout_s,
                 **(client_options or {}),
             )

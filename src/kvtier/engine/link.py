@@ -100,7 +100,7 @@ class ServerLink:
         identity: ModelIdentity,
         layout: KVLayout,
         *,
-        token: str = "",
+        auth_token: str = "",
         lookup_timeout_s: float = 5.0,
         **client_options: object,
     ) -> None:
@@ -119,7 +119,7 @@ class ServerLink:
             revision=identity.revision,
             lora=identity.lora,
             salt=salt_label(identity.salt),  # any tenant name: the server takes labels
-            token=token,
+            auth_token=auth_token,
             **client_options,  # type: ignore[arg-type]
         )
         self.client = CacheClient(config)
@@ -127,9 +127,7 @@ class ServerLink:
 
     @property
     def chunk_size(self) -> int | None:
-        if self.client.degraded:
-            self.client.ping()  # reconnects at most every retry_s
-        return self.client.chunk_size
+        return self.client.chunk_size  # None while the server is away (the client reconnects)
 
     def lookup(self, request_id: str, hashes: Sequence[bytes]) -> Hit:
         state = self.client.lookup(request_id, hashes, wait_s=self.lookup_timeout_s)

@@ -1,23 +1,35 @@
 """``CacheClient``: an engine's connection to the node's cache server.
 
-Never raises into the engine's request path for anything the server or the
-network does: a server that does not answer within ``request_timeout_s``
-puts the client in degraded mode, where lookups answer 0 at once and stores
-are skipped, until a reconnect succeeds: tried after ``retry_s``, then at
-doubling intervals up to ``max_retry_s`` while the server stays away (each try
-can cost up to ``request_timeout_s`` of the caller's time). A
-server restart is seen through its boot id (or a ``no_hello`` error) and the
-client registers again. Local clients copy KV through the shared-memory
-arena (one copy each way); others, or ``shm=False``, send bytes in frames.
+One I/O thread owns the ZeroMQ socket. A caller hands it a request and waits
+on that request's own reply, matched by ``seq``; no caller holds a lock
+while anything is on the wire, so the engine's threads are answered as fast
+as the server answers each of them, and a slow call (a long WAIT, a large
+store) holds up nobody else. The I/O thread also sends the heartbeat (PING:
+keeps the registration alive, spots a restarted server by its boot id) and
+reconnects.
 
-Thread safety: one lock serialises use of the socket (requests and the
-heartbeat thread).
+Never raises into the engine's request path for anything the server or the
+network does. A request not answered within its timeout makes the client
+degraded: every call then answers at once (lookups miss, stores are
+skipped) while the I/O thread tries HELLO again after ``retry_s``, doubling
+up to ``max_retry_s`` (1 s by default: a server that comes back is in use
+again within about a second). A restart is seen through the boot id or a
+``no_hello`` reply; the client registers again and sends the refused request
+once more. Local clients copy KV through the shared-memory arena (one copy
+each way); others, or ``shm=False``, send bytes in frames.
+
+Thread safety: any thread may call any method. The I/O thread owns the
+socket, the table of requests in flight and the registration state; callers
+reach it through ``_submissions`` and a wake-up pipe.
 """
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
+import os
+import queue
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -34,12 +46,11 @@ from kvtier.server import protocol as p
 
 log = logging.getLogger(__name__)
 
-Outgoing = tuple[p.Message, Sequence[object]]  # a message and its data frames
 ObjectBytes = npt.NDArray[np.uint8]
 Consume = Callable[[int, ObjectBytes], None]  # read object i (a view valid during the call)
 Fill = Callable[[int, ObjectBytes], None]  # write object i into the given bytes
-Answer = tuple[p.Reply | None, list[zmq.Frame]]  # None: no usable reply
 PIPELINE_BYTES = 32 << 20  # bytes-path stores are sent in messages of about this size
+GRACE_S = 1.0  # a caller waits this much past a request's timeout (the I/O thread ends it)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -53,15 +64,38 @@ class ClientConfig:
     revision: str = ""
     lora: str = ""
     salt: str = ""
-    token: str = ""
+    auth_token: str = ""
     shm: bool = True
     shm_dir: str = "/dev/shm"
     client_id: str = "engine"
     request_timeout_s: float = 2.0
-    retry_s: float = 1.0
-    max_retry_s: float = 30.0
+    retry_s: float = 0.25
+    max_retry_s: float = 1.0
     heartbeat_s: float = 10.0  # ping this often (keeps the client alive, spots restarts); 0: off
     max_polls: int = 1000  # a lookup still pending after this many polls is a miss
+
+
+@dataclass(eq=False)
+class _Call:
+    """One request in flight, owned by the I/O thread until ``done`` is set."""
+
+    message: p.Message
+    frames: Sequence[object]
+    timeout_s: float
+    on_reply: Callable[[_Call], None] | None = None  # the I/O thread's own requests
+    done: threading.Event = field(default_factory=threading.Event)
+    reply: p.Reply | None = None  # None: no usable answer (timed out, degraded)
+    data: list[zmq.Frame] = field(default_factory=list)
+    region: SharedRegion | None = None  # the arena of the registration it went under
+    deadline: float = 0.0
+    retried: bool = False
+
+    def wait(self, timeout_s: float | None = None) -> p.Reply | None:
+        """The reply; None if there is none within ``timeout_s`` (default: the
+        request's own timeout, which the I/O thread enforces)."""
+        limit = self.timeout_s + GRACE_S if timeout_s is None else timeout_s
+        self.done.wait(limit)
+        return self.reply if self.done.is_set() else None
 
 
 @dataclass(slots=True)
@@ -75,6 +109,8 @@ class LookupState:
     hit: int | None = None
     polls: int = 0
     tiers: dict[str, int] = field(default_factory=dict)
+    _ack: _Call | None = None
+    _answer: _Call | None = None  # the WAIT or QUERY whose reply is awaited
 
     def settle(self, reply: p.Reply | None) -> None:
         """Take a QUERY/WAIT answer; anything but a result is a miss."""
@@ -93,79 +129,108 @@ class ClientStats:
     degraded_requests: int = 0
     reconnects: int = 0
     server_restarts: int = 0
+    peak_in_flight: int = 0  # most requests on the wire at once (concurrent callers)
     errors: dict[str, int] = field(default_factory=dict)
 
 
 class CacheClient:
     """Talks to one cache server; see the module docstring."""
 
-    def __init__(self, config: ClientConfig) -> None:
+    def __init__(self, config: ClientConfig, connect_wait_s: float | None = None) -> None:
+        """Start the I/O thread and wait up to ``connect_wait_s`` (default: the
+        request timeout) for the first HELLO; until it is answered the client
+        is degraded."""
         self.config = config
         self.stats = ClientStats()
-        self._failures = FailureLog(log, Counters(), "heartbeat_errors")
-        self.chunk_size: int | None = None
+        self.chunk_size: int | None = None  # None while unregistered (degraded)
         self.boot_id: str | None = None
-        self._lock = threading.Lock()
         self._context: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
         self._socket: zmq.Socket[bytes] | None = None
+        self._poller = zmq.Poller()  # the I/O thread's
         self._region: SharedRegion | None = None
-        self._degraded_until = 0.0
+        self._submissions: queue.SimpleQueue[_Call] = queue.SimpleQueue()
+        self._wake_read, self._wake_write = os.pipe()
+        os.set_blocking(self._wake_read, False)
+        os.set_blocking(self._wake_write, False)
+        self._seq = itertools.count(1)
+        self._in_flight: dict[int, _Call] = {}
+        self._held: list[_Call] = []  # refused with no_hello: sent again once registered
+        self._hello: _Call | None = None
         self._retry_s = config.retry_s  # doubles while reconnecting fails
-        self._ids = itertools.count()
+        self._next_try = 0.0  # when to send HELLO again while unregistered
+        self._next_beat = time.monotonic() + config.heartbeat_s
+        self._registered = threading.Event()
+        self._tried = threading.Event()  # the first HELLO has an outcome
         self._stop = threading.Event()
-        self._heartbeat: threading.Thread | None = None
-        with self._lock:
-            self._connect()
-        if config.heartbeat_s > 0:
-            self._heartbeat = threading.Thread(target=self._beat, daemon=True)
-            self._heartbeat.start()
+        self._failures = FailureLog(log, Counters(), "io_errors")
+        self._thread = threading.Thread(target=self._run, name="kvtier-client", daemon=True)
+        self._thread.start()
+        self._tried.wait(
+            config.request_timeout_s + GRACE_S if connect_wait_s is None else connect_wait_s
+        )
 
     @property
     def degraded(self) -> bool:
         return self.chunk_size is None
 
+    @property
+    def shared_memory(self) -> bool:
+        """Whether KV goes through the server's mapped arena (else bytes in frames)."""
+        return self._region is not None
+
     # ---------------------------------------------------------------- lookup
 
     def lookup(
-        self, request_id: str, hashes: Sequence[bytes], group: int = 0, wait_s: float = 0.0
+        self,
+        request_id: str,
+        hashes: Sequence[bytes],
+        group: int = 0,
+        wait_s: float = 0.0,
+        block_s: float | None = None,
     ) -> LookupState:
-        """Start a lookup; an unreachable server makes it a finished miss.
-        With ``wait_s`` the WAIT goes out right behind the LOOKUP (one round
-        trip instead of two) and the state comes back done unless still
-        pending after ``wait_s``."""
+        """Start a lookup. With ``wait_s`` a WAIT goes out right behind the
+        LOOKUP (one round trip instead of two). Blocks up to ``block_s``
+        (default: until the answer, or the ack when there is no WAIT); a
+        state not done by then is finished later by ``poll``/``query``. An
+        unreachable server makes it a finished miss."""
         state = LookupState(request_id)
-        requests: list[Outgoing] = [(p.Lookup(request_id, list(hashes), group), ())]
-        timeouts = [self.config.request_timeout_s]  # the ack: a dead server is seen this soon
-        if wait_s > 0:
-            requests.append((p.Wait(request_id, wait_s), ()))
-            timeouts.append(wait_s + self.config.request_timeout_s)
-        answers = self._pipeline(requests, timeouts)
-        if not isinstance(answers[0][0], p.Ack):
-            state.hit = 0
-            return state
-        state.acked = True
+        state._ack = self._submit(p.Lookup(request_id, list(hashes), group))
         if wait_s > 0:
             state.polls = 1
-            state.settle(answers[1][0])
+            state._answer = self._submit(
+                p.Wait(request_id, wait_s), timeout_s=wait_s + self.config.request_timeout_s
+            )
+        awaited = state._answer or state._ack
+        awaited.wait(block_s)
+        self._take(state)
         return state
 
-    def query(self, state: LookupState, timeout_s: float = 0.0) -> int | None:
-        """None while pending; the hit chunk count once done (asked once only)."""
+    def poll(self, state: LookupState, wait_s: float = 0.0) -> int | None:
+        """The lookup's answer if it has come; never blocks. While pending, a
+        WAIT of ``wait_s`` (or a QUERY) is kept in flight so that a later
+        poll finds the answer. None while pending; 0 is a miss."""
+        self._take(state)
         if state.done:
             return state.hit
-        state.polls += 1
-        if state.polls > self.config.max_polls:
-            log.warning(
-                "client: lookup %s still pending after %d polls; a miss",
-                state.request_id,
-                state.polls - 1,
+        if state._answer is None and state._ack is None:
+            if self._poll_limit(state):
+                return 0
+            state._answer = self._submit(self._asking(state, wait_s), timeout_s=self._t(wait_s))
+        return None
+
+    def query(self, state: LookupState, timeout_s: float = 0.0) -> int | None:
+        """The lookup's answer, waiting up to ``timeout_s`` for it (plus one
+        round trip); None if still pending then, 0 is a miss."""
+        self._take(state)
+        if not state.done and state._answer is None:
+            if self._poll_limit(state):
+                return 0
+            state._answer = self._submit(
+                self._asking(state, timeout_s), timeout_s=self._t(timeout_s)
             )
-            state.hit = 0
-            return 0
-        message: p.Message = (
-            p.Wait(state.request_id, timeout_s) if timeout_s > 0 else p.Query(state.request_id)
-        )
-        state.settle(self._call(message, timeout_s + self.config.request_timeout_s))
+        if not state.done and state._answer is not None:
+            state._answer.wait()
+        self._take(state)
         return state.hit
 
     def retrieve_with(self, request_id: str, start: int, end: int, consume: Consume) -> bool:
@@ -174,21 +239,22 @@ class CacheClient:
         valid during the call: copy out of it. False if anything failed (the
         server refused, or an object has an unexpected size): the engine then
         recomputes those chunks."""
-        reply, frames = self._call_frames(p.Retrieve(request_id, start, end))
+        call = self._submit(p.Retrieve(request_id, start, end))
+        reply = call.wait()
         ok = False
         views: list[ObjectBytes] = []
         if isinstance(reply, p.Objects):
-            if self._region is not None:
-                arena = self._region.array
+            if call.region is not None:
+                arena = call.region.array
                 views = [arena[o : o + s] for o, s in zip(reply.offsets, reply.sizes, strict=True)]
             else:
-                views = [np.frombuffer(f.buffer, np.uint8) for f in frames]
+                views = [np.frombuffer(f.buffer, np.uint8) for f in call.data]
             ok = len(views) == len(reply.sizes)
         try:
             for i, view in enumerate(views if ok else ()):
                 consume(i, view)
         finally:
-            self._call(p.Release(request_id, start, end))
+            self._submit(p.Release(request_id, start, end))  # nothing waits for its ack
         return ok
 
     def retrieve_into(
@@ -208,12 +274,17 @@ class CacheClient:
         ok = self.retrieve_with(request_id, start, end, copy)
         return ok and copied == len(targets)
 
-    def release(self, request_id: str, start: int, end: int) -> None:
-        """Drop locks on hit chunks [start, end) the engine will compute itself."""
-        self._call(p.Release(request_id, start, end))
+    def release(self, request_id: str, start: int, end: int, wait: bool = True) -> None:
+        """Drop locks on hit chunks [start, end) the engine will compute itself
+        (``wait=False``: send it and go on)."""
+        call = self._submit(p.Release(request_id, start, end))
+        if wait:
+            call.wait()
 
-    def end_session(self, request_id: str) -> None:
-        self._call(p.EndSession(request_id))
+    def end_session(self, request_id: str, wait: bool = True) -> None:
+        call = self._submit(p.EndSession(request_id))
+        if wait:
+            call.wait()
 
     # ----------------------------------------------------------------- store
 
@@ -256,22 +327,23 @@ class CacheClient:
             for i, buffer in enumerate(buffers):
                 fill(i, buffer)
             return self._send(request_id, hashes, buffers, group)
-        reply = self._call(p.StoreReserve(request_id, list(hashes), group))
-        if not isinstance(reply, p.Reserved):
+        call = self._submit(p.StoreReserve(request_id, list(hashes), group))
+        reply = call.wait()
+        if not isinstance(reply, p.Reserved) or call.region is None:
             return 0
         if list(reply.sizes) != list(sizes):
             log.warning("client: the server's object sizes differ from ours; store skipped")
-            self._call(p.StoreAbort(reply.reservation))
+            self._submit(p.StoreAbort(reply.reservation))
             return 0
-        arena = self._region.array
+        arena = call.region.array
         try:
             for i, (offset, size) in enumerate(zip(reply.offsets, reply.sizes, strict=True)):
                 if offset >= 0:
                     fill(i, arena[offset : offset + size])
         except BaseException:
-            self._call(p.StoreAbort(reply.reservation))
+            self._submit(p.StoreAbort(reply.reservation))
             raise
-        done = self._call(p.StoreCommit(reply.reservation))
+        done = self._submit(p.StoreCommit(reply.reservation)).wait()
         return done.stored if isinstance(done, p.Committed) else 0
 
     def _send(
@@ -282,108 +354,206 @@ class CacheClient:
         ranks = max(1, len(buffers) // max(1, len(hashes)))
         per_chunk = sum(b.nbytes for b in buffers[:ranks]) or 1
         step = max(1, PIPELINE_BYTES // per_chunk)
-        requests: list[Outgoing] = [
-            (
+        calls = [
+            self._submit(
                 p.Store(request_id, list(hashes[i : i + step]), group),
                 buffers[i * ranks : (i + step) * ranks],
             )
             for i in range(0, len(hashes), step)
         ]
-        answers = self._pipeline(requests)
-        return sum(r.stored for r, _ in answers if isinstance(r, p.Committed))
+        replies = [call.wait() for call in calls]
+        return sum(r.stored for r in replies if isinstance(r, p.Committed))
 
     # ------------------------------------------------------------ management
 
     def ping(self) -> bool:
-        """True if the server answered; re-registers after a restart."""
-        reply = self._call(p.Ping())
-        if isinstance(reply, p.Pong) and reply.boot_id != self.boot_id:
-            with self._lock:
-                self.stats.server_restarts += 1
-                self._hello()
-        return isinstance(reply, p.Pong)
+        """True if the server answered (a restart is noticed and handled by the
+        I/O thread)."""
+        return isinstance(self._submit(p.Ping()).wait(), p.Pong)
 
     def status(self) -> dict[str, object] | None:
-        reply = self._call(p.Status())
+        reply = self._submit(p.Status()).wait()
         return reply.status if isinstance(reply, p.StatusReply) else None
 
     def close(self) -> None:
         self._stop.set()
-        if self._heartbeat is not None:
-            self._heartbeat.join()
-        with self._lock:
-            self._disconnect()
+        self._wake()
+        self._thread.join()
+        os.close(self._wake_read)
+        os.close(self._wake_write)
 
-    # ------------------------------------------------------------- internals
+    # ------------------------------------------------------ caller helpers
 
-    def _call(
-        self, message: p.Message, timeout_s: float | None = None, frames: Sequence[object] = ()
-    ) -> p.Reply | None:
-        return self._call_frames(message, timeout_s, frames)[0]
+    def _submit(
+        self,
+        message: p.Message,
+        frames: Sequence[object] = (),
+        timeout_s: float | None = None,
+    ) -> _Call:
+        timeout = self.config.request_timeout_s if timeout_s is None else timeout_s
+        call = _Call(message, frames, timeout)
+        if self._stop.is_set():
+            call.done.set()  # closed: no answer
+            return call
+        self._submissions.put(call)
+        self._wake()
+        return call
 
-    def _call_frames(
-        self, message: p.Message, timeout_s: float | None = None, frames: Sequence[object] = ()
-    ) -> Answer:
-        timeouts = None if timeout_s is None else [timeout_s]
-        return self._pipeline([(message, frames)], timeouts)[0]
+    def _wake(self) -> None:
+        with contextlib.suppress(BlockingIOError):  # a full pipe: the thread is awake anyway
+            os.write(self._wake_write, b"\0")
 
-    def _pipeline(
-        self, requests: list[Outgoing], timeouts: Sequence[float] | None = None
-    ) -> list[Answer]:
-        """Send every request, then read their replies in order, each within
-        its own timeout from the send (``request_timeout_s`` by default). The
-        server answers one peer's messages in the order they were sent, so a
-        pipeline saves round trips without reordering anything (seed Q17's
-        race needs a server that handles one client's messages concurrently;
-        ours does not)."""
-        none: list[Answer] = [(None, [])] * len(requests)
-        with self._lock:
-            disconnected = self._socket is None or self.chunk_size is None
-            if disconnected and (time.monotonic() < self._degraded_until or not self._connect()):
+    def _t(self, wait_s: float) -> float:
+        return wait_s + self.config.request_timeout_s
+
+    def _asking(self, state: LookupState, wait_s: float) -> p.Message:
+        state.polls += 1
+        return p.Wait(state.request_id, wait_s) if wait_s > 0 else p.Query(state.request_id)
+
+    def _poll_limit(self, state: LookupState) -> bool:
+        if state.polls < self.config.max_polls:
+            return False
+        log.warning(
+            "client: lookup %s still pending after %d polls; a miss", state.request_id, state.polls
+        )
+        state.hit = 0
+        return True
+
+    @staticmethod
+    def _take(state: LookupState) -> None:
+        """Fold the replies that came in into the state (never blocks)."""
+        if state._ack is not None and state._ack.done.is_set():
+            if isinstance(state._ack.reply, p.Ack):
+                state.acked = True
+            else:
+                state.hit = 0  # refused, or no server: a miss
+            state._ack = None
+        answer = state._answer
+        if state.done or answer is None or not answer.done.is_set():
+            return
+        state._answer = None
+        if not isinstance(answer.reply, p.QueryResult) or answer.reply.hit_chunks is not None:
+            state.settle(answer.reply)
+
+    # ------------------------------------------------------------ I/O thread
+
+    def _run(self) -> None:
+        self._poller.register(self._wake_read, zmq.POLLIN)
+        while not self._stop.is_set():
+            try:
+                self._turn()
+            except Exception:
+                self._failures.record("client: the I/O thread")
+        self._fail_all()
+        while True:  # calls submitted while closing: no answer
+            try:
+                self._submissions.get_nowait().done.set()
+            except queue.Empty:
+                break
+        self._disconnect()
+
+    def _turn(self) -> None:
+        now = time.monotonic()
+        if self._socket is None and now >= self._next_try:
+            self._connect()
+        if self._registered.is_set() and self.config.heartbeat_s > 0 and now >= self._next_beat:
+            self._next_beat = now + self.config.heartbeat_s
+            self._send_call(_Call(p.Ping(), (), self.config.request_timeout_s, self._on_pong))
+        wake_at = min(
+            [call.deadline for call in self._in_flight.values()]
+            + [self._next_beat if self.config.heartbeat_s > 0 else now + 1.0]
+            + ([self._next_try] if self._socket is None else [])
+        )
+        timeout_ms = max(0, min(1000, int((wake_at - time.monotonic()) * 1000) + 1))
+        ready = dict(self._poller.poll(timeout_ms))
+        if self._wake_read in ready:
+            with contextlib.suppress(BlockingIOError):
+                while os.read(self._wake_read, 4096):
+                    pass
+            self._dispatch_submissions()
+        if self._socket is not None and self._socket in ready:
+            self._receive()
+        self._expire(time.monotonic())
+
+    def _dispatch_submissions(self) -> None:
+        while True:
+            try:
+                call = self._submissions.get_nowait()
+            except queue.Empty:
+                return
+            if not self._registered.is_set():
                 self.stats.degraded_requests += 1
-                return none
-            answers = self._exchange(requests, timeouts) or none
-            if isinstance(answers[0][0], p.Error) and answers[0][0].code == "no_hello":
-                self.stats.server_restarts += 1  # the server restarted: register, then again
-                answers = (self._exchange(requests, timeouts) or none) if self._hello() else none
-            for (message, _), (reply, _) in zip(requests, answers, strict=True):
-                if isinstance(reply, p.Error):
-                    self.stats.errors[reply.code] = self.stats.errors.get(reply.code, 0) + 1
-                    log.debug("client: %s refused: %s", type(message).__name__, reply.message)
-            return answers
+                self._finish(call, None)
+            else:
+                self._send_call(call)
 
-    def _exchange(
-        self, requests: list[Outgoing], timeouts: Sequence[float] | None
-    ) -> list[Answer] | None:
+    def _send_call(self, call: _Call) -> None:
         assert self._socket is not None
-        if timeouts is None:
-            timeouts = [self.config.request_timeout_s] * len(requests)
+        seq = next(self._seq)
+        call.message.seq = seq
+        call.deadline = time.monotonic() + call.timeout_s
+        call.region = self._region
         try:
-            sent = time.monotonic()
-            for message, frames in requests:
-                self._socket.send_multipart([p.encode(message), *frames], copy=False)  # type: ignore[list-item]
-            answers: list[Answer] = []
-            for timeout in timeouts:
-                left = sent + timeout - time.monotonic()
-                if not self._socket.poll(max(0, int(left * 1000))):
-                    raise TimeoutError
-                parts = self._socket.recv_multipart(copy=False)
-                answers.append((p.decode_reply(parts[0].buffer), parts[1:]))
-            return answers
-        except (TimeoutError, zmq.ZMQError, ValueError) as exc:
-            log.warning("client: no usable answer from %s (%r); degraded", self.config.address, exc)
-            self._go_degraded()
-            return None
+            self._socket.send_multipart(
+                [p.encode(call.message), *call.frames],  # type: ignore[list-item]
+                copy=False,
+            )
+        except (zmq.ZMQError, ValueError, OverflowError) as exc:
+            log.warning("client: could not send %s: %r", type(call.message).__name__, exc)
+            self._finish(call, None)
+            return
+        self._in_flight[seq] = call
+        self.stats.peak_in_flight = max(self.stats.peak_in_flight, len(self._in_flight))
 
-    def _connect(self) -> bool:
+    def _receive(self) -> None:
+        assert self._socket is not None
+        while self._socket is not None and self._socket.poll(0):
+            parts = self._socket.recv_multipart(copy=False)
+            try:
+                reply = p.decode_reply(parts[0].buffer)
+            except ValueError as exc:
+                log.warning("client: an undecodable reply from %s: %s", self.config.address, exc)
+                continue
+            call = self._in_flight.pop(reply.seq, None)
+            if call is None:
+                continue  # a late reply to a call that timed out
+            if isinstance(reply, p.Error):
+                self.stats.errors[reply.code] = self.stats.errors.get(reply.code, 0) + 1
+                log.debug("client: %s refused: %s", type(call.message).__name__, reply.message)
+                if reply.code == "no_hello" and not call.retried and call.on_reply is None:
+                    self._restarted(call)
+                    continue
+            call.data = list(parts[1:])
+            self._finish(call, reply)
+
+    def _finish(self, call: _Call, reply: p.Reply | None) -> None:
+        call.reply = reply
+        call.done.set()
+        if call.on_reply is not None:
+            call.on_reply(call)
+
+    def _expire(self, now: float) -> None:
+        late = [call for call in self._in_flight.values() if call.deadline <= now]
+        if late:
+            log.warning(
+                "client: no answer from %s within %.1f s; degraded",
+                self.config.address,
+                late[0].timeout_s,
+            )
+            self._degrade()
+
+    # ------------------------------------------------------- registration
+
+    def _connect(self) -> None:
         self._disconnect()
         self._socket = self._context.socket(zmq.DEALER)
         self._socket.setsockopt(zmq.LINGER, 0)
         self._socket.connect(self.config.address)
+        self._poller.register(self._socket, zmq.POLLIN)
         self.stats.reconnects += 1
-        return self._hello()
+        self._send_hello()
 
-    def _hello(self) -> bool:
+    def _send_hello(self) -> None:
         c = self.config
         hello = p.Hello(
             version=p.PROTOCOL_VERSION,
@@ -395,17 +565,22 @@ class CacheClient:
             revision=c.revision,
             lora=c.lora,
             salt=c.salt,
-            token=c.token,
+            token=c.auth_token,
             shm=c.shm,
             rank=c.rank,
         )
-        answers = self._exchange([(hello, ())], None)
-        reply = answers[0][0] if answers else None
+        self._registered.clear()
+        self._hello = _Call(hello, (), c.request_timeout_s, self._on_welcome)
+        self._send_call(self._hello)
+
+    def _on_welcome(self, call: _Call) -> None:
+        reply = call.reply
+        if isinstance(reply, p.Error):
+            log.error("client: the server refused hello: %s", reply.message)
+            self._degrade()
         if not isinstance(reply, p.Welcome):
-            if isinstance(reply, p.Error):
-                log.error("client: the server refused hello: %s", reply.message)
-            self._go_degraded()
-            return False
+            self._tried.set()
+            return  # no answer: _degrade runs (or ran) for the timeout
         self.chunk_size, self.boot_id = reply.chunk_size, reply.boot_id
         self._retry_s = self.config.retry_s
         if self._region is not None:
@@ -413,30 +588,51 @@ class CacheClient:
             self._region = None
         if reply.arena is not None:
             try:
-                self._region = SharedRegion.attach(reply.arena, shm_dir=c.shm_dir)
+                self._region = SharedRegion.attach(reply.arena, shm_dir=self.config.shm_dir)
             except OSError:  # another host, or another /dev/shm: use the bytes path
                 log.info("client: arena %s is not mapped here; sending bytes", reply.arena)
-        return True
+        self._registered.set()
+        self._tried.set()
+        held, self._held = self._held, []
+        for held_call in held:
+            self._send_call(held_call)
 
-    def _go_degraded(self) -> None:
+    def _on_pong(self, call: _Call) -> None:
+        if isinstance(call.reply, p.Pong) and call.reply.boot_id != self.boot_id:
+            self.stats.server_restarts += 1
+            self._send_hello()
+
+    def _restarted(self, call: _Call) -> None:
+        """The server does not know us (it restarted): register, then send
+        ``call`` once more."""
+        call.retried = True
+        self._held.append(call)
+        if self._hello is None or self._hello.done.is_set():
+            self.stats.server_restarts += 1
+            self._send_hello()
+
+    def _degrade(self) -> None:
+        """The server is away (or refused us): drop the socket (and any late
+        reply with it), answer every call in flight with nothing, and try
+        again after the back-off."""
         self.chunk_size = None
-        self._degraded_until = time.monotonic() + self._retry_s
+        self._registered.clear()
+        self._tried.set()
+        self._disconnect()
+        self._fail_all()
+        self._next_try = time.monotonic() + self._retry_s
         self._retry_s = min(2 * self._retry_s, self.config.max_retry_s)
-        if self._socket is not None:  # drop late replies with the socket
-            self._socket.close(linger=0)
-            self._socket = None
+
+    def _fail_all(self) -> None:
+        calls = [*self._in_flight.values(), *self._held]
+        self._in_flight.clear()
+        self._held.clear()
+        for call in calls:
+            self._finish(call, None)
 
     def _disconnect(self) -> None:
         if self._socket is not None:
+            with contextlib.suppress(KeyError):
+                self._poller.unregister(self._socket)
             self._socket.close(linger=0)
             self._socket = None
-        if self._region is not None:
-            self._region.close()
-            self._region = None
-
-    def _beat(self) -> None:
-        while not self._stop.wait(self.config.heartbeat_s):
-            try:
-                self.ping()
-            except Exception:  # a heartbeat that dies would let the server drop us
-                self._failures.record("client: the heartbeat")

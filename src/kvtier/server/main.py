@@ -19,6 +19,8 @@ from kvtier.units import format_size
 
 log = logging.getLogger(__name__)
 
+OFFLOAD_BYTES = 1 << 20  # bytes stores at least this large are copied off the loop thread
+
 
 def storage_config(config: ServerConfig) -> StorageConfig:
     local = () if config.l2_dir is None else ({"type": "fs", "path": config.l2_dir},)
@@ -43,6 +45,7 @@ def serve(config: ServerConfig, stop: threading.Event | None = None) -> None:
         config.chunk_size,
         config.auth_token,
         ServerLimits(session_ttl_s=config.session_ttl_s, client_ttl_s=config.client_ttl_s),
+        offload_bytes=OFFLOAD_BYTES,
     )
     admin = None
     try:

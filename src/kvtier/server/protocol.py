@@ -4,9 +4,12 @@ A request is one or more ZeroMQ frames from a DEALER: a MessagePack body,
 then (for ``Store`` from clients without shared memory) one data frame per
 object. Each body is a struct tagged with its operation name in the ``op``
 field; the names are stable. The server answers every request with exactly
-one reply body (plus data frames for a bytes ``Retrieve``), or ``Error``.
-No pickle anywhere. ``Hello`` carries ``PROTOCOL_VERSION``; a mismatch is
-refused.
+one reply body (plus data frames for a bytes ``Retrieve``), or ``Error``,
+carrying the request's ``seq``: replies may come out of order (a parked
+``Wait``, a bytes ``Store`` copied off the server's loop), and a client with
+several requests in flight matches them by ``seq``. ``Query`` is ``Wait``
+with no wait. No pickle anywhere. ``Hello`` carries ``PROTOCOL_VERSION``; a
+mismatch is refused.
 
 Keys on the wire are chunk hashes (32 bytes) plus ranks; the server builds
 the ``ObjectKey``s from the session's registered namespace, so a client can
@@ -17,12 +20,17 @@ from __future__ import annotations
 
 import msgspec
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2  # 2: seq on every message
 HASH_ALGORITHM = "blake3-chain-v1"
 
 
-class Message(msgspec.Struct, tag_field="op", forbid_unknown_fields=True):
-    """Base of every request and reply."""
+class Message(
+    msgspec.Struct, tag_field="op", forbid_unknown_fields=True, kw_only=True, omit_defaults=True
+):
+    """Base of every request and reply. ``seq``: chosen by the client, echoed
+    in the reply (keyword-only: it comes after every operation's own fields)."""
+
+    seq: int = 0
 
 
 class LayoutSpec(msgspec.Struct, forbid_unknown_fields=True):

@@ -1,35 +1,47 @@
 """The server's ZeroMQ loop: a ROUTER socket feeding ``CacheServer``.
 
-One thread owns the socket and the core. Every message gets exactly one
-reply or is counted as dropped:
+One thread owns the socket, the core and its session table. Every message
+gets exactly one reply, carrying the request's ``seq``, or is counted as
+dropped:
 
 - malformed frames, undecodable or unknown messages (a message nested past
   msgspec's recursion limit included) get an ``Error`` reply;
-- a request the core fails on gets an ``internal`` error, and a reply that
-  cannot be encoded is replaced by one;
+- a request the core fails on gets an ``internal`` error (a fault, counted
+  apart from the client errors), and a reply that cannot be encoded is
+  replaced by one;
 - a reply to a peer that went away is dropped (``dropped_replies``), and a
   message over ``max_message_bytes`` makes ZeroMQ close that connection
   before the loop sees it (counted with the other closed connections as
   ``disconnects``, from the socket's monitor).
 
-No exception in decode, dispatch, the tick, the parked-WAIT flush or send
-ends the loop: each is logged (once per defect), counted (``loop_errors``)
-and the loop goes on. WAIT requests are parked until their lookup settles or
-their timeout passes, so a WAIT never blocks other clients; one WAIT per
-(peer, request) may be parked, at most ``MAX_PARKED`` in all.
+The loop sleeps until something happens: a message, a lookup finishing (the
+prefetch controller's callback writes to a wake-up pipe), a bulk copy done
+on the pool, the next tick or the next parked WAIT's deadline. It never
+polls. A WAIT is parked until its lookup settles or its timeout passes, so it
+never blocks other clients; one WAIT per (peer, request) may be parked, at
+most ``MAX_PARKED`` in all. Bytes stores past the core's ``offload_bytes``
+are copied into L1 on ``COPY_THREADS`` pool threads, never on the loop.
 
-Registration is bound to the connection a HELLO came on (``ConnectionIds``),
-not to the routing id, which a peer can choose.
+No exception in decode, dispatch, the tick, a parked WAIT, a copy or send
+ends the loop: each is logged (once per defect), counted (``loop_errors``)
+and the loop goes on. Registration is bound to the connection a HELLO came
+on (``ConnectionIds``), not to the routing id, which a peer can choose.
 """
 
 from __future__ import annotations
 
+import contextlib
+import heapq
 import logging
 import math
+import os
+import queue
 import threading
 import time
 from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import Any
 
 import msgspec
 import zmq
@@ -37,13 +49,14 @@ import zmq
 from kvtier.failures import FailureLog
 from kvtier.server import protocol as p
 from kvtier.server.connections import DOMAIN, ConnectionIds, connection_of
-from kvtier.server.core import CacheServer
+from kvtier.server.core import CacheServer, Deferred
 
 log = logging.getLogger(__name__)
 
 TICK_S = 0.25
 MAX_PARKED = 1 << 16
-BATCH_MESSAGES = 1024  # messages handled between two looks at the tick and parked WAITs
+BATCH_MESSAGES = 1024  # messages handled between two looks at the other events
+COPY_THREADS = 2
 
 
 @dataclass(eq=False)
@@ -52,6 +65,16 @@ class _ParkedWait:
     connection: str
     request: p.Wait
     deadline: float
+
+
+@dataclass(frozen=True, slots=True)
+class _Done:
+    """A deferred operation's work finished on the pool."""
+
+    peer: bytes
+    seq: int
+    deferred: Deferred
+    future: Future[Any]
 
 
 class ServerTransport:
@@ -74,7 +97,17 @@ class ServerTransport:
         self._socket.bind(address)
         self.address = self._socket.getsockopt_string(zmq.LAST_ENDPOINT)
         self._monitor = self._socket.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        # Other threads hand events to the loop through this queue, and wake
+        # it with a byte on the pipe.
+        self._events: queue.SimpleQueue[tuple[bytes, str] | _Done] = queue.SimpleQueue()
+        self._wake_read, self._wake_write = os.pipe()
+        os.set_blocking(self._wake_read, False)
+        os.set_blocking(self._wake_write, False)
+        self._pool = ThreadPoolExecutor(COPY_THREADS, thread_name_prefix="kvtier-copy")
         self._parked: dict[tuple[bytes, str], _ParkedWait] = {}
+        self._deadlines: list[tuple[float, int, tuple[bytes, str]]] = []  # may be stale
+        self._seq = 0
+        core.on_lookup_done = self._lookup_done
         # What other threads (admin HTTP) may read: refreshed by the loop each tick.
         self.snapshot: dict[str, object] = core.status()
 
@@ -82,43 +115,85 @@ class ServerTransport:
         poller = zmq.Poller()
         poller.register(self._socket, zmq.POLLIN)
         poller.register(self._monitor, zmq.POLLIN)
+        poller.register(self._wake_read, zmq.POLLIN)
         next_tick = time.monotonic() + TICK_S
         try:
             while not stop.is_set():
-                timeout_ms = 2 if self._parked else 100
+                now = time.monotonic()
+                wake_at = min(next_tick, self._deadlines[0][0] if self._deadlines else next_tick)
+                timeout_ms = max(0, math.ceil((wake_at - now) * 1000))
                 try:
-                    ready = dict(poller.poll(timeout_ms))
+                    ready = dict(poller.poll(min(timeout_ms, 100)))  # 100: notice ``stop``
                     if self._monitor in ready:
                         self._count_disconnects()
+                    if self._wake_read in ready:
+                        self._drain_events()
                     if self._socket in ready:
                         self._receive()
                 except Exception:
                     self._failures.record("server: receiving")
-                self._flush_parked()
+                self._expire_parked()
                 if time.monotonic() >= next_tick:
                     self._tick()
                     next_tick = time.monotonic() + TICK_S
         finally:
+            self.core.on_lookup_done = None
+            self._pool.shutdown(wait=True)
             self._socket.disable_monitor()
             self._monitor.close(linger=0)
             self._socket.close(linger=0)
             self._connections.close()
             self._context.term()
+            os.close(self._wake_read)
+            os.close(self._wake_write)
+
+    # ------------------------------------------------------ other threads
+
+    def _lookup_done(self, peer: bytes, request_id: str) -> None:
+        """The prefetch controller's callback: a lookup settled."""
+        self._post((peer, request_id))
+
+    def _post(self, event: tuple[bytes, str] | _Done) -> None:
+        self._events.put(event)
+        with contextlib.suppress(BlockingIOError):  # a full pipe: the loop is awake anyway
+            os.write(self._wake_write, b"\0")
+
+    # ------------------------------------------------------------- events
+
+    def _drain_events(self) -> None:
+        with contextlib.suppress(BlockingIOError):
+            while os.read(self._wake_read, 4096):
+                pass
+        while True:
+            try:
+                event = self._events.get_nowait()
+            except queue.Empty:
+                return
+            try:
+                if isinstance(event, _Done):
+                    self._finish(event)
+                else:
+                    self._settled(event)
+            except Exception:
+                self._failures.record("server: a finished lookup or copy")
+
+    def _settled(self, slot: tuple[bytes, str]) -> None:
+        wait = self._parked.pop(slot, None)
+        if wait is not None:
+            self._answer(wait.peer, wait.connection, wait.request, [])
+
+    def _finish(self, done: _Done) -> None:
+        try:
+            reply, out = done.deferred.finish(done.future.result())
+        except Exception:
+            self._failures.record("server: a bulk copy")
+            reply, out = self.core.fault("copy"), []
+        self._send(done.peer, reply, out, done.seq)
 
     def _count_disconnects(self) -> None:
         while self._monitor.poll(0):
             self._monitor.recv_multipart()  # one event: a connection closed
             self.counters.add("disconnects")
-
-    def _receive(self) -> None:
-        for _ in range(BATCH_MESSAGES):
-            if not int(self._socket.getsockopt(zmq.EVENTS)) & zmq.POLLIN:
-                return
-            frames = self._socket.recv_multipart(copy=False)
-            try:
-                self._handle(frames)
-            except Exception:
-                self._failures.record("server: a request")
 
     def _tick(self) -> None:
         try:
@@ -129,6 +204,18 @@ class ServerTransport:
             self.snapshot = self.core.status()
         except Exception:
             self._failures.record("server: the status snapshot")
+
+    # ------------------------------------------------------------ requests
+
+    def _receive(self) -> None:
+        for _ in range(BATCH_MESSAGES):
+            if not int(self._socket.getsockopt(zmq.EVENTS)) & zmq.POLLIN:
+                return
+            frames = self._socket.recv_multipart(copy=False)
+            try:
+                self._handle(frames)
+            except Exception:
+                self._failures.record("server: a request")
 
     def _handle(self, frames: list[zmq.Frame]) -> None:
         peer = frames[0].bytes
@@ -153,7 +240,11 @@ class ServerTransport:
 
     def _park(self, peer: bytes, connection: str, wait: p.Wait) -> bool:
         """Park a WAIT whose lookup is still pending; False: answer it now."""
-        if self.core.lookup_settled(peer, wait.request_id, connection):
+        timeout = wait.timeout_s
+        if not math.isfinite(timeout):
+            timeout = self.core.limits.max_wait_s if timeout > 0 else 0.0
+        timeout = min(max(timeout, 0.0), self.core.limits.max_wait_s)
+        if timeout == 0 or self.core.lookup_settled(peer, wait.request_id, connection):
             return False
         slot = (peer, wait.request_id)
         if slot in self._parked or len(self._parked) >= MAX_PARKED:
@@ -162,53 +253,61 @@ class ServerTransport:
                 if slot in self._parked
                 else f"{MAX_PARKED} WAITs are pending, the server's limit; poll with QUERY"
             )
-            self._send(peer, self.core.error("busy", message), [])
+            self._send(peer, self.core.error("busy", message), [], wait.seq)
             return True
-        timeout = wait.timeout_s
-        if not math.isfinite(timeout):
-            timeout = self.core.limits.max_wait_s if timeout > 0 else 0.0
-        timeout = min(max(timeout, 0.0), self.core.limits.max_wait_s)
-        self._parked[slot] = _ParkedWait(peer, connection, wait, time.monotonic() + timeout)
+        deadline = time.monotonic() + timeout
+        self._parked[slot] = _ParkedWait(peer, connection, wait, deadline)
+        self._seq += 1
+        heapq.heappush(self._deadlines, (deadline, self._seq, slot))
+        # The lookup may have settled between the check and now: its callback
+        # then found nothing parked, so look once more.
+        if self.core.lookup_settled(peer, wait.request_id, connection):
+            self._settled(slot)
         return True
+
+    def _expire_parked(self) -> None:
+        now = time.monotonic()
+        while self._deadlines and self._deadlines[0][0] <= now:
+            deadline, _, slot = heapq.heappop(self._deadlines)
+            wait = self._parked.get(slot)
+            if wait is not None and wait.deadline == deadline:
+                try:
+                    self._settled(slot)
+                except Exception:
+                    self._parked.pop(slot, None)
+                    self._failures.record("server: a parked WAIT")
 
     def _answer(
         self, peer: bytes, connection: str, request: p.Request, data: Sequence[memoryview]
     ) -> None:
         try:
-            reply, out = self.core.handle(peer, request, data, connection)
-        except Exception:  # a bug, not a client error: answer, log, keep serving
+            outcome = self.core.handle(peer, request, data, connection)
+        except Exception:  # a fault, not a client's error: answer, log, keep serving
             self._failures.record(f"server: {type(request).__name__}")
-            reply, out = self.core.error("internal", "the server failed on this request"), []
-        self._send(peer, reply, out)
-
-    def _flush_parked(self) -> None:
-        if not self._parked:
+            outcome = self.core.fault(type(request).__name__), []
+        if isinstance(outcome, Deferred):
+            future = self._pool.submit(outcome.work)
+            done = _Done(peer, request.seq, outcome, future)
+            future.add_done_callback(lambda _: self._post(done))
             return
-        now = time.monotonic()
-        for slot, wait in list(self._parked.items()):
-            try:
-                due = now >= wait.deadline or self.core.lookup_settled(
-                    wait.peer, wait.request.request_id, wait.connection
-                )
-                if due:
-                    del self._parked[slot]
-                    self._answer(wait.peer, wait.connection, wait.request, [])
-            except Exception:
-                self._parked.pop(slot, None)
-                self._failures.record("server: a parked WAIT")
+        reply, out = outcome
+        self._send(peer, reply, out, request.seq)
 
-    def _send(self, peer: bytes, reply: p.Message, data: Sequence[object]) -> None:
+    def _send(self, peer: bytes, reply: p.Message, data: Sequence[object], seq: int = 0) -> None:
+        reply.seq = seq
         try:
             body = p.encode(reply)
         except Exception:  # e.g. an integer past 64 bits: never leave the peer waiting
             self._failures.record(f"server: encoding a {type(reply).__name__} reply")
-            body, data = p.encode(self.core.error("internal", "the reply could not be encoded")), []
+            fallback = self.core.fault("encode")
+            fallback.seq = seq
+            body, data = p.encode(fallback), []
         try:
             self._socket.send_multipart(
                 [peer, body, *data],  # type: ignore[list-item]
                 flags=zmq.NOBLOCK,
                 copy=False,
             )
-        except zmq.ZMQError as exc:  # the peer went away
+        except zmq.ZMQError as exc:  # the peer went away, or is not reading
             self.counters.add("dropped_replies")
             log.debug("server: reply to a vanished peer dropped: %s", exc)

@@ -42,12 +42,18 @@ def model_identity(vllm_config: Any, settings: ConnectorSettings) -> ModelIdenti
 
 class ClientPool:
     def __init__(
-        self, vllm_config: Any, settings: ConnectorSettings, rank: int, client_id: str
+        self,
+        vllm_config: Any,
+        settings: ConnectorSettings,
+        rank: int,
+        client_id: str,
+        connect_wait_s: float | None = None,
     ) -> None:
         self.vllm_config = vllm_config
         self.settings = settings
         self.rank = rank
         self.client_id = client_id
+        self.connect_wait_s = connect_wait_s  # how long a new client may wait for its HELLO
         self.identity = model_identity(vllm_config, settings)
         self.block_size: int = vllm_config.cache_config.block_size
         probe = engine_kv_layout(vllm_config, self.block_size)  # validates the model up front
@@ -64,7 +70,8 @@ class ClientPool:
         self._hashers: dict[tuple[str, int], TokenHasher] = {}
 
     def client(self, salt: str) -> CacheClient | None:
-        """The client of ``salt``, or None while the server is away."""
+        """The client of ``salt``, or None while the server is away (each
+        client reconnects on its own I/O thread: nothing here waits for it)."""
         client = self._clients.get(salt)
         if client is None:
             client = self._clients[salt] = CacheClient(
@@ -77,13 +84,12 @@ class ClientPool:
                     block_alignment=self.block_size,
                     revision=self.identity.revision,
                     salt=salt,
-                    token=self.settings.auth_token,
+                    auth_token=self.settings.auth_token,
                     client_id=self.client_id,
                     request_timeout_s=self.settings.request_timeout_s,
-                )
+                ),
+                self.connect_wait_s,
             )
-        if client.degraded:
-            client.ping()  # reconnects at most every retry_s
         return None if client.degraded else client
 
     def layout(self, chunk_size: int) -> KVLayout:

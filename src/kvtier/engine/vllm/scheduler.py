@@ -16,11 +16,20 @@ releases anything left, whether the request finished, was aborted or failed.
 Loads are synchronous (the worker copies before the step's forward), so the
 hit offered is at most ``num_tokens - 1``: a full hit still computes the last
 prompt token. Stores are emitted for prompt chunks that this step completes.
+
+The scheduler thread never waits on the network beyond a small budget: a new
+request's lookup waits at most ``kvtier.lookup_wait_s`` for its answer (then
+the request is deferred and polled next step, without waiting), releases and
+session ends are sent without waiting for their acks, and a client that lost
+its server reconnects on its own thread. ``StepTimer`` measures what the
+connector's scheduler calls take per step and logs a summary every
+``LOG_EVERY_STEPS`` steps and at shutdown.
 """
 
 from __future__ import annotations
 
 import logging
+import time
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
@@ -31,6 +40,51 @@ from kvtier.engine.vllm.settings import ConnectorSettings
 from kvtier.server.client import CacheClient, LookupState
 
 log = logging.getLogger(__name__)
+
+LOG_EVERY_STEPS = 1000
+
+
+class StepTimer:
+    """Seconds the scheduler thread spends in the connector's calls, per step
+    (``with timer:`` around each call; ``step()`` once per step)."""
+
+    def __init__(self) -> None:
+        self.steps: list[float] = []  # per step, the last LOG_EVERY_STEPS
+        self.total_steps = 0
+        self.max_s = 0.0
+        self._current = 0.0
+        self._entered = 0.0
+
+    def __enter__(self) -> StepTimer:
+        self._entered = time.perf_counter()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._current += time.perf_counter() - self._entered
+
+    def step(self) -> None:
+        self.steps.append(self._current)
+        self.max_s = max(self.max_s, self._current)
+        self.total_steps += 1
+        self._current = 0.0
+        if len(self.steps) >= LOG_EVERY_STEPS:
+            self.report()
+
+    def report(self) -> None:
+        if not self.steps:
+            return
+        ordered = sorted(self.steps)
+        p50, p99 = (ordered[min(len(ordered) - 1, int(q * len(ordered)))] for q in (0.5, 0.99))
+        log.info(
+            "kvtier scheduler: %d steps; connector time per step p50 %.3f ms, p99 %.3f ms, "
+            "max %.3f ms (over %d steps)",
+            len(ordered),
+            p50 * 1e3,
+            p99 * 1e3,
+            self.max_s * 1e3,
+            self.total_steps,
+        )
+        self.steps.clear()
 
 
 @dataclass(slots=True)
@@ -51,7 +105,15 @@ class Tracked:
 class SchedulerSide:
     def __init__(self, vllm_config: Any, settings: ConnectorSettings) -> None:
         self.settings = settings
-        self.clients = ClientPool(vllm_config, settings, rank=-1, client_id="vllm-scheduler")
+        self.clients = ClientPool(
+            vllm_config,
+            settings,
+            rank=-1,
+            client_id="vllm-scheduler",
+            connect_wait_s=settings.lookup_wait_s,  # a new tenant's client: within the budget
+        )
+        self.clients.client(settings.salt_for(None))  # the default tenant, registered up front
+        self.timer = StepTimer()
         self.block_size = self.clients.block_size
         self.requests: dict[str, Tracked] = {}
         self._loads: list[LoadSpec] = []
@@ -62,6 +124,10 @@ class SchedulerSide:
     def get_num_new_matched_tokens(
         self, request: Any, num_computed_tokens: int
     ) -> tuple[int | None, bool]:
+        with self.timer:
+            return self._matched(request, num_computed_tokens)
+
+    def _matched(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
         tracked = self.requests.get(request.request_id)
         if tracked is None or tracked.preemptions != request.num_preemptions:
             tracked = self._track(request)
@@ -69,16 +135,21 @@ class SchedulerSide:
         client = tracked.client
         if client is None or not tracked.hashes:
             return 0, False
+        wait = self.settings.lookup_wait_s
         if tracked.lookup is None:
             tracked.lookup = client.lookup(
-                request.request_id, tracked.hashes, wait_s=self.settings.lookup_wait_s
+                request.request_id, tracked.hashes, wait_s=wait, block_s=wait
             )
-        if not tracked.lookup.done and client.query(tracked.lookup) is None:
-            return None, False  # pending: asked again next step
+        if not tracked.lookup.done and client.poll(tracked.lookup, wait) is None:
+            return None, False  # pending: asked again next step, without waiting
         end = min((tracked.lookup.hit or 0) * tracked.chunk_size, request.num_tokens - 1)
         return max(0, end - num_computed_tokens), False
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
+        with self.timer:
+            self._allocated(request, blocks, num_external_tokens)
+
+    def _allocated(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         tracked = self.requests.get(request.request_id)
         if tracked is None or tracked.client is None or tracked.lookup is None:
             return
@@ -87,7 +158,7 @@ class SchedulerSide:
         if not tracked.lookup.done or hit == 0:
             return
         if num_external_tokens <= 0:
-            tracked.client.release(request.request_id, 0, hit)
+            tracked.client.release(request.request_id, 0, hit, wait=False)
             return
         c, bs = tracked.chunk_size, self.block_size
         per_chunk = c // bs
@@ -111,14 +182,15 @@ class SchedulerSide:
                 ],
             )
         )
-        if first > 0:
-            tracked.client.release(request.request_id, 0, first)  # the engine has these
-        if end < hit:
-            tracked.client.release(request.request_id, end, hit)  # the engine computes these
+        if first > 0:  # the engine has these
+            tracked.client.release(request.request_id, 0, first, wait=False)
+        if end < hit:  # the engine computes these
+            tracked.client.release(request.request_id, end, hit, wait=False)
 
     # ----------------------------------------------------------------- steps
 
     def build_connector_meta(self, scheduler_output: Any) -> KVTierMetadata:
+        self.timer.step()  # once per step: what this step's connector calls took
         meta = KVTierMetadata(loads=self._loads)
         self._loads = []
         self._loading.append(
@@ -149,26 +221,29 @@ class SchedulerSide:
         """The step that loaded the oldest batch has come back: unlock it."""
         if not self._loading:
             return
-        for request_id, start, end in self._loading.popleft():
-            tracked = self.requests.get(request_id)
-            if tracked is not None and tracked.client is not None:
-                tracked.client.release(request_id, start, end)
+        with self.timer:
+            for request_id, start, end in self._loading.popleft():
+                tracked = self.requests.get(request_id)
+                if tracked is not None and tracked.client is not None:
+                    tracked.client.release(request_id, start, end, wait=False)
 
     def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, None]:
-        tracked = self.requests.pop(request.request_id, None)
-        if tracked is not None and tracked.client is not None and _acked(tracked.lookup):
-            tracked.client.end_session(request.request_id)
+        with self.timer:
+            tracked = self.requests.pop(request.request_id, None)
+            if tracked is not None and tracked.client is not None and _looked_up(tracked.lookup):
+                tracked.client.end_session(request.request_id, wait=False)
         return False, None
 
     def close(self) -> None:
+        self.timer.report()
         self.clients.close()
 
     # ------------------------------------------------------------ internals
 
     def _track(self, request: Any) -> Tracked:
         old = self.requests.get(request.request_id)
-        if old is not None and old.client is not None and _acked(old.lookup):
-            old.client.end_session(request.request_id)  # preempted: start over
+        if old is not None and old.client is not None and _looked_up(old.lookup):
+            old.client.end_session(request.request_id, wait=False)  # preempted: start over
         salt = self.settings.salt_for(getattr(request, "cache_salt", None))
         client = self.clients.client(salt)
         chunk_size = client.chunk_size if client is not None else None
@@ -209,6 +284,7 @@ class SchedulerSide:
         return [spec]
 
 
-def _acked(lookup: LookupState | None) -> bool:
-    """The server has a session for this lookup (to end)."""
-    return lookup is not None and lookup.acked
+def _looked_up(lookup: LookupState | None) -> bool:
+    """A LOOKUP went out: the server may hold a session to end (its ack may
+    still be on the way; END_SESSION goes after it on the same connection)."""
+    return lookup is not None
