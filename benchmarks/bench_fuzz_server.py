@@ -26,8 +26,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo root, f
 from tests.integration import hostile
 
 from common import report
+from kvtier.process import ServerProcess
 from kvtier.server import protocol as p
-from kvtier.server.process import ServerProcess
 
 MiB = 1 << 20
 

@@ -32,9 +32,9 @@ import torch
 from transformers import DynamicCache, PreTrainedModel
 
 from common import report, timed
-from kvtier.demo import demo_model
 from kvtier.engine.hf import KVTierModel, cache_argument
-from kvtier.server.process import ServerProcess
+from kvtier.models import demo_model
+from kvtier.process import ServerProcess
 
 
 def main() -> None:

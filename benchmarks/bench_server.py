@@ -31,8 +31,8 @@ import zmq
 
 from common import percentile, report, timed
 from kvtier.keys import Namespace, TokenHasher
+from kvtier.process import ServerProcess
 from kvtier.server.client import CacheClient, ClientConfig
-from kvtier.server.process import ServerProcess
 from kvtier.server.protocol import LayoutSpec
 
 RAW_ROUTER = """
@@ -194,7 +194,7 @@ def main() -> None:
             start = time.perf_counter()
             state = small.lookup(f"p{i}", hashes, wait_s=5)  # LOOKUP and WAIT pipelined
             piped.append(time.perf_counter() - start)
-            assert state.hit == 128
+            assert state.hit_chunks == 128
             small.end_session(f"p{i}")
         small.close()
         results["lookup128_p50_s"] = percentile(lat, 50)

@@ -39,9 +39,9 @@ from kvtier.bench.engines import (
     lmcache_transfer,
     vllm_server,
 )
-from kvtier.demo import demo_model
+from kvtier.models import demo_model
+from kvtier.process import ServerProcess
 from kvtier.server.config import cache_home
-from kvtier.server.process import ServerProcess
 
 SUFFIX = 256
 MAX_MODEL_LEN = 9216

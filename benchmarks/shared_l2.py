@@ -18,8 +18,8 @@ import numpy as np
 from common import percentile, report
 from kvtier.keys import Namespace, TokenHasher
 from kvtier.layout import KVLayout
+from kvtier.process import ServerProcess
 from kvtier.server.client import CacheClient, ClientConfig
-from kvtier.server.process import ServerProcess
 from kvtier.server.protocol import LayoutSpec
 
 MiB = 1 << 20
@@ -55,7 +55,7 @@ def two_nodes(shared: dict[str, Any], tmp: Path, rounds: int) -> dict[str, float
             started = time.perf_counter()
             state = on_b.lookup(f"r{r}", hashes, wait_s=30.0)
             latencies.append(time.perf_counter() - started)
-            assert state.hit == 32 and state.tiers == {"shared": 32}, state
+            assert state.hit_chunks == 32 and state.chunks_by_tier == {"shared": 32}, state
             on_b.end_session(f"r{r}")
         on_a.close()
         on_b.close()

@@ -26,7 +26,7 @@ from kvtier.bench.stores import (
     mooncake_binaries,
     redis_binary,
 )
-from kvtier.server.process import stop_process
+from kvtier.process import stop_process
 
 
 def valkey_binary() -> str | None:

@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import sys
+import tomllib
 from collections.abc import Sequence
 
 from kvtier import __version__
 from kvtier.bench.command import add_parser as add_bench_parser
 from kvtier.extras import missing_extra
+from kvtier.output import JSON_HELP, report_stream, write_json
 from kvtier.planner.command import add_parser as add_plan_parser
 from kvtier.units import parse_size, parse_span
 
@@ -24,34 +25,56 @@ def _selfcheck(args: argparse.Namespace) -> int:
     from kvtier.selfcheck import format_report, run_selfcheck
 
     report = run_selfcheck(l1_size=parse_size(args.l1_size, "--l1-size"))
+    print(format_report(report), file=report_stream(args.json))
     if args.json:
-        print(json.dumps({"ok": report.ok, **dataclasses.asdict(report)}, indent=2))
-    else:
-        print(format_report(report))
+        write_json(args.json, {"ok": report.ok, **dataclasses.asdict(report)})
     return 0 if report.ok else 1
 
 
 def _serve(args: argparse.Namespace) -> int:
     import logging
 
+    from kvtier.config import dump_toml
     from kvtier.l2.registry import parse_spec
     from kvtier.server.config import load_config
     from kvtier.server.main import serve
 
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
-    flags = {
+    flags: dict[str, object] = {
         "host": args.host,
         "port": args.port,
         "http_port": args.http_port,
-        "l1_size_bytes": args.l1_size,
+        "l1.size_bytes": args.l1_size,
         "cache_dir": args.cache_dir,
         "chunk_size": args.chunk_size,
-        "auth_token": args.auth_token,
-        "shm_dir": args.shm_dir,
+        "auth_token_file": args.auth_token_file,
+        "l1.shm_dir": args.shm_dir,
+        "l1.eviction_policy": args.eviction_policy,
+        "store.policy": args.store_policy,
+        "prefetch.deadline_s": args.prefetch_deadline_s,
         "l2": [parse_spec(spec) for spec in args.l2] if args.l2 else None,
     }
-    serve(load_config(flags, args.config))
+    for assignment in args.set or ():
+        key, value = _assignment(assignment)
+        flags[key] = value
+    config = load_config(flags, args.config)
+    if args.print_config:
+        print(dump_toml(config), end="")
+        return 0
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
+    serve(config)
     return 0
+
+
+def _assignment(text: str) -> tuple[str, object]:
+    """``--set KEY=VALUE``: the value read as a TOML value when it is one
+    (``0.7``, ``true``, ``[1, 2]``), else as text (``gdsf``, ``8GiB``)."""
+    key, sep, value = text.partition("=")
+    if not sep or not key.strip():
+        raise ValueError(f"--set {text!r}: write --set section.option=value")
+    try:
+        return key.strip(), tomllib.loads(f"v = {value}")["v"]
+    except tomllib.TOMLDecodeError:
+        return key.strip(), value
 
 
 def _demo(args: argparse.Namespace) -> int:
@@ -75,16 +98,16 @@ def _demo(args: argparse.Namespace) -> int:
         model_dir=Path(args.model_dir) if args.model_dir else None,
     )
     results = run_demo(options)
-    console = Console()
+    console = Console(file=report_stream(args.json))
     console.print(format_report(results))
-    verdict = "yes" if results["outputs_identical"] else "NO"
+    verdict = "yes" if results.outputs_identical else "NO"
     console.print(
         f"outputs identical: {verdict} (greedy tokens of every request; "
-        f"max |Δlogit| {results['max_abs_logit_diff']:.2e} against no cache)"
+        f"max |Δlogit| {results.max_abs_logit_diff:.2e} against no cache)"
     )
     if args.json:
-        Path(args.json).write_text(json.dumps(results, indent=2) + "\n")
-    return 0 if results["outputs_identical"] else 1
+        write_json(args.json, results.to_json())
+    return 0 if results.outputs_identical else 1
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -95,7 +118,7 @@ def build_parser() -> argparse.ArgumentParser:
         "selfcheck", help="store, look up and read back a prompt's chunks through L1 and an fs L2"
     )
     check.add_argument("--l1-size", default="256MiB", help="L1 arena size (default 256MiB)")
-    check.add_argument("--json", action="store_true", help="print the result as JSON")
+    check.add_argument("--json", metavar="FILE", help=JSON_HELP)
     check.set_defaults(run=_selfcheck)
     demo = commands.add_parser(
         "demo",
@@ -122,12 +145,21 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument(
         "--model-dir", help="where the demo model is cached (default: ~/.cache/kvtier)"
     )
-    demo.add_argument("--json", metavar="FILE", help="also write the results to FILE as JSON")
+    demo.add_argument("--json", metavar="FILE", help=JSON_HELP)
     demo.set_defaults(run=_demo)
     add_plan_parser(commands)
     add_bench_parser(commands)
-    srv = commands.add_parser("serve", help="run the node's shared cache server")
-    srv.add_argument("--config", help="TOML file with any of the options below")
+    srv = commands.add_parser(
+        "serve",
+        help="run the node's shared cache server",
+        description="Every option can be set in the --config TOML file (sections [l1], [store], "
+        "[prefetch], [limits], [[l2]]), by KVTIER_<OPTION> or KVTIER_<SECTION>_<OPTION> "
+        "variables, or by a flag; flags win over the environment, which wins over the file. "
+        "The auth token comes from KVTIER_AUTH_TOKEN, --auth-token-file or the file, never "
+        "from a flag (a command line shows in ps).",
+    )
+    srv.add_argument("--config", help="TOML file with any of the options")
+    srv.add_argument("--print-config", action="store_true", help="print the merged options, exit")
     srv.add_argument("--host", help="bind address (default 127.0.0.1)")
     srv.add_argument("--port", type=int, help="RPC port (default 5555; 0 picks one)")
     srv.add_argument("--http-port", type=int, help="admin HTTP port (default 8765; -1: off)")
@@ -135,15 +167,25 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--cache-dir", help="fs L2 directory (default ~/.cache/kvtier/l2; none: off)")
     srv.add_argument("--chunk-size", type=int, help="minimum chunk size in tokens (default 256)")
     srv.add_argument(
-        "--auth-token", help="required from clients and admin HTTP (env KVTIER_AUTH_TOKEN)"
+        "--auth-token-file", help="a file holding the token clients and admin HTTP must give"
     )
     srv.add_argument("--shm-dir", help="tmpfs directory for the L1 arena (default /dev/shm)")
+    srv.add_argument("--eviction-policy", help="L1 eviction: lru (default) or gdsf")
+    srv.add_argument("--store-policy", help="write-back to L2: all (default), hit_count>=N, none")
+    srv.add_argument("--prefetch-deadline-s", type=float, help="a lookup's L2 deadline (5)")
     srv.add_argument(
         "--l2",
         action="append",
         metavar="JSON",
         help='another L2 adapter after the fs one, e.g. \'{"type": "redis", "url": '
         '"redis://127.0.0.1:6379/0"}\' (repeatable; TOML: [[l2]] tables)',
+    )
+    srv.add_argument(
+        "--set",
+        action="append",
+        metavar="SECTION.OPTION=VALUE",
+        help="any other option, e.g. --set l1.high_watermark=0.9 --set limits.max_clients=64 "
+        "(repeatable)",
     )
     srv.set_defaults(run=_serve)
     return parser

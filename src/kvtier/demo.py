@@ -2,11 +2,9 @@
 no cache and through a kvtier server (cold, then warm), with TTFT, hits by
 tier and an output comparison against the no-cache run.
 
-Nothing is downloaded and no service is needed. The model is a Llama-style
-decoder built from a config with random weights (``DEMO_MODEL``: 4 layers,
-hidden 512, 8 query heads and 2 KV heads of dim 64, vocabulary 4,096, fp32:
-about 15.5 M parameters, 62 MB on disk). It is built once and cached under
-``~/.cache/kvtier/models/``. The server runs in a child process with an L1 of
+Nothing is downloaded and no service is needed. The model is
+``kvtier.models``'s small random-weight Llama (15.5 M parameters, fp32). The
+server runs in a child process with an L1 of
 ``l1_size`` (small on purpose, so some chunks come back from disk) and an fs
 L2 in a temporary directory that is removed at the end.
 
@@ -19,9 +17,6 @@ system prompt and its first document when that pair was seen before.
 
 from __future__ import annotations
 
-import hashlib
-import json
-import shutil
 import tempfile
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
@@ -29,33 +24,16 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import torch
 from rich.console import Console
 from rich.progress import Progress
 from rich.table import Table
-from tokenizers import Tokenizer
-from tokenizers.models import WordLevel
-from tokenizers.pre_tokenizers import WhitespaceSplit
-from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedModel, PreTrainedTokenizerFast
-from transformers.utils import logging as hf_logging
 
-from kvtier.bench.trace import RagSpec, rag_prompts
 from kvtier.engine.hf import Generation, KVTierModel
-from kvtier.server.config import cache_home
-from kvtier.server.process import ServerProcess
+from kvtier.models import DEMO_MODEL, demo_model
+from kvtier.process import ServerProcess
+from kvtier.traces import RagSpec, rag_prompts
 from kvtier.units import format_size
 
-DEMO_MODEL: dict[str, Any] = {
-    "vocab_size": 4096,
-    "hidden_size": 512,
-    "intermediate_size": 1408,
-    "num_hidden_layers": 4,
-    "num_attention_heads": 8,
-    "num_key_value_heads": 2,
-    "max_position_embeddings": 8192,
-    "tie_word_embeddings": False,
-}
-DEMO_SEED = 0
 CONFIGURATIONS = ("no_cache", "kvtier_cold", "kvtier_warm")
 
 
@@ -88,7 +66,7 @@ class Request:
 
 
 def rag_trace(options: DemoOptions, vocab_size: int) -> list[Request]:
-    """The demo's requests (``kvtier.bench.trace``'s RAG prompts with one or
+    """The demo's requests (``kvtier.traces``'s RAG prompts with one or
     two documents each); the same ``options.seed`` gives the same trace."""
     spec = RagSpec(
         requests=options.requests,
@@ -104,43 +82,15 @@ def rag_trace(options: DemoOptions, vocab_size: int) -> list[Request]:
     return [Request(prompt, documents) for prompt, documents in rag_prompts(spec)]
 
 
-def demo_model(directory: Path | None = None, **overrides: Any) -> tuple[PreTrainedModel, Path]:
-    """The demo model (``DEMO_MODEL``, with config ``overrides``), loaded from
-    ``directory`` (default: kvtier's cache), built there first if it is not
-    there yet, with a word-level tokenizer (``t0`` ... ``tN``) so that vLLM
-    can serve it too."""
-    hf_logging.disable_progress_bar()  # this call's own progress bars are noise
-    config = {**DEMO_MODEL, **overrides}
-    spec = json.dumps({**config, "seed": DEMO_SEED, "tokenizer": 1}, sort_keys=True).encode()
-    directory = directory or cache_home() / "models" / f"demo-llama-{_digest(spec)}"
-    if not (directory / "config.json").exists():
-        torch.manual_seed(DEMO_SEED)
-        model = LlamaForCausalLM(LlamaConfig(**config))
-        staging = Path(tempfile.mkdtemp(prefix=".building-", dir=_parent(directory)))
-        model.save_pretrained(staging)
-        word_tokenizer(config["vocab_size"]).save_pretrained(staging)
-        shutil.rmtree(directory, ignore_errors=True)
-        staging.rename(directory)  # readers never see a half-written model
-    model = LlamaForCausalLM.from_pretrained(directory, dtype=torch.float32)
-    return model, directory
-
-
-def word_tokenizer(vocab_size: int) -> PreTrainedTokenizerFast:
-    """A tokenizer whose words are token ids: ``"t5 t17"`` is ``[5, 17]``."""
-    words = Tokenizer(WordLevel({f"t{i}": i for i in range(vocab_size)}, unk_token="t0"))
-    words.pre_tokenizer = WhitespaceSplit()
-    return PreTrainedTokenizerFast(tokenizer_object=words, unk_token="t0", eos_token="t1")
-
-
 @dataclass(slots=True)
 class PassResult:
-    """One configuration's run of the trace."""
+    """One configuration's run of the trace, added up request by request."""
 
     requests: int = 0
     prompt_tokens: int = 0
     hit_tokens: int = 0
     computed_tokens: int = 0
-    tier_tokens: dict[str, int] = field(default_factory=dict)
+    tokens_by_tier: dict[str, int] = field(default_factory=dict)
     bytes_loaded: int = 0
     bytes_stored: int = 0
     ttft_s: list[float] = field(default_factory=list)
@@ -148,6 +98,11 @@ class PassResult:
     load_s: float = 0.0
     prefill_s: float = 0.0
     store_s: float = 0.0
+    # Against the no-cache run (set for the cached configurations)
+    outputs_identical: bool = True
+    max_abs_logit_diff: float = 0.0
+    speedup_p50: float = 1.0
+    speedup_p95: float = 1.0
 
     def add(self, generation: Generation) -> None:
         p = generation.prefill
@@ -155,8 +110,8 @@ class PassResult:
         self.prompt_tokens += p.prompt_tokens
         self.hit_tokens += p.hit_tokens
         self.computed_tokens += p.computed_tokens
-        for tier, n in p.tier_tokens.items():
-            self.tier_tokens[tier] = self.tier_tokens.get(tier, 0) + n
+        for tier, n in p.tokens_by_tier.items():
+            self.tokens_by_tier[tier] = self.tokens_by_tier.get(tier, 0) + n
         self.bytes_loaded += p.bytes_loaded
         self.bytes_stored += p.bytes_stored
         self.ttft_s.append(p.timings.ttft_s)
@@ -165,16 +120,43 @@ class PassResult:
         self.prefill_s += p.timings.prefill_s
         self.store_s += p.timings.store_s
 
-    def summary(self) -> dict[str, Any]:
-        ttft = np.array(self.ttft_s)
-        out = asdict(self)
-        del out["ttft_s"]
-        out.update(
-            ttft_p50_s=float(np.percentile(ttft, 50)),
-            ttft_p95_s=float(np.percentile(ttft, 95)),
-            ttft_mean_s=float(ttft.mean()),
-            ttft_s=self.ttft_s,
-        )
+    @property
+    def ttft_p50_s(self) -> float:
+        return float(np.percentile(self.ttft_s, 50))
+
+    @property
+    def ttft_p95_s(self) -> float:
+        return float(np.percentile(self.ttft_s, 95))
+
+
+@dataclass(slots=True)
+class DemoResults:
+    """What ``kvtier demo`` measured; ``to_json()`` is its ``--json`` file."""
+
+    model: dict[str, Any]  # directory, parameters and the config it was built from
+    trace: dict[str, int]
+    server: dict[str, str] = field(default_factory=dict)
+    passes: dict[str, PassResult] = field(default_factory=dict)  # by configuration
+
+    @property
+    def outputs_identical(self) -> bool:
+        return all(self.passes[n].outputs_identical for n in CONFIGURATIONS[1:])
+
+    @property
+    def max_abs_logit_diff(self) -> float:
+        return max(self.passes[n].max_abs_logit_diff for n in CONFIGURATIONS[1:])
+
+    def to_json(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"model": self.model, "trace": self.trace, "server": self.server}
+        for name, result in self.passes.items():
+            out[name] = {
+                **asdict(result),
+                "ttft_p50_s": result.ttft_p50_s,
+                "ttft_p95_s": result.ttft_p95_s,
+                "ttft_mean_s": float(np.mean(result.ttft_s)),
+            }
+        out["outputs_identical"] = self.outputs_identical
+        out["max_abs_logit_diff"] = self.max_abs_logit_diff
         return out
 
 
@@ -203,23 +185,23 @@ def compare(reference: Sequence[Generation], other: Sequence[Generation]) -> tup
     return same, diff
 
 
-def run_demo(options: DemoOptions, console: Console | None = None) -> dict[str, Any]:
-    """Run the three configurations; return the results (see ``format_report``)."""
+def run_demo(options: DemoOptions, console: Console | None = None) -> DemoResults:
+    """Run the three configurations; return what they measured."""
     console = console or Console(stderr=True)
     with console.status("loading the demo model"):
         model, model_dir = demo_model(options.model_dir)
     trace = rag_trace(options, model.config.vocab_size)
     parameters = sum(p.numel() for p in model.parameters())
-    results: dict[str, Any] = {
-        "model": {"directory": str(model_dir), "parameters": parameters, **DEMO_MODEL},
-        "trace": {
+    results = DemoResults(
+        model={"directory": str(model_dir), "parameters": parameters, **DEMO_MODEL},
+        trace={
             "requests": len(trace),
             "documents": options.documents,
             "prompt_tokens": sum(len(r.prompt) for r in trace),
             "new_tokens_per_request": options.new_tokens,
             "seed": options.seed,
         },
-    }
+    )
     with tempfile.TemporaryDirectory(prefix="kvtier-demo-") as tmp:
         server = ServerProcess.start(
             ["--port", "0", "--http-port", "-1", "--l1-size", options.l1_size,
@@ -230,25 +212,20 @@ def run_demo(options: DemoOptions, console: Console | None = None) -> dict[str, 
             reference = KVTierModel(model)
             reference.prefill(trace[0].prompt[: options.system_tokens])  # one-off start-up costs
             with KVTierModel(model, server=server.rpc, name="kvtier-demo/llama") as cached:
-                results["server"] = {"rpc": server.rpc, "l1_size": options.l1_size, "l2": "fs"}
+                results.server = {"rpc": server.rpc, "l1_size": options.l1_size, "l2": "fs"}
                 generations = _run_all(reference, cached, trace, options, results, console)
         finally:
             code = server.stop()
         if code != 0:
             raise RuntimeError(f"the demo's kvtier server exited {code}; log:\n{server.log}")
-    base = results["no_cache"]["ttft_p50_s"]
+    base = results.passes["no_cache"]
     for name in CONFIGURATIONS[1:]:
-        same, diff = compare(generations["no_cache"], generations[name])
-        results[name].update(
-            outputs_identical=same,
-            max_abs_logit_diff=diff,
-            speedup_p50=base / results[name]["ttft_p50_s"],
-            speedup_p95=results["no_cache"]["ttft_p95_s"] / results[name]["ttft_p95_s"],
+        result = results.passes[name]
+        result.outputs_identical, result.max_abs_logit_diff = compare(
+            generations["no_cache"], generations[name]
         )
-    results["outputs_identical"] = all(results[n]["outputs_identical"] for n in CONFIGURATIONS[1:])
-    results["max_abs_logit_diff"] = max(
-        results[n]["max_abs_logit_diff"] for n in CONFIGURATIONS[1:]
-    )
+        result.speedup_p50 = base.ttft_p50_s / result.ttft_p50_s
+        result.speedup_p95 = base.ttft_p95_s / result.ttft_p95_s
     return results
 
 
@@ -257,7 +234,7 @@ def _run_all(
     cached: KVTierModel,
     trace: Sequence[Request],
     options: DemoOptions,
-    results: dict[str, Any],
+    results: DemoResults,
     console: Console,
 ) -> dict[str, list[Generation]]:
     engines = {"no_cache": reference, "kvtier_cold": cached, "kvtier_warm": cached}
@@ -269,53 +246,40 @@ def _run_all(
             progress.advance(tasks[name])
 
         for name, engine in engines.items():
-            result, generations[name] = run_pass(engine, trace, options.new_tokens, name, step)
-            results[name] = result.summary()
+            results.passes[name], generations[name] = run_pass(
+                engine, trace, options.new_tokens, name, step
+            )
     return generations
 
 
-def format_report(results: dict[str, Any]) -> Table:
+def format_report(results: DemoResults) -> Table:
     """The results as a table, one column per configuration."""
-    trace = results["trace"]
     table = Table(
-        title=f"kvtier demo: {trace['requests']} RAG requests, random-weight Llama "
-        f"({results['model']['parameters'] / 1e6:.1f} M parameters, fp32)"
+        title=f"kvtier demo: {results.trace['requests']} RAG requests, random-weight Llama "
+        f"({results.model['parameters'] / 1e6:.1f} M parameters, fp32)"
     )
     table.add_column("")
     for name in CONFIGURATIONS:
         table.add_column(name.replace("_", " "), justify="right")
-    r = [results[name] for name in CONFIGURATIONS]
+    r = [results.passes[name] for name in CONFIGURATIONS]
     identical = ["reference"] + [
-        f"{'yes' if x['outputs_identical'] else 'NO'} ({x['max_abs_logit_diff']:.1e})"
-        for x in r[1:]
+        f"{'yes' if x.outputs_identical else 'NO'} ({x.max_abs_logit_diff:.1e})" for x in r[1:]
     ]
     rows = {
-        "prompt tokens": [f"{x['prompt_tokens']:,}" for x in r],
-        "hit tokens": [
-            f"{x['hit_tokens']:,} ({x['hit_tokens'] / x['prompt_tokens']:.0%})" for x in r
-        ],
-        "  from L1": [f"{x['tier_tokens'].get('L1', 0):,}" for x in r],
+        "prompt tokens": [f"{x.prompt_tokens:,}" for x in r],
+        "hit tokens": [f"{x.hit_tokens:,} ({x.hit_tokens / x.prompt_tokens:.0%})" for x in r],
+        "  from L1": [f"{x.tokens_by_tier.get('L1', 0):,}" for x in r],
         "  from L2 (fs)": [
-            f"{sum(n for t, n in x['tier_tokens'].items() if t != 'L1'):,}" for x in r
+            f"{sum(n for t, n in x.tokens_by_tier.items() if t != 'L1'):,}" for x in r
         ],
-        "TTFT p50": [f"{x['ttft_p50_s'] * 1000:.0f} ms" for x in r],
-        "TTFT p95": [f"{x['ttft_p95_s'] * 1000:.0f} ms" for x in r],
-        "speed-up p50 / p95": ["1.00x / 1.00x"]
-        + [f"{x['speedup_p50']:.2f}x / {x['speedup_p95']:.2f}x" for x in r[1:]],
+        "TTFT p50": [f"{x.ttft_p50_s * 1000:.0f} ms" for x in r],
+        "TTFT p95": [f"{x.ttft_p95_s * 1000:.0f} ms" for x in r],
+        "speed-up p50 / p95": [f"{x.speedup_p50:.2f}x / {x.speedup_p95:.2f}x" for x in r],
         "KV loaded / stored": [
-            f"{format_size(x['bytes_loaded'])} / {format_size(x['bytes_stored'])}" for x in r
+            f"{format_size(x.bytes_loaded)} / {format_size(x.bytes_stored)}" for x in r
         ],
         "outputs identical (max |Δlogit|)": identical,
     }
     for label, cells in rows.items():
         table.add_row(label, *cells)
     return table
-
-
-def _digest(data: bytes) -> str:
-    return hashlib.sha256(data).hexdigest()[:12]
-
-
-def _parent(directory: Path) -> Path:
-    directory.parent.mkdir(parents=True, exist_ok=True)
-    return directory.parent

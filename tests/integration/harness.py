@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
-from kvtier.server.process import ServerProcess, clean_env, read_line, stop_process
+from kvtier.process import ServerProcess, clean_env, read_line, stop_process
 
 ROOT = Path(__file__).resolve().parents[2]
 SHM_DIR = Path("/dev/shm")
@@ -98,7 +98,8 @@ class ServerFactory:
         l1_size: str = "64MiB",
     ) -> Server:
         """Start a server and wait for its ready line. ``config`` is TOML text
-        written to a file and passed with --config; ``token`` goes to --auth-token."""
+        written to a file and passed with --config; ``token`` to a file passed with
+        --auth-token-file."""
         n = len(self.started)
         cache_dir = cache_dir or self.tmp_path / f"l2-{n}"
         args = ["--host", "127.0.0.1", "--port", str(port), "--http-port", "0"]
@@ -107,8 +108,10 @@ class ServerFactory:
             config_path = self.tmp_path / f"server-{n}.toml"
             config_path.write_text(config)
             args += ["--config", str(config_path)]
-        if token:
-            args += ["--auth-token", token]
+        if token:  # a file, as an operator would: a command line shows in ps
+            token_path = self.tmp_path / f"server-{n}.token"
+            token_path.write_text(token)
+            args += ["--auth-token-file", str(token_path)]
         args += list(extra)
         log_path = self.tmp_path / f"server-{n}.log"
         server = Server.start(args, log_path, cwd=self.tmp_path, env=env)

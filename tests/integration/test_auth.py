@@ -1,4 +1,5 @@
-"""``--auth-token``: hello and the admin endpoints (but ``/healthz``) need it."""
+"""The server's auth token (``--auth-token-file``, ``KVTIER_AUTH_TOKEN``): hello
+and the admin endpoints (but ``/healthz``) need it."""
 
 from __future__ import annotations
 
@@ -31,7 +32,7 @@ def test_client_without_the_token_is_refused_and_degraded(auth_server: Server, t
             assert client.chunk_size is None and client.degraded
             hashes = w.chunk_hashes(256, 1, 2)
             state = client.lookup("r", hashes)
-            assert (state.acked, state.hit) == (False, 0)
+            assert (state.acked, state.hit_chunks) == (False, 0)
             assert client.store("s", hashes, w.payloads(1, 2, w.object_bytes(256))) == 0
         finally:
             client.close()

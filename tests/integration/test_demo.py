@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from kvtier.cli import main
-from kvtier.server.process import clean_env
+from kvtier.process import clean_env
 from tests.integration.harness import ROOT
 
 CONFIGURATIONS = ("no_cache", "kvtier_cold", "kvtier_warm")
@@ -63,7 +63,7 @@ def test_demo_runs_and_reports_identical_outputs(tmp_path: Path) -> None:
     assert warm["hit_tokens"] > cold["hit_tokens"]
     # Warm computes at most each prompt's last partial 256-token chunk.
     assert warm["computed_tokens"] < 3 * 256
-    assert sum(warm["tier_tokens"].values()) >= warm["hit_tokens"]
+    assert sum(warm["tokens_by_tier"].values()) >= warm["hit_tokens"]
 
 
 @pytest.mark.parametrize(

@@ -34,7 +34,7 @@ from kvtier.engine.hf import Generation, KVTierModel, kv_layout
 from kvtier.engine.link import Hit, ServerLink
 from kvtier.keys import TokenHasher, salt_label
 from kvtier.l1 import L1Config
-from kvtier.server.process import clean_env, read_line, stop_process
+from kvtier.process import clean_env, read_line, stop_process
 from kvtier.storage import StorageConfig, StorageManager
 from tests.hf_helpers import (
     FAMILIES,
@@ -170,11 +170,11 @@ def test_cold_write_then_hot_read(
 
     cold = run(engine, model, ids, hit=0, stored=64)
     assert cold.prefill.bytes_stored == 4 * object_bytes(model)
-    assert cold.prefill.bytes_loaded == 0 and cold.prefill.tier_tokens == {}
+    assert cold.prefill.bytes_loaded == 0 and cold.prefill.tokens_by_tier == {}
     backend.assert_nothing_held()
 
     hot = run(engine, model, ids, hit=64, stored=0)
-    assert hot.prefill.tier_tokens == {"L1": 64}
+    assert hot.prefill.tokens_by_tier == {"L1": 64}
     assert hot.prefill.bytes_loaded == 4 * object_bytes(model)
     backend.assert_nothing_held()
 
@@ -207,7 +207,7 @@ def test_full_hit_recomputes_only_the_last_token(
     run(engine, model, ids, hit=0, stored=64)
     hot = run(engine, model, ids, hit=63, stored=0)
     assert hot.prefill.computed_tokens == 1
-    assert hot.prefill.tier_tokens == {"L1": 64}
+    assert hot.prefill.tokens_by_tier == {"L1": 64}
     # A prefix of a stored prompt that ends on a chunk boundary is a full hit too.
     longer = prompt(seed + 1, 70)
     run(engine, model, longer, hit=0, stored=64)
@@ -378,7 +378,7 @@ def test_corrupted_l2_object_is_a_miss(
         # The chunks before the first corrupted one come from the fs L2; the
         # rest are computed (and stored again), and the output is unchanged.
         got = run(engine, model, ids, hit=hit, stored=64 - hit)
-        assert got.prefill.tier_tokens == ({"fs": hit} if hit else {})
+        assert got.prefill.tokens_by_tier == ({"fs": hit} if hit else {})
         status = engine_status(engine)
         assert status is not None and status["storage"]["held_lookup_locks"] == 0
         run(engine, model, ids, hit=64, stored=0)
@@ -398,7 +398,7 @@ def test_server_down_from_the_start(models: dict[str, PreTrainedModel], seed: in
         assert engine.link is not None and engine.link.chunk_size is None
         for n in (70, 64, 5):
             got = run(engine, model, prompt(seed + n, n), hit=0, stored=0)
-            assert got.prefill.tier_tokens == {} and got.prefill.bytes_loaded == 0
+            assert got.prefill.tokens_by_tier == {} and got.prefill.bytes_loaded == 0
 
 
 def test_server_killed_between_requests(
@@ -425,7 +425,7 @@ def test_server_killed_between_requests(
         assert link is not None
         assert wait_for(lambda: link.chunk_size, lambda size: size is not None) == CHUNK
         got = run(engine, model, ids, hit=64, stored=0)
-        assert got.prefill.tier_tokens == {"fs": 64}
+        assert got.prefill.tokens_by_tier == {"fs": 64}
 
 
 class KillAfterLookup(DelegatingLink):

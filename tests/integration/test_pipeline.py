@@ -25,7 +25,7 @@ def test_bytes_store_in_several_messages_round_trips(
         data = w.payloads(21, 7, size)
         assert writer.store("s", hashes, data) == 7  # four messages in flight
         state = reader.lookup("r", hashes, wait_s=5.0)  # LOOKUP and WAIT pipelined
-        assert state.done and state.hit == 7 and state.polls == 1
+        assert state.done and state.hit_chunks == 7 and state.polls == 1
         out = w.empty_buffers(7, size)
         assert reader.retrieve_into("r", 0, 7, out)
         assert all(np.array_equal(a, b) for a, b in zip(out, data, strict=True))
@@ -33,7 +33,7 @@ def test_bytes_store_in_several_messages_round_trips(
         missing = reader.lookup(
             "m", w.chunk_hashes(writer.chunk_size, seed=22, n_chunks=2), wait_s=5.0
         )
-        assert missing.done and missing.hit == 0  # done with a miss, not pending
+        assert missing.done and missing.hit_chunks == 0  # done with a miss, not pending
     finally:
         writer.close()
         reader.close()

@@ -54,7 +54,7 @@ def test_observed_window_and_plan(server: Server, capsys: pytest.CaptureFixture[
     assert seen.namespace == f"{model_label(w.MODEL)}@"  # no salt
 
     # the client has gone; its layout is still known, and the CLI plans it
-    assert main(["plan", "--from-server", server.http, "--sample-s", "0", "--json"]) == 0
+    assert main(["plan", "--from-server", server.http, "--sample-s", "0", "--json", "-"]) == 0
     plan = json.loads(capsys.readouterr().out)
     assert plan["shape"]["layers"] == w.LAYOUT.num_layers
     assert plan["shape"]["kv_heads"] == w.LAYOUT.kv_heads and plan["shape"]["dtype"] == "fp16"
@@ -78,7 +78,7 @@ def test_server_errors_name_what_to_do(
         observe(quiet.http, sample_s=0)
     guarded = kvtier_server.start(token="s3cret")
     assert main(["plan", "--from-server", guarded.http, "--sample-s", "0"]) == 2
-    assert "HTTP 401 (pass --auth-token)" in capsys.readouterr().err
+    assert "HTTP 401 (pass --auth-token-file or set KVTIER_AUTH_TOKEN)" in capsys.readouterr().err
     client = CacheClient(w.client_config(guarded.rpc, shm=False, auth_token="s3cret"))
     try:
         wait_for(lambda: guarded.status()["layouts"], bool)

@@ -18,7 +18,7 @@ from tests.integration.harness import (
     wait_written_back,
 )
 
-SHORT_TTLS = "client_ttl_s = 1\nsession_ttl_s = 2\n"
+SHORT_TTLS = "[limits]\nclient_ttl_s = 1\nsession_ttl_s = 2\n"
 CHUNKS = 3
 
 
@@ -58,7 +58,9 @@ def test_short_client_ttl_from_file_or_environment(
     if source == "toml":
         server = kvtier_server.start(config=SHORT_TTLS)
     else:
-        server = kvtier_server.start(env={"KVTIER_CLIENT_TTL_S": "1", "KVTIER_SESSION_TTL_S": "2"})
+        server = kvtier_server.start(
+            env={"KVTIER_LIMITS_CLIENT_TTL_S": "1", "KVTIER_LIMITS_SESSION_TTL_S": "2"}
+        )
     # The TTLs are not in /status; what is: a registered client silent for
     # longer than 1 s is expired (well before the default 60 s).
     client = CacheClient(w.client_config(server.rpc, shm=False))

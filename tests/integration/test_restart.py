@@ -36,7 +36,7 @@ def test_client_degrades_while_down_then_hits_after_restart(
 
         # Down: a miss / nothing stored (the first call after request_timeout_s).
         state = client.lookup("down", hashes)
-        assert (state.acked, state.hit) == (False, 0)
+        assert (state.acked, state.hit_chunks) == (False, 0)
         assert client.query(state) == 0
         assert client.store("down", hashes[:1], w.payloads(31, 1, SIZE)) == 0
         assert client.ping() is False
@@ -138,6 +138,6 @@ def test_a_lookup_against_a_dead_server_waits_for_its_ack_only(
         lookup.start()
         lookup.join(timeout=120)
         assert not lookup.is_alive(), "the lookup waited for the WAIT's hour"
-        assert (states[0].acked, states[0].hit) == (False, 0)
+        assert (states[0].acked, states[0].hit_chunks) == (False, 0)
     finally:
         client.close()

@@ -73,12 +73,12 @@ def test_client_lookup_state_pending_then_done(gated: Gated) -> None:
     client = CacheClient(w.client_config(gated.address, shm=False))
     try:
         state = client.lookup("r", w.chunk_hashes(256, seed=3, n_chunks=2))
-        assert state.acked and not state.done and state.hit is None
+        assert state.acked and not state.done and state.hit_chunks is None
         assert client.query(state) is None
         assert (state.done, state.polls) == (False, 1)
         gated.gate.set()
         assert client.query(state, timeout_s=10.0) == 0
-        assert (state.done, state.hit, state.polls) == (True, 0, 2)
+        assert (state.done, state.hit_chunks, state.polls) == (True, 0, 2)
         assert client.query(state) == 0  # answered from the state: no third round trip
         assert state.polls == 2
         assert client.stats.errors == {}
@@ -198,7 +198,7 @@ def test_a_slow_call_holds_up_no_other_engine_thread(gated: Gated) -> None:
 
     def slow() -> None:
         state = client.lookup("slow", w.chunk_hashes(256, seed=30, n_chunks=2), wait_s=30.0)
-        assert state.hit == 0  # a miss, once the gate opens
+        assert state.hit_chunks == 0  # a miss, once the gate opens
         slow_done.set()
 
     def fast(i: int) -> None:

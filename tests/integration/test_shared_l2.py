@@ -71,13 +71,16 @@ def test_node_b_hits_what_node_a_stored_and_other_tenants_miss(
         assert wait_for(lambda: written_back(on_a), lambda n: n >= CHUNKS) >= CHUNKS
 
         state = on_b.lookup("r", hashes, wait_s=10.0)
-        assert (state.hit, state.tiers) == (CHUNKS, {"shared": CHUNKS})  # from Redis, not L1
+        assert (state.hit_chunks, state.chunks_by_tier) == (
+            CHUNKS,
+            {"shared": CHUNKS},
+        )  # from Redis, not L1
         out = w.empty_buffers(CHUNKS, size)
         assert on_b.retrieve_into("r", 0, CHUNKS, out)
         assert all(np.array_equal(o, d) for o, d in zip(out, data, strict=True))
         on_b.end_session("r")
 
-        assert other.lookup("x", hashes, wait_s=10.0).hit == 0  # another salt: other keys
+        assert other.lookup("x", hashes, wait_s=10.0).hit_chunks == 0  # another salt: other keys
         other.end_session("x")
     finally:
         for client in (on_a, on_b, other):

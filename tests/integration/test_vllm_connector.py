@@ -23,7 +23,7 @@ from typing import Any
 
 import pytest
 
-from kvtier.server.process import clean_env, read_line, stop_process
+from kvtier.process import clean_env, read_line, stop_process
 from tests.integration.harness import ROOT, Server, ServerFactory, wait_for
 
 pytest.importorskip("vllm")
@@ -47,7 +47,7 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from kvtier.demo import word_tokenizer
+    from kvtier.models import word_tokenizer
 
     directory = tmp_path_factory.mktemp("vllm-model")
     torch.manual_seed(0)

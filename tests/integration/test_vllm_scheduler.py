@@ -27,10 +27,10 @@ CHUNK = 256
 
 class FakeModelConfig:
     model = "org/tiny"
-    revision = None
+    revision = "r1"  # a hub id not in the local hub cache: its revision must be given
     dtype = torch.float32
     use_mla = False
-    hf_config = SimpleNamespace(to_diff_dict=lambda: {"model_type": "llama", "rope_theta": 1e4})
+    hf_config = SimpleNamespace(to_dict=lambda: {"model_type": "llama", "rope_theta": 1e4})
 
     def get_num_layers(self, parallel: Any) -> int:
         return 2

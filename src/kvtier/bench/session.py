@@ -21,9 +21,9 @@ from kvtier.bench.engines import EngineOptions
 from kvtier.bench.replay import RequestResult
 from kvtier.bench.report import markdown, targets
 from kvtier.bench.runner import ConfigRun, fault_summary, reference_tokens, run_configuration
-from kvtier.bench.trace import ChatSpec, RagSpec, TraceRequest, chat_trace, rag_trace, read_trace
-from kvtier.bench.trace import write_trace as save_trace
-from kvtier.server.config import cache_home
+from kvtier.paths import cache_home
+from kvtier.traces import ChatSpec, RagSpec, TraceRequest, chat_trace, rag_trace, read_trace
+from kvtier.traces import write_trace as save_trace
 
 BLOCK = 128  # vLLM-CPU's KV block (tokens)
 CHUNK = 256  # kvtier's and LMCache's chunk (tokens)
@@ -96,7 +96,7 @@ def _round_up(n: int, to: int) -> int:
 
 def _model(request: BenchRequest, longest: int) -> tuple[Path, int, int]:
     """The bench model's directory, its vocabulary and its KV bytes per token."""
-    from kvtier.demo import DEMO_MODEL, demo_model
+    from kvtier.models import DEMO_MODEL, demo_model
 
     positions = max(int(DEMO_MODEL["max_position_embeddings"]), 1 << math.ceil(math.log2(longest)))
     model, path = demo_model(request.model_dir, max_position_embeddings=positions)

@@ -17,7 +17,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from kvtier.server.process import stop_process
+from kvtier.process import stop_process
 
 
 def free_port() -> int:

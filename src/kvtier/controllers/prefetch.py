@@ -95,6 +95,12 @@ class LookupResult:
     objects_by_tier: Mapping[str, int]  # "L1" or adapter name -> objects in the hit
     temporary: frozenset[ObjectKey] = frozenset()  # loaded for this request only
 
+    def chunks_by_tier(self) -> dict[str, int]:
+        """Hit chunks per tier: objects over the objects of one chunk (every
+        chunk of the hit has all of them)."""
+        per_chunk = len(self.placements) // self.hit_chunks if self.hit_chunks else 1
+        return {tier: n // per_chunk for tier, n in self.objects_by_tier.items()}
+
 
 class PrefetchHandle:
     """The caller's view of one request: pending until ``result()`` is set."""

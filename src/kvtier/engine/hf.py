@@ -24,39 +24,34 @@ with a ValueError.
 from __future__ import annotations
 
 import inspect
-import json
 import math
 import time
 import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 import numpy.typing as npt
 import torch
-from blake3 import blake3
 from transformers import DynamicCache, PreTrainedModel
 from transformers.cache_utils import DynamicLayer
 
-from kvtier.engine.link import CacheLink, LocalLink, ModelIdentity, ServerLink, new_request_id
+from kvtier.engine.identity import (
+    ModelIdentity,
+    checkpoint_fingerprint,
+    fingerprint,
+    state_tensors,
+)
+from kvtier.engine.identity import model_identity as identity_of
+from kvtier.engine.link import CacheLink, LocalLink, ServerLink, new_request_id
 from kvtier.keys import TokenHasher
 from kvtier.layout import KVLayout
 from kvtier.server.client import Fill
 from kvtier.storage import StorageManager
 
 ATTENTION_LAYERS = frozenset({"full_attention", "sliding_attention"})
-# Config fields that name, tag or steer generation but never change the KV;
-# every other field is part of the model's identity. The dtype is in the
-# namespace on its own (the KV dtype).
-CONFIG_NOT_IN_KV = frozenset(
-    {
-        "_name_or_path", "name_or_path", "_commit_hash", "transformers_version", "architectures",
-        "dtype", "torch_dtype", "use_cache", "output_attentions", "output_hidden_states",
-        "return_dict", "_attn_implementation", "_attn_implementation_internal",
-        "_experts_implementation", "bos_token_id", "eos_token_id", "pad_token_id",
-    }
-)  # fmt: skip
 CACHE_ARGUMENTS = ("cache", "past_key_values")  # transformers >= 5.24, then 5.19-5.23
 
 
@@ -101,40 +96,34 @@ def cache_argument(model: PreTrainedModel) -> str:
     )
 
 
-def weights_fingerprint(model: PreTrainedModel, sample: int = 1024) -> str:
-    """A cheap revision for weights without one: blake3 over every tensor's
-    name, shape and dtype and its first and last ``sample`` values. Pass a
-    real revision (a commit hash, a checksum) to ``KVTierModel`` to be exact."""
-    digest = blake3()
-    for name, tensor in model.state_dict().items():
-        flat = tensor.detach().reshape(-1)
-        values = torch.cat((flat[:sample], flat[-sample:])).to("cpu", torch.float64)
-        digest.update(f"{name}:{tuple(tensor.shape)}:{tensor.dtype};".encode())
-        digest.update(values.numpy().tobytes())
-    return "w-" + digest.hexdigest()[:32]
-
-
-def config_fingerprint(model: PreTrainedModel) -> str:
-    """blake3 of the model's config, but for fields that cannot change the KV
-    (``CONFIG_NOT_IN_KV``): the same weights with another RoPE base, window or
-    norm epsilon compute other KV, so they must not share it."""
-    fields = {k: v for k, v in model.config.to_dict().items() if k not in CONFIG_NOT_IN_KV}
-    text = json.dumps(fields, sort_keys=True, default=repr)
-    return "c-" + blake3(text.encode()).hexdigest()[:16]
+def weights_fingerprint(model: PreTrainedModel) -> str:
+    """A loaded model's weights fingerprint (``identity.fingerprint``): the
+    revision of weights that have none. Pass a real revision (a commit hash,
+    a checksum) to ``KVTierModel`` to be exact."""
+    return fingerprint(state_tensors(model.state_dict()))
 
 
 def model_identity(
     model: PreTrainedModel, name: str | None = None, revision: str | None = None, salt: str = ""
 ) -> ModelIdentity:
-    """The model's name (``name``, else its ``name_or_path``, else its type)
-    and revision: ``revision`` (else the hub commit it was loaded from, else
-    ``weights_fingerprint``), then ``+`` and ``config_fingerprint``."""
+    """``identity.model_identity`` for a transformers model: its name is
+    ``name``, else its ``name_or_path``, else its type; the weights are
+    fingerprinted from the safetensors files it was loaded from when there
+    are some (as the vLLM connector does), else from memory."""
     config = model.config
-    if revision is None:
-        revision = getattr(config, "_commit_hash", None) or weights_fingerprint(model)
-    model_name = name or getattr(config, "name_or_path", "") or config.model_type
-    return ModelIdentity(
-        model=model_name, revision=f"{revision}+{config_fingerprint(model)}", salt=salt
+    source = getattr(config, "name_or_path", "") or ""
+
+    def weights() -> str:
+        if source and any(Path(source).glob("*.safetensors")):
+            return checkpoint_fingerprint(source)
+        return weights_fingerprint(model)
+
+    return identity_of(
+        name or source or config.model_type,
+        config.to_dict(),
+        revision=revision or getattr(config, "_commit_hash", None),  # the hub commit
+        weights=weights,
+        salt=salt,
     )
 
 
@@ -159,7 +148,7 @@ class Prefill:
     hit_tokens: int = 0  # prompt tokens whose KV came from kvtier
     computed_tokens: int = 0  # prompt tokens the model ran on (a full hit: 1)
     stored_tokens: int = 0  # prompt tokens in chunks stored by this call
-    tier_tokens: dict[str, int] = field(default_factory=dict)  # found tokens per tier
+    tokens_by_tier: dict[str, int] = field(default_factory=dict)  # found tokens per tier
     bytes_loaded: int = 0
     bytes_stored: int = 0
     load_failed: bool = False  # the hit could not be read; the prompt was computed
@@ -313,7 +302,7 @@ class KVTierModel:
         )
         now = time.perf_counter()
         timings.store_s, timings.ttft_s = now - mark, now - started
-        tiers = hit.tiers if hit is not None and loaded else {}
+        tiers = hit.chunks_by_tier if hit is not None and loaded else {}
         return Prefill(
             logits,
             cache,
@@ -321,7 +310,7 @@ class KVTierModel:
             hit_tokens=use,
             computed_tokens=len(ids) - use,
             stored_tokens=stored * chunk_size,
-            tier_tokens={tier: chunks * chunk_size for tier, chunks in tiers.items()},
+            tokens_by_tier={tier: chunks * chunk_size for tier, chunks in tiers.items()},
             bytes_loaded=math.ceil(use / chunk_size) * layout.object_bytes(),
             bytes_stored=stored * layout.object_bytes(),
             load_failed=not loaded,

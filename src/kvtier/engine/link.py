@@ -18,7 +18,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from kvtier.keys import Namespace, ObjectKey, chunk_keys, model_label, salt_label
+from kvtier.engine.identity import ModelIdentity
+from kvtier.keys import ObjectKey, chunk_keys, model_label, salt_label
 from kvtier.l1 import L1Result
 from kvtier.layout import KVLayout
 from kvtier.server import protocol as p
@@ -33,28 +34,7 @@ class Hit:
     """A finished lookup: the first ``chunks`` chunks are locked for the caller."""
 
     chunks: int
-    tiers: dict[str, int] = field(default_factory=dict)  # hit chunks per tier
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class ModelIdentity:
-    """What makes KV reusable: everything here goes into the chunk hashes, so a
-    different model, revision, adapter, dtype, layout or tenant never hits."""
-
-    model: str
-    revision: str = ""
-    lora: str = ""
-    salt: str = ""
-
-    def namespace(self, layout: KVLayout) -> Namespace:
-        return Namespace(
-            model=self.model,
-            revision=self.revision,
-            lora=self.lora,
-            kv_dtype=layout.dtype,
-            layout=layout.digest(),
-            salt=self.salt,
-        )
+    chunks_by_tier: dict[str, int] = field(default_factory=dict)
 
 
 class CacheLink(Protocol):
@@ -104,18 +84,10 @@ class ServerLink:
         lookup_timeout_s: float = 5.0,
         **client_options: object,
     ) -> None:
-        spec = p.LayoutSpec(
-            group=0,
-            num_layers=layout.num_layers,
-            kv_heads=layout.kv_heads,
-            head_dim=layout.head_dim,
-            dtype=layout.dtype,
-            kind=layout.kind,
-        )
         config = ClientConfig(
             address=address,
             model=model_label(identity.model),
-            layouts=(spec,),
+            layouts=(p.LayoutSpec.of(layout),),
             revision=identity.revision,
             lora=identity.lora,
             salt=salt_label(identity.salt),  # any tenant name: the server takes labels
@@ -138,7 +110,7 @@ class ServerLink:
                 self.lookup_timeout_s,
             )
             return Hit(0)
-        return Hit(state.hit or 0, dict(state.tiers))
+        return Hit(state.hit_chunks or 0, dict(state.chunks_by_tier))
 
     def load(self, request_id: str, start: int, end: int, consume: Consume) -> bool:
         return self.client.retrieve_with(request_id, start, end, consume)
@@ -173,7 +145,7 @@ class LocalLink:
     def lookup(self, request_id: str, hashes: Sequence[bytes]) -> Hit:
         result = self.storage.lookup(self._keys(hashes), self.layout)
         self._locked[request_id] = list(result.placements)
-        return Hit(result.hit_chunks, dict(result.objects_by_tier))
+        return Hit(result.hit_chunks, result.chunks_by_tier())
 
     def load(self, request_id: str, start: int, end: int, consume: Consume) -> bool:
         keys = self._take(request_id, start, end)

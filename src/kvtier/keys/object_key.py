@@ -32,11 +32,20 @@ _SEP = "@"
 _HEX_DIGEST = re.compile(f"[0-9a-f]{{{2 * HASH_BYTES}}}")
 _PLACEMENT = re.compile(r"r(\d{1,5})g(\d{1,5})")
 _HASHED_SALT = re.compile(r"s-[0-9a-f]{32}")
+_HASHED_MODEL = re.compile(r"m-[0-9a-f]{32}")
 
 
 def model_label(model: str) -> str:
-    """A model name made safe for ``ObjectKey.model``: ``/`` becomes ``--``."""
-    return model.replace("/", "--")
+    """A model name made safe for ``ObjectKey.model``: ``/`` becomes ``--``
+    (the Hugging Face cache's convention); a name that is still too long or
+    not key-safe (a local path with a space or a ``+``), or that looks like a
+    hashed label, becomes ``m-`` and 32 hex digits of its blake3. The label
+    is for people and listings: the chunk hash covers the full name."""
+    label = model.replace("/", "--")
+    safe = 0 < len(label) <= MAX_MODEL_CHARS and _SAFE.fullmatch(label)
+    if safe and not _HASHED_MODEL.fullmatch(label):
+        return label
+    return "m-" + blake3(model.encode()).hexdigest(length=16)
 
 
 def salt_label(salt: str) -> str:
@@ -48,6 +57,12 @@ def salt_label(salt: str) -> str:
     if len(salt) <= MAX_SALT_CHARS and _SAFE.fullmatch(salt) and not _HASHED_SALT.fullmatch(salt):
         return salt
     return "s-" + blake3(salt.encode()).hexdigest(length=16)
+
+
+def key_hash(chunk_hash: bytes, kv_rank: int, group: int) -> int:
+    """``ObjectKey``'s hash (computed once per key; ``chunk_keys`` builds keys
+    without ``__post_init__`` and uses this too)."""
+    return hash(chunk_hash) ^ (kv_rank * 0x9E3779B1 + group)
 
 
 def _check_label(field: str, value: object, limit: int, *, empty_ok: bool) -> None:
@@ -101,9 +116,7 @@ class ObjectKey:
         _check_label("salt", self.salt, MAX_SALT_CHARS, empty_ok=True)
         _check_index("kv_rank", self.kv_rank, MAX_RANK)
         _check_index("group", self.group, MAX_GROUP)
-        object.__setattr__(
-            self, "_hash", hash(self.chunk_hash) ^ (self.kv_rank * 0x9E3779B1 + self.group)
-        )
+        object.__setattr__(self, "_hash", key_hash(self.chunk_hash, self.kv_rank, self.group))
 
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, ObjectKey):
@@ -156,12 +169,10 @@ def chunk_keys(
     (a lookup of 128 chunks builds hundreds of keys on the request path).
     """
     template = ObjectKey(bytes(HASH_BYTES), model, max(ranks - 1, 0), group, salt)
-    rank_hash = [r * 0x9E3779B1 + group for r in range(ranks)]
     out = []
     for chunk_hash in hashes:
         if not isinstance(chunk_hash, bytes) or len(chunk_hash) != HASH_BYTES:
             ObjectKey(chunk_hash, model, 0, group, salt)  # raises the precise error
-        base = hash(chunk_hash)
         row = []
         for rank in range(ranks):
             key = object.__new__(ObjectKey)
@@ -171,7 +182,7 @@ def chunk_keys(
                 ("kv_rank", rank),
                 ("group", group),
                 ("salt", template.salt),
-                ("_hash", base ^ rank_hash[rank]),
+                ("_hash", key_hash(chunk_hash, rank, group)),
             ):
                 object.__setattr__(key, name, value)
             row.append(key)

@@ -62,6 +62,7 @@ from collections.abc import Callable, Sequence
 import numpy as np
 import numpy.typing as npt
 
+from kvtier.counters import Counters
 from kvtier.keys import ObjectKey
 from kvtier.l1.arena import Arena
 from kvtier.l1.config import L1Config
@@ -119,7 +120,8 @@ class L1Manager:
         self._locked_bytes = 0
         self._locked_objects = 0  # resident objects with read_locks > 0
         self._fenced_objects = 0  # objects (any table) with io_fences > 0
-        self._counters = dict.fromkeys(COUNTERS, 0)
+        self._counters = Counters()
+        self._counters.set(**dict.fromkeys(COUNTERS, 0))
 
     # ----------------------------------------------------------------- arena
 
@@ -183,9 +185,9 @@ class L1Manager:
                     wanted.append(i)
             offsets = self._allocate([sizes[i] for i in wanted]) if wanted else []
             if offsets is None:
-                self._counters["out_of_memory"] += 1
+                self._counters.add("out_of_memory", 1)
                 if any(sizes[i] > self._arena.capacity for i in wanted):
-                    self._counters["too_large"] += 1
+                    self._counters.add("too_large", 1)
                 for i in wanted:
                     results[i] = Placement(L1Result.OUT_OF_MEMORY)
             else:
@@ -384,7 +386,7 @@ class L1Manager:
                 "fenced_objects": self._fenced_objects,
                 "fragmentation": arena["fragmentation"],
                 "eviction_policy": self._policy.name,
-                **self._counters,
+                **self._counters.snapshot(),
             }
 
     def audit(self) -> dict[str, int]:
@@ -437,7 +439,7 @@ class L1Manager:
                     self._resident[key] = winner = obj
                     admitted.append(obj)
                 else:
-                    self._counters["duplicate_writes"] += 1
+                    self._counters.add("duplicate_writes", 1)
                     self._leases.end(obj)
                     self._release_memory(obj)
                 if read_locks:
@@ -458,7 +460,7 @@ class L1Manager:
             return
         low = self.config.low_watermark * capacity
         if self._staging_bytes + self._locked_bytes + fresh_bytes > low:
-            self._counters["watermark_unreachable"] += 1
+            self._counters.add("watermark_unreachable", 1)
             return
         self._evict(int(used - low))
 
@@ -483,7 +485,7 @@ class L1Manager:
         try:
             victims = self._policy.select(need_bytes, self._evictable)
         except Exception:
-            self._counters["eviction_failures"] += 1
+            self._counters.add("eviction_failures", 1)
             log.exception("L1: eviction policy %s failed; nothing evicted", self._policy.name)
             return 0
         freed = 0
@@ -491,8 +493,8 @@ class L1Manager:
             obj = self._resident[key]
             freed += obj.reserved
             self._drop_resident(obj)
-        self._counters["evictions"] += len(victims)
-        self._counters["evicted_bytes"] += freed
+        self._counters.add("evictions", len(victims))
+        self._counters.add("evicted_bytes", freed)
         return freed
 
     def _drop_resident(self, obj: L1Object) -> None:
@@ -523,14 +525,14 @@ class L1Manager:
                 del self._staging[(obj.key, obj.tag)]
                 self._staging_bytes -= obj.reserved
                 self._release_memory(obj)
-                self._counters["expired_write_leases"] += 1
+                self._counters.add("expired_write_leases", 1)
                 log.warning("L1: write lease of %s (tag %s) expired; reclaimed", obj.key, obj.tag)
             elif self._resident.get(obj.key) is obj and obj.read_locks:
                 log.warning("L1: %d read lock(s) on %s expired", obj.read_locks, obj.key)
                 obj.read_locks = 0
                 self._locked_bytes -= obj.reserved
                 self._locked_objects -= 1
-                self._counters["expired_read_leases"] += 1
+                self._counters.add("expired_read_leases", 1)
 
     def _all_objects(self) -> list[L1Object]:
         return [*self._resident.values(), *self._staging.values(), *self._zombies]

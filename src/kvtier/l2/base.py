@@ -50,7 +50,7 @@ import queue
 import threading
 import time
 from abc import ABC, abstractmethod
-from collections import Counter, OrderedDict
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -59,6 +59,7 @@ from typing import ClassVar, NewType
 import numpy as np
 import numpy.typing as npt
 
+from kvtier.counters import Counters
 from kvtier.keys import ObjectKey
 from kvtier.l2.format import CorruptObject
 
@@ -247,8 +248,8 @@ class BlockingAdapter(L2Adapter):
         self._reconnecting = False
         self._recoveries = 0
         self._stored: OrderedDict[ObjectKey, None] = OrderedDict()  # stored lately, oldest first
-        self._failures: Counter[str] = Counter()
-        self._counters = Counter[str]()
+        self._failures = Counters()  # misses by reason
+        self._counters = Counters()
 
     # ------------------------------------------------------------ contract
 
@@ -299,8 +300,8 @@ class BlockingAdapter(L2Adapter):
                 "healthy": self.clock() >= self._down_until,
                 "closed": self._closed,
                 "recoveries": self._recoveries,
-                "failures": dict(self._failures),
-                **self._counters,
+                "failures": self._failures.snapshot(),
+                **self._counters.snapshot(),
                 **self._backend_status(),
             }
 
@@ -340,15 +341,13 @@ class BlockingAdapter(L2Adapter):
         return {}
 
     def _count_failure(self, reason: str, n: int = 1) -> None:
-        with self._lock:
-            self._failures[reason] += n
+        self._failures.add(reason, n)
 
     def _corrupt(self, key: ObjectKey, error: CorruptObject) -> None:
         """Count a refused copy; the subclass deletes or quarantines it."""
         log.warning("L2 %s: corrupt copy of %s (%s); treated as a miss", self.name, key, error)
-        with self._lock:
-            self._counters["corrupt_objects"] += 1
-            self._failures[f"corrupt_{error.reason.value}"] += 1
+        self._counters.add("corrupt_objects")
+        self._failures.add(f"corrupt_{error.reason.value}")
 
     # ------------------------------------------------------------ internals
 
@@ -418,9 +417,9 @@ class BlockingAdapter(L2Adapter):
             if task.remaining:
                 return
             kind = task.kind.value
-            self._counters[f"{kind}_keys"] += len(task.keys)
-            self._counters[f"{kind}_ok"] += sum(task.ok)
-            self._counters[f"{kind}_bytes"] += task.nbytes
+            self._counters.add(f"{kind}_keys", len(task.keys))
+            self._counters.add(f"{kind}_ok", sum(task.ok))
+            self._counters.add(f"{kind}_bytes", task.nbytes)
         result = TaskResult(self.name, task.id, task.kind, task.keys, tuple(task.ok), task.nbytes)
         self._deliver(result)
 
@@ -448,8 +447,7 @@ class BlockingAdapter(L2Adapter):
         for i, w in zip(todo, written, strict=True):
             ok[i] = w is not None
         with self._lock:
-            if kept:
-                self._counters["store_present"] += len(kept)
+            self._counters.add("store_present", len(kept))
             for key, stored in zip(keys, ok, strict=True):
                 if stored:
                     self._stored[key] = None
@@ -482,8 +480,7 @@ class BlockingAdapter(L2Adapter):
             self._on_complete(result)
         except Exception:
             log.exception("L2 %s: completion callback failed for task %d", self.name, result.task)
-            with self._lock:
-                self._counters["callback_failures"] += 1
+            self._counters.add("callback_failures")
 
     def _backend_ok(self) -> None:
         with self._lock:

@@ -241,8 +241,7 @@ class FSAdapter(BlockingAdapter):
         path.unlink(missing_ok=True)
 
     def _count_evictions(self, n: int) -> None:
-        with self._lock:
-            self._counters["evictions"] += n
+        self._counters.add("evictions", n)
 
     def _rebuild_index(self) -> None:
         found: list[tuple[float, ObjectKey, int]] = []

@@ -5,11 +5,12 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import re
 from collections.abc import Callable
 from typing import Any
 
+from kvtier.config import secret
+from kvtier.output import JSON_HELP, report_stream, write_json
 from kvtier.planner.hf_config import read_shape_fields
 from kvtier.planner.observed import Observation, observe
 from kvtier.planner.plan import Compute, Deployment, Network, Workload, make_plan
@@ -121,7 +122,10 @@ def add_parser(commands: Any) -> None:
         metavar="URL",
         help="a cache server's admin HTTP, e.g. http://127.0.0.1:8765",
     )
-    src.add_argument("--auth-token", default="", help="the server's admin token")
+    src.add_argument(
+        "--auth-token-file",
+        help="a file holding the server's admin token (else KVTIER_AUTH_TOKEN)",
+    )
     src.add_argument(
         "--sample-s",
         type=float,
@@ -134,7 +138,7 @@ def add_parser(commands: Any) -> None:
         for flag in flags:
             choices = list(DTYPES) if flag.name == "--dtype" else None
             group.add_argument(flag.name, type=flag.type, choices=choices, help=flag.help)
-    plan.add_argument("--json", action="store_true", help="print the plan as JSON")
+    plan.add_argument("--json", metavar="FILE", help=JSON_HELP)
     plan.set_defaults(run=run)
 
 
@@ -164,7 +168,8 @@ def _shape(args: argparse.Namespace, observed: Observation | None) -> ModelShape
 def run(args: argparse.Namespace) -> int:
     observed = None
     if args.from_server:
-        observed = observe(args.from_server, args.auth_token, args.sample_s, args.namespace)
+        token = secret(args.auth_token_file, "--auth-token-file", "KVTIER_AUTH_TOKEN")
+        observed = observe(args.from_server, token, args.sample_s, args.namespace)
     deployment = observed.deployment_fields() if observed else {}
     workload = observed.workload_fields() if observed else {}
     plan = make_plan(
@@ -174,13 +179,12 @@ def run(args: argparse.Namespace) -> int:
         Network(**_given(args, "network")),
         Compute(**_given(args, "compute")),
     )
+    print(format_plan(plan, observed), file=report_stream(args.json))
     if args.json:
         report = plan.to_json()
         if observed is not None:
             report["observed"] = {**dataclasses.asdict(observed), **observed.workload_fields()}
-        print(json.dumps(report, indent=2))
-    else:
-        print(format_plan(plan, observed))
+        write_json(args.json, report)
     return 0
 
 

@@ -98,7 +98,7 @@ def _get(url: str, token: str) -> bytes:
             body: bytes = response.read()
             return body
     except urllib.error.HTTPError as exc:
-        hint = " (pass --auth-token)" if exc.code == 401 else ""
+        hint = " (pass --auth-token-file or set KVTIER_AUTH_TOKEN)" if exc.code == 401 else ""
         raise ValueError(f"--from-server {url}: HTTP {exc.code}{hint}") from None
     except (urllib.error.URLError, OSError) as exc:
         reason = getattr(exc, "reason", exc)

@@ -101,27 +101,27 @@ class _Call:
 @dataclass(slots=True)
 class LookupState:
     """One request's lookup: submitted -> acked -> pending -> done(n).
-    ``hit`` is None until done; 0 is a miss. Once done it never changes, so
-    polling again never counts a hit twice. ``tiers``: hit chunks per tier."""
+    ``hit_chunks`` is None until done; 0 is a miss. Once done it never
+    changes, so polling again never counts a hit twice."""
 
     request_id: str
     acked: bool = False
-    hit: int | None = None
+    hit_chunks: int | None = None
     polls: int = 0
-    tiers: dict[str, int] = field(default_factory=dict)
+    chunks_by_tier: dict[str, int] = field(default_factory=dict)
     _ack: _Call | None = None
     _answer: _Call | None = None  # the WAIT or QUERY whose reply is awaited
 
     def settle(self, reply: p.Reply | None) -> None:
         """Take a QUERY/WAIT answer; anything but a result is a miss."""
         if isinstance(reply, p.QueryResult):
-            self.hit, self.tiers = reply.hit_chunks, reply.tiers
+            self.hit_chunks, self.chunks_by_tier = reply.hit_chunks, reply.chunks_by_tier
         else:
-            self.hit = 0  # an error or no server: a miss, never wait forever
+            self.hit_chunks = 0  # an error or no server: a miss, never wait forever
 
     @property
     def done(self) -> bool:
-        return self.hit is not None
+        return self.hit_chunks is not None
 
 
 @dataclass(slots=True)
@@ -211,7 +211,7 @@ class CacheClient:
         poll finds the answer. None while pending; 0 is a miss."""
         self._take(state)
         if state.done:
-            return state.hit
+            return state.hit_chunks
         if state._answer is None and state._ack is None:
             if self._poll_limit(state):
                 return 0
@@ -231,7 +231,7 @@ class CacheClient:
         if not state.done and state._answer is not None:
             state._answer.wait()
         self._take(state)
-        return state.hit
+        return state.hit_chunks
 
     def retrieve_with(self, request_id: str, start: int, end: int, consume: Consume) -> bool:
         """Hand each object of hit chunks [start, end) (chunk-major, rank-minor)
@@ -416,7 +416,7 @@ class CacheClient:
         log.warning(
             "client: lookup %s still pending after %d polls; a miss", state.request_id, state.polls
         )
-        state.hit = 0
+        state.hit_chunks = 0
         return True
 
     @staticmethod
@@ -426,7 +426,7 @@ class CacheClient:
             if isinstance(state._ack.reply, p.Ack):
                 state.acked = True
             else:
-                state.hit = 0  # refused, or no server: a miss
+                state.hit_chunks = 0  # refused, or no server: a miss
             state._ack = None
         answer = state._answer
         if state.done or answer is None or not answer.done.is_set():

@@ -1,32 +1,51 @@
-"""``ServerConfig``: the settings of ``kvtier serve``, from flags, a TOML file
-and ``KVTIER_*`` environment variables (flags win, then the environment, then
-the file), validated once with errors that name the flag to change."""
+"""``ServerConfig``: every setting of ``kvtier serve``, in one frozen dataclass.
+
+Its sections are the components' own settings: ``[l1]`` (``L1Config``:
+size, shared-memory directory, eviction policy, watermarks, leases),
+``[store]`` (``StoreConfig``: write-back policy and bounds), ``[prefetch]``
+(``PrefetchConfig``: deadline and bounds), ``[limits]`` (``ServerLimits``:
+time-to-live and what a client may make the server hold), and ``[[l2]]``
+tables for the shared stores after the local disk. ``load_config`` reads
+them with ``kvtier.config.load``'s precedence (flags > ``KVTIER_*``
+environment > ``--config`` TOML file > defaults); ``--print-config`` shows
+the result. The auth token comes from the environment (``KVTIER_AUTH_TOKEN``),
+a file (``--auth-token-file``) or the TOML file, never from a flag: a command
+line is visible to every user of the machine in ``ps``.
+"""
 
 from __future__ import annotations
 
+import dataclasses
 import os
-import tomllib
 from collections.abc import Mapping
-from dataclasses import dataclass, fields
-from pathlib import Path
+from dataclasses import dataclass, field
 from typing import Any
 
-from kvtier.config import from_mapping
+from kvtier.config import env_name, load, read_toml, secret
+from kvtier.controllers import PrefetchConfig, StoreConfig
+from kvtier.l1 import L1Config
 from kvtier.l2.registry import parse_spec
+from kvtier.paths import cache_home
+from kvtier.server.limits import ServerLimits
 
 GiB = 1 << 30
+ENV_PREFIX = "KVTIER_"
+# The flags of ``kvtier serve`` that set a nested option; the others are the
+# top-level options' own names (``--port`` -> ``port``). Everything else:
+# ``--set section.option=value``.
+SECTION_FLAGS: dict[str, str] = {
+    "l1.size_bytes": "--l1-size",
+    "l1.shm_dir": "--shm-dir",
+    "l1.eviction_policy": "--eviction-policy",
+    "store.policy": "--store-policy",
+    "prefetch.deadline_s": "--prefetch-deadline-s",
+}
 
 
 def default_l1_bytes() -> int:
     """A quarter of physical memory, at most 16 GiB, at least 256 MiB."""
     total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     return max(256 << 20, min(16 * GiB, total // 4))
-
-
-def cache_home() -> Path:
-    """kvtier's directory under the user's cache (``$XDG_CACHE_HOME`` or ~/.cache)."""
-    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(base) / "kvtier"
 
 
 def default_cache_dir() -> str:
@@ -38,13 +57,14 @@ class ServerConfig:
     host: str = "127.0.0.1"
     port: int = 5555  # RPC (ZeroMQ); 0 picks a free port
     http_port: int = 8765  # admin HTTP; 0 picks a free port, -1 turns it off
-    l1_size_bytes: int = 0  # 0: default_l1_bytes()
     cache_dir: str = ""  # the default fs L2; "" -> default_cache_dir(); "none" -> no L2
     chunk_size: int = 256
-    auth_token: str = ""
-    shm_dir: str = "/dev/shm"
-    session_ttl_s: float = 300.0
-    client_ttl_s: float = 60.0
+    auth_token: str = ""  # secret: from KVTIER_AUTH_TOKEN, auth_token_file or the file
+    auth_token_file: str = ""
+    l1: L1Config = field(default_factory=lambda: L1Config(size_bytes=default_l1_bytes()))
+    store: StoreConfig = field(default_factory=StoreConfig)
+    prefetch: PrefetchConfig = field(default_factory=PrefetchConfig)
+    limits: ServerLimits = field(default_factory=ServerLimits)
     # More L2 adapters after the fs one, e.g. shared stores: TOML ``[[l2]]``
     # tables or ``--l2 '{"type": "redis", "url": "redis://..."}'`` (repeatable).
     l2: tuple[dict[str, Any], ...] = ()
@@ -56,14 +76,8 @@ class ServerConfig:
             raise ValueError(f"--http-port {self.http_port} is not a TCP port (or -1 for none)")
         if self.chunk_size <= 0:
             raise ValueError(f"--chunk-size must be positive, got {self.chunk_size}")
-        if self.l1_size_bytes < 0:
-            raise ValueError("--l1-size must be positive")
         for spec in self.l2:
             parse_spec(spec)  # a clear error for a spec without a type
-
-    @property
-    def l1_bytes(self) -> int:
-        return self.l1_size_bytes or default_l1_bytes()
 
     @property
     def l2_dir(self) -> str | None:
@@ -72,42 +86,39 @@ class ServerConfig:
         return self.cache_dir or default_cache_dir()
 
 
-def env_name(option: str) -> str:
-    """``l1_size_bytes`` -> ``KVTIER_L1_SIZE``, ``auth_token`` -> ``KVTIER_AUTH_TOKEN``."""
-    return "KVTIER_" + option.upper().removesuffix("_BYTES")
+def flag_name(key: str) -> str:
+    """How a (dotted) option is given on the command line: ``l1.size_bytes``
+    -> ``--l1-size``, ``port`` -> ``--port``, ``store.batch_objects`` ->
+    ``--set store.batch_objects=...``."""
+    if key in SECTION_FLAGS:
+        return SECTION_FLAGS[key]
+    if "." in key:
+        return f"--set {key}=..."
+    return "--" + key.replace("_", "-")
 
 
-def load_config(flags: Mapping[str, Any], config_file: str | None = None) -> ServerConfig:
-    """Merge a TOML file, ``KVTIER_<OPTION>`` variables and flags (set ones only)."""
-    merged: dict[str, Any] = {}
-    if config_file:
-        try:
-            merged.update(tomllib.loads(Path(config_file).read_text()))
-        except (OSError, tomllib.TOMLDecodeError) as exc:
-            raise ValueError(f"--config {config_file}: {exc}") from None
-    names = {f.name: f for f in fields(ServerConfig)}
-    for name, f in names.items():
-        value = os.environ.get(env_name(name))
-        if value is not None:
-            merged[name] = _from_text(value, f.type)
-    merged.update({k: v for k, v in flags.items() if v is not None})
-    try:
-        return from_mapping(ServerConfig, merged, "kvtier serve")
-    except ValueError as exc:  # name the flag, not the field
-        message = str(exc).removeprefix("kvtier serve: ")  # the CLI names the command
-        for name in names:
-            message = message.replace(f"option {name!r}", flag_name(name))
-        raise ValueError(message) from None
+def load_config(
+    flags: Mapping[str, Any],
+    config_file: str | None = None,
+    environ: Mapping[str, str] | None = None,
+) -> ServerConfig:
+    """Merge the ``--config`` file, ``KVTIER_*`` variables and the flags given
+    (None: not given; keys may be dotted), then read the token file."""
+    file = read_toml(config_file, "--config") if config_file else {}
+    config = load(
+        ServerConfig,
+        file=file,
+        environ=environ,
+        flags=flags,
+        env_prefix=ENV_PREFIX,
+        where=f"--config {config_file}" if config_file else "kvtier serve",
+        flag_name=flag_name,
+        defaults=ServerConfig(),
+    )
+    if config.auth_token_file:
+        token = secret(config.auth_token_file, "--auth-token-file", ENV_PREFIX + "AUTH_TOKEN")
+        config = dataclasses.replace(config, auth_token=token)
+    return config
 
 
-def flag_name(option: str) -> str:
-    """``l1_size_bytes`` -> ``--l1-size``."""
-    return "--" + option.removesuffix("_bytes").replace("_", "-")
-
-
-def _from_text(value: str, hint: object) -> object:
-    if hint in ("int", int):
-        return value if not value.lstrip("-").isdigit() else int(value)
-    if hint in ("float", float):
-        return float(value)
-    return value
+__all__ = ["ServerConfig", "default_l1_bytes", "env_name", "flag_name", "load_config"]

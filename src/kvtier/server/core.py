@@ -211,16 +211,15 @@ class CacheServer:
         if result is None:
             return p.QueryResult(None), []
         looked_up = len(session.keys)
-        ranks = session.ranks
         self.sessions.answer(client, session, result)
         self.metrics.lookup_seconds.observe(time.perf_counter() - session.started)
         chunk = self.chunks.frozen or self.chunks.minimum
-        tiers = {tier: objects // ranks for tier, objects in result.objects_by_tier.items()}
+        by_tier = result.chunks_by_tier()
         self.counters.add("hit_chunks", result.hit_chunks)
-        for tier, chunks in tiers.items():
+        for tier, chunks in by_tier.items():
             self.counters.add(f"hit_tokens.{tier}", chunks * chunk)
         self.counters.add("lookup_tokens", looked_up * chunk)
-        return p.QueryResult(result.hit_chunks, tiers), []
+        return p.QueryResult(result.hit_chunks, by_tier), []
 
     def _retrieve(self, client: Client, req: p.Retrieve, frames: Sequence[Buffer]) -> Outcome:
         started = time.perf_counter()

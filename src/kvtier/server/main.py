@@ -2,17 +2,16 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import signal
 import threading
 from types import FrameType
 
-from kvtier.l1 import L1Config
 from kvtier.l2.registry import parse_spec
 from kvtier.server.admin import AdminHTTP
 from kvtier.server.config import ServerConfig
 from kvtier.server.core import CacheServer
-from kvtier.server.limits import ServerLimits
 from kvtier.server.transport import ServerTransport
 from kvtier.storage import StorageConfig, StorageManager
 from kvtier.units import format_size
@@ -25,8 +24,8 @@ OFFLOAD_BYTES = 1 << 20  # bytes stores at least this large are copied off the l
 def storage_config(config: ServerConfig) -> StorageConfig:
     local = () if config.l2_dir is None else ({"type": "fs", "path": config.l2_dir},)
     l2 = (*local, *(parse_spec(spec) for spec in config.l2))  # the local disk first
-    l1 = L1Config(size_bytes=config.l1_bytes, shm_dir=config.shm_dir, reaper=True)
-    return StorageConfig(l1=l1, l2=l2)
+    l1 = dataclasses.replace(config.l1, reaper=True)  # a killed server leaves no arena
+    return StorageConfig(l1=l1, l2=l2, store=config.store, prefetch=config.prefetch)
 
 
 def serve(config: ServerConfig, stop: threading.Event | None = None) -> None:
@@ -41,11 +40,7 @@ def serve(config: ServerConfig, stop: threading.Event | None = None) -> None:
         signal.signal(signal.SIGINT, on_signal)
     storage = StorageManager(storage_config(config))
     core = CacheServer(
-        storage,
-        config.chunk_size,
-        config.auth_token,
-        ServerLimits(session_ttl_s=config.session_ttl_s, client_ttl_s=config.client_ttl_s),
-        offload_bytes=OFFLOAD_BYTES,
+        storage, config.chunk_size, config.auth_token, config.limits, offload_bytes=OFFLOAD_BYTES
     )
     admin = None
     try:
@@ -56,7 +51,7 @@ def serve(config: ServerConfig, stop: threading.Event | None = None) -> None:
         l2 = config.l2_dir or "none"
         print(
             f"kvtier serve: rpc {transport.address} http {http} boot {core.boot_id} "
-            f"l1 {format_size(config.l1_bytes)} arena {storage.l1.arena_name} l2 {l2}",
+            f"l1 {format_size(config.l1.size_bytes)} arena {storage.l1.arena_name} l2 {l2}",
             flush=True,
         )
         transport.serve(stop)

@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import msgspec
 
+from kvtier.layout import KVLayout
+
 PROTOCOL_VERSION = 2  # 2: seq on every message
 HASH_ALGORITHM = "blake3-chain-v1"
 
@@ -43,6 +45,20 @@ class LayoutSpec(msgspec.Struct, forbid_unknown_fields=True):
     dtype: str
     kind: str = "kv"
     format: str = ""  # KVLayout.format
+
+    @classmethod
+    def of(cls, layout: KVLayout, group: int = 0) -> LayoutSpec:
+        """The one conversion from an engine's ``KVLayout`` (the server sets
+        the chunk size and the ranks come with HELLO)."""
+        return cls(
+            group,
+            layout.num_layers,
+            layout.kv_heads,
+            layout.head_dim,
+            layout.dtype,
+            layout.kind,
+            layout.format,
+        )
 
 
 # ------------------------------------------------------------------ requests
@@ -160,7 +176,7 @@ class Ack(Message, tag="ack"):
 
 class QueryResult(Message, tag="query_result"):
     hit_chunks: int | None  # None: still pending; 0: done, a miss
-    tiers: dict[str, int] = {}  # hit chunks per tier ("L1", an L2 adapter's name)
+    chunks_by_tier: dict[str, int] = {}  # hit chunks per tier ("L1", an L2 adapter's name)
 
 
 class Objects(Message, tag="objects"):

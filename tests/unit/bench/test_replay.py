@@ -12,7 +12,7 @@ from typing import Any
 from aiohttp import web
 
 from kvtier.bench.replay import replay
-from kvtier.bench.trace import TraceRequest
+from kvtier.traces import TraceRequest
 
 
 async def completions(request: web.Request) -> web.StreamResponse:

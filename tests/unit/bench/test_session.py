@@ -7,10 +7,10 @@ from pathlib import Path
 
 import pytest
 
-from kvtier.bench.command import TRACE_OPTIONS, resolve
+from kvtier.bench.command import resolve, trace_options
 from kvtier.bench.session import BenchRequest, build_trace, working_set_chunks
-from kvtier.bench.trace import TraceRequest, write_trace
 from kvtier.cli import build_parser, main
+from kvtier.traces import TraceRequest, write_trace
 
 
 def test_working_set_counts_chunks_as_prefixes() -> None:
@@ -60,25 +60,22 @@ SCENARIOS = sorted(Path(__file__).parents[3].joinpath("benchmarks", "scenarios")
 
 @pytest.mark.parametrize("path", SCENARIOS, ids=lambda p: p.name)
 def test_scenario_files_build_their_traces(path: Path) -> None:
-    values = resolve(build_parser().parse_args(["bench", "--scenario", str(path)]))
-    request = BenchRequest(
-        workload=values["workload"],
-        trace_options={k: values[k] for k in TRACE_OPTIONS if values[k] is not None},
-    )
+    options = resolve(build_parser().parse_args(["bench", "--scenario", str(path)]))
+    request = BenchRequest(workload=options.workload, trace_options=trace_options(options))
     trace, described = build_trace(request)
-    assert described.startswith(values["workload"].replace("rag", "RAG"))
+    assert described.startswith(options.workload.replace("rag", "RAG"))
     assert sum(not r.warm for r in trace) > 0
 
 
 def test_flags_win_over_the_scenario_which_wins_over_quick(tmp_path: Path) -> None:
     scenario = tmp_path / "s.toml"
-    scenario.write_text('rate = 3.0\ndoc-tokens = "100:200"\nl1_size = "2GiB"\n')
+    scenario.write_text('rate = 3.0\ndoc-tokens = "100:200"\nl1_size_bytes = "2GiB"\n')
     parse = build_parser().parse_args
-    values = resolve(parse(["bench", "--quick", "--scenario", str(scenario), "--rate", "5"]))
-    assert values["rate"] == 5.0  # the flag
-    assert values["doc_tokens"] == (100, 200) and values["l1_size"] == "2GiB"  # the scenario
-    assert values["requests"] == 20  # --quick
-    assert values["configs"] == "apc,apc+l1,apc+l1+remote,lmcache"  # the default
+    options = resolve(parse(["bench", "--quick", "--scenario", str(scenario), "--rate", "5"]))
+    assert options.rate == 5.0  # the flag
+    assert options.doc_tokens == (100, 200) and options.l1_size_bytes == 2 << 30  # the scenario
+    assert options.requests == 20  # --quick
+    assert options.configs == "apc,apc+l1,apc+l1+remote,lmcache"  # the default
     scenario.write_text("speed = 3\n")
-    with pytest.raises(ValueError, match="unknown option 'speed'"):
+    with pytest.raises(ValueError, match="unknown option speed in --scenario"):
         resolve(parse(["bench", "--scenario", str(scenario)]))

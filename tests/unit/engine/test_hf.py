@@ -20,11 +20,11 @@ from transformers import DeepseekV3Config, PretrainedConfig, Qwen3NextConfig
 from kvtier.engine.hf import (
     KVTierModel,
     cache_argument,
-    config_fingerprint,
     kv_layout,
     model_identity,
     weights_fingerprint,
 )
+from kvtier.engine.identity import config_fingerprint
 from kvtier.engine.link import LocalLink
 from kvtier.keys import TokenHasher
 from kvtier.l1 import L1Config
@@ -265,7 +265,7 @@ def test_model_identity_explicit_revision_and_name_win(
     llama: transformers.PreTrainedModel,
 ) -> None:
     default = model_identity(llama)
-    config = config_fingerprint(llama)
+    config = config_fingerprint(llama.config.to_dict())
     assert default.revision == f"{weights_fingerprint(llama)}+{config}"
     assert default.model == "llama"  # built from a config: no name_or_path, the model type
     assert model_identity(llama, revision="abc123").revision == f"abc123+{config}"
@@ -286,7 +286,7 @@ def test_model_identity_prefers_the_hub_commit_and_name_or_path(
     model.config._commit_hash = "0123abcd"
     model.config.name_or_path = "org/model"
     identity = model_identity(model)
-    config = config_fingerprint(model)
+    config = config_fingerprint(model.config.to_dict())
     assert (identity.model, identity.revision) == ("org/model", f"0123abcd+{config}")
     assert model_identity(model, revision="explicit").revision == f"explicit+{config}"
 
@@ -294,13 +294,13 @@ def test_model_identity_prefers_the_hub_commit_and_name_or_path(
 def test_config_fingerprint_ignores_names_and_flags_but_not_kv_fields(
     llama: transformers.PreTrainedModel,
 ) -> None:
-    base = config_fingerprint(llama)
+    base = config_fingerprint(llama.config.to_dict())
     model = copy.deepcopy(llama)
     model.config.name_or_path = "org/other-name"
     model.config.use_cache = False
-    assert config_fingerprint(model) == base
+    assert config_fingerprint(model.config.to_dict()) == base
     model.config.rms_norm_eps = 1e-5 if llama.config.rms_norm_eps != 1e-5 else 1e-6
-    assert config_fingerprint(model) != base
+    assert config_fingerprint(model.config.to_dict()) != base
 
 
 def test_namespace_differs_with_every_identity_part(llama: transformers.PreTrainedModel) -> None:
@@ -461,7 +461,7 @@ def test_wrong_size_object_is_a_miss_and_releases_locks(
     got = engine.generate(ids, 3)
     assert got.prefill.load_failed
     assert (got.prefill.hit_tokens, got.prefill.computed_tokens) == (0, 50)
-    assert got.prefill.tier_tokens == {} and got.prefill.stored_tokens == 0
+    assert got.prefill.tokens_by_tier == {} and got.prefill.stored_tokens == 0
     assert_same_output(reference, got)
     assert storage.held_locks() == 0
 

@@ -53,7 +53,7 @@ SEED_FLAGS = [
 
 
 def plan_json(capsys: pytest.CaptureFixture[str], *flags: str) -> dict[str, Any]:
-    assert main(["plan", *flags, "--json"]) == 0
+    assert main(["plan", *flags, "--json", "-"]) == 0
     result: dict[str, Any] = json.loads(capsys.readouterr().out)
     return result
 
@@ -172,7 +172,7 @@ def test_unparseable_flags_exit_2(
 
 def test_the_installed_command() -> None:
     result = subprocess.run(
-        [sys.executable, "-m", "kvtier.cli", "plan", *SEED_FLAGS, "--json"],
+        [sys.executable, "-m", "kvtier.cli", "plan", *SEED_FLAGS, "--json", "-"],
         capture_output=True,
         text=True,
         check=True,

@@ -1,59 +1,120 @@
 from __future__ import annotations
 
+import tomllib
 from pathlib import Path
 
 import pytest
 
-from kvtier.server.config import ServerConfig, default_l1_bytes, env_name, load_config
+from kvtier.cli import main
+from kvtier.server.config import ServerConfig, default_l1_bytes, flag_name, load_config
+
+NO_ENV: dict[str, str] = {}
 
 
-def test_defaults_work_without_configuration(monkeypatch: pytest.MonkeyPatch) -> None:
-    for name in ServerConfig.__dataclass_fields__:
-        monkeypatch.delenv(env_name(name), raising=False)
-    config = load_config({})
+def test_defaults_work_without_configuration() -> None:
+    config = load_config({}, environ=NO_ENV)
     assert config.host == "127.0.0.1" and config.port == 5555 and config.chunk_size == 256
-    assert config.l1_bytes == default_l1_bytes()
-    assert 256 << 20 <= config.l1_bytes <= 16 << 30
+    assert config.l1.size_bytes == default_l1_bytes()
+    assert 256 << 20 <= config.l1.size_bytes <= 16 << 30
     assert config.l2_dir is not None and config.l2_dir.endswith("kvtier/l2")
+    assert config.store.policy == "all" and config.l1.eviction_policy == "lru"
 
 
-def test_flags_beat_environment_beat_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_flags_beat_environment_beat_file(tmp_path: Path) -> None:
     toml = tmp_path / "kvtier.toml"
-    toml.write_text('port = 7000\nchunk_size = 512\nl1_size_bytes = "1GiB"\nauth_token = "file"\n')
-    monkeypatch.setenv("KVTIER_CHUNK_SIZE", "1024")
-    monkeypatch.setenv("KVTIER_AUTH_TOKEN", "env")
-    monkeypatch.setenv("KVTIER_L1_SIZE", "2GiB")
-    config = load_config({"auth_token": "flag", "port": None}, str(toml))
+    toml.write_text(
+        'port = 7000\nchunk_size = 512\nauth_token = "file"\n'
+        '[l1]\nsize_bytes = "1GiB"\neviction_policy = "gdsf"\nhigh_watermark = 0.9\n'
+        '[store]\npolicy = "hit_count>=2"\n'
+        "[limits]\nclient_ttl_s = 7\n"
+    )
+    environ = {
+        "KVTIER_CHUNK_SIZE": "1024",
+        "KVTIER_AUTH_TOKEN": "env",
+        "KVTIER_L1_SIZE": "2GiB",
+        "KVTIER_LIMITS_CLIENT_TTL_S": "9",
+    }
+    flags = {"port": None, "l1.eviction_policy": "lru", "store.policy": None}
+    config = load_config(flags, str(toml), environ)
     assert config.port == 7000  # file (the flag was not given)
     assert config.chunk_size == 1024  # environment over file
-    assert config.l1_size_bytes == 2 << 30
-    assert config.auth_token == "flag"  # flag over environment
+    assert config.l1.size_bytes == 2 << 30
+    assert config.l1.eviction_policy == "lru"  # flag over file
+    assert config.l1.high_watermark == 0.9  # file, the rest of its section kept
+    assert config.store.policy == "hit_count>=2"
+    assert config.limits.client_ttl_s == 9.0
+    assert config.auth_token == "env"
+
+
+def test_the_token_comes_from_a_file_not_a_flag(tmp_path: Path) -> None:
+    secret = tmp_path / "token"
+    secret.write_text("s3cret\n")
+    config = load_config({"auth_token_file": str(secret)}, environ=NO_ENV)
+    assert config.auth_token == "s3cret"
+    with pytest.raises(ValueError, match=r"--auth-token-file .*missing"):
+        load_config({"auth_token_file": str(tmp_path / "missing")}, environ=NO_ENV)
 
 
 @pytest.mark.parametrize(
-    ("flags", "message"),
+    ("flags", "environ", "message"),
     [
-        ({"port": 70000}, "--port 70000"),
-        ({"http_port": -5}, "--http-port"),
-        ({"chunk_size": 0}, "--chunk-size"),
-        ({"l1_size_bytes": "lots"}, "--l1-size: cannot read 'lots' as a size"),
-        ({"session_ttl_s": "soon"}, "--session-ttl-s must be float"),
-        ({"bogus": 1}, "unknown option 'bogus'"),
+        ({"port": 70000}, {}, "--port 70000"),
+        ({"http_port": -5}, {}, "--http-port"),
+        ({"chunk_size": 0}, {}, "--chunk-size"),
+        ({"l1.size_bytes": "lots"}, {}, "--l1-size: cannot read 'lots' as a size"),
+        ({}, {"KVTIER_L1_SIZE": "lots"}, "KVTIER_L1_SIZE: cannot read 'lots'"),
+        ({}, {"KVTIER_LIMITS_SESSION_TTL_S": "soon"}, "KVTIER_LIMITS_SESSION_TTL_S must be float"),
+        ({"l1.eviction_policy": "fifo"}, {}, "eviction_policy 'fifo' is not one of"),
+        ({"store.batch_objects": 0}, {}, "'batch_objects' must be positive"),
+        ({"bogus": 1}, {}, "unknown option --bogus"),
+        ({"l1.bogus": 1}, {}, "unknown option --set l1.bogus="),
     ],
 )
-def test_bad_settings_name_what_to_change(flags: dict[str, object], message: str) -> None:
+def test_bad_settings_name_what_to_change(
+    flags: dict[str, object], environ: dict[str, str], message: str
+) -> None:
     with pytest.raises(ValueError, match=message):
-        load_config(flags)
+        load_config(flags, environ=environ)
 
 
 def test_bad_config_file(tmp_path: Path) -> None:
     bad = tmp_path / "bad.toml"
     bad.write_text("port = = 3")
     with pytest.raises(ValueError, match="--config"):
-        load_config({}, str(bad))
+        load_config({}, str(bad), NO_ENV)
     with pytest.raises(ValueError, match="--config"):
-        load_config({}, str(tmp_path / "missing.toml"))
+        load_config({}, str(tmp_path / "missing.toml"), NO_ENV)
+    unknown = tmp_path / "unknown.toml"
+    unknown.write_text("[l1]\nsize = 3\n")
+    with pytest.raises(ValueError, match=r"unknown option l1\.size in --config"):
+        load_config({}, str(unknown), NO_ENV)
 
 
 def test_cache_dir_none_turns_l2_off() -> None:
     assert ServerConfig(cache_dir="none").l2_dir is None
+
+
+def test_flag_names() -> None:
+    assert flag_name("l1.size_bytes") == "--l1-size"
+    assert flag_name("http_port") == "--http-port"
+    assert flag_name("store.batch_objects") == "--set store.batch_objects=..."
+
+
+def test_print_config_round_trips(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``kvtier serve --print-config`` prints what it would run, as a TOML file
+    that --config reads back (the token masked)."""
+    monkeypatch.setenv("KVTIER_AUTH_TOKEN", "s3cret")
+    argv = ["serve", "--print-config", "--l1-size", "64MiB", "--store-policy", "none"]
+    argv += ["--set", "l1.high_watermark=0.9", "--set", "limits.max_clients=8"]
+    assert main(argv) == 0
+    printed = capsys.readouterr().out
+    data = tomllib.loads(printed)
+    assert data["auth_token"] == "***" and "s3cret" not in printed
+    assert data["l1"]["size_bytes"] == 64 << 20 and data["l1"]["high_watermark"] == 0.9
+    assert data["store"]["policy"] == "none" and data["limits"]["max_clients"] == 8
+    saved = tmp_path / "printed.toml"
+    saved.write_text(printed.replace('auth_token = "***"\n', ""))
+    again = load_config({}, str(saved), NO_ENV)
+    assert again.l1.size_bytes == 64 << 20 and again.limits.max_clients == 8

@@ -9,34 +9,26 @@ chunks all ranks have), each worker's for its own rank.
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
-from blake3 import blake3
-
-from kvtier.engine.link import ModelIdentity
+from kvtier.engine.identity import ModelIdentity
+from kvtier.engine.identity import model_identity as identity_of
 from kvtier.engine.vllm.pages import engine_kv_layout
 from kvtier.engine.vllm.settings import ConnectorSettings
 from kvtier.keys import TokenHasher, model_label
-from kvtier.keys.object_key import MAX_MODEL_CHARS
 from kvtier.layout import KVLayout
 from kvtier.server.client import CacheClient, ClientConfig
 from kvtier.server.protocol import LayoutSpec
 
 
 def model_identity(vllm_config: Any, settings: ConnectorSettings) -> ModelIdentity:
-    """The model's name (its path or hub id; hashed when too long for a key),
-    and revision: ``kvtier.revision``, else the model config's, then a
-    fingerprint of the HF config (the same weights with another RoPE base
-    compute other KV)."""
+    """``identity.model_identity`` for the model vLLM serves: its path or hub
+    id, ``kvtier.revision`` (else the model config's, else the hub commit or
+    the checkpoint files' fingerprint) and its HF config, by the same rules
+    as the transformers integration."""
     model = vllm_config.model_config
-    name = model.model
-    if len(model_label(name)) > MAX_MODEL_CHARS:
-        name = "m-" + blake3(name.encode()).hexdigest(length=16)
-    revision = settings.revision or model.revision or ""
-    config = json.dumps(model.hf_config.to_diff_dict(), sort_keys=True, default=repr)
-    return ModelIdentity(
-        model=name, revision=f"{revision}+c-{blake3(config.encode()).hexdigest(length=8)}"
+    return identity_of(
+        model.model, model.hf_config.to_dict(), revision=settings.revision or model.revision
     )
 
 
@@ -57,14 +49,7 @@ class ClientPool:
         self.identity = model_identity(vllm_config, settings)
         self.block_size: int = vllm_config.cache_config.block_size
         probe = engine_kv_layout(vllm_config, self.block_size)  # validates the model up front
-        self.spec = LayoutSpec(
-            group=0,
-            num_layers=probe.num_layers,
-            kv_heads=probe.kv_heads,
-            head_dim=probe.head_dim,
-            dtype=probe.dtype,
-            format=probe.format,
-        )
+        self.spec = LayoutSpec.of(probe)
         self.num_ranks = probe.num_ranks
         self._clients: dict[str, CacheClient] = {}
         self._hashers: dict[tuple[str, int], TokenHasher] = {}

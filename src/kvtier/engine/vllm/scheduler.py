@@ -142,7 +142,7 @@ class SchedulerSide:
             )
         if not tracked.lookup.done and client.poll(tracked.lookup, wait) is None:
             return None, False  # pending: asked again next step, without waiting
-        end = min((tracked.lookup.hit or 0) * tracked.chunk_size, request.num_tokens - 1)
+        end = min((tracked.lookup.hit_chunks or 0) * tracked.chunk_size, request.num_tokens - 1)
         return max(0, end - num_computed_tokens), False
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
@@ -153,7 +153,7 @@ class SchedulerSide:
         tracked = self.requests.get(request.request_id)
         if tracked is None or tracked.client is None or tracked.lookup is None:
             return
-        hit = tracked.lookup.hit or 0
+        hit = tracked.lookup.hit_chunks or 0
         tracked.stored = hit
         if not tracked.lookup.done or hit == 0:
             return

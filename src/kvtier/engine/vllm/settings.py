@@ -1,29 +1,36 @@
-"""The connector's settings, read from ``kv_connector_extra_config``:
+"""The connector's settings: ``kv_connector_extra_config`` keys ``kvtier.<option>``
+(the flags), then ``KVTIER_<OPTION>`` variables, then a TOML file named by
+``kvtier.config_file`` (its ``[connector]`` table), then the defaults below:
+``kvtier.config.load``'s precedence, as for ``kvtier serve``.
 
-- ``kvtier.address`` (``tcp://127.0.0.1:5555``): the node's cache server.
-- ``kvtier.auth_token`` (env ``KVTIER_AUTH_TOKEN``): the server's token, if any.
-- ``kvtier.salt`` (``""``): the tenant salt of requests without a ``cache_salt``.
-- ``kvtier.salt_source`` (``request``): ``request``: a request's ``cache_salt``
-  wins; ``fixed``: always ``kvtier.salt``.
-- ``kvtier.store`` (``prompt``): ``prompt`` stores every full prompt chunk;
+- ``address`` (``tcp://127.0.0.1:5555``): the node's cache server.
+- ``auth_token_file`` (else ``KVTIER_AUTH_TOKEN``): the server's token, if
+  any. ``auth_token`` works too, but vLLM's command line (where the extra
+  config often is) shows in ``ps``.
+- ``salt`` (``""``): the tenant salt of requests without a ``cache_salt``.
+- ``salt_source`` (``request``): ``request``: a request's ``cache_salt``
+  wins; ``fixed``: always ``salt``.
+- ``store`` (``prompt``): ``prompt`` stores every full prompt chunk;
   ``none`` only loads.
-- ``kvtier.revision`` (the model config's revision): the weights' revision in
-  the namespace.
-- ``kvtier.lookup_wait_s`` (0.02): how long a request's first lookup waits
-  before the request is deferred to the next step.
-- ``kvtier.request_timeout_s`` (2.0): a server silent this long is away (misses).
+- ``revision`` (the model config's revision): the weights' revision in the
+  namespace.
+- ``lookup_wait_s`` (0.02): the scheduler thread's budget for a request's
+  first lookup; a request whose answer is later is deferred to the next step.
+- ``request_timeout_s`` (2.0): a server silent this long is away (misses).
 """
 
 from __future__ import annotations
 
-import os
+import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from kvtier.config import load, read_toml, secret
 from kvtier.keys import salt_label
 
 PREFIX = "kvtier."
+ENV_PREFIX = "KVTIER_"
 SALT_SOURCES = ("request", "fixed")
 STORE_POLICIES = ("prompt", "none")
 
@@ -32,6 +39,7 @@ STORE_POLICIES = ("prompt", "none")
 class ConnectorSettings:
     address: str = "tcp://127.0.0.1:5555"
     auth_token: str = ""
+    auth_token_file: str = ""
     salt: str = ""
     salt_source: str = "request"
     store: str = "prompt"
@@ -39,30 +47,37 @@ class ConnectorSettings:
     lookup_wait_s: float = 0.02
     request_timeout_s: float = 2.0
 
-    @classmethod
-    def from_extra_config(cls, extra: Mapping[str, Any]) -> ConnectorSettings:
-        """ValueError naming the key for anything unknown or out of range."""
-        names = {name for name in cls.__dataclass_fields__}
-        values: dict[str, Any] = {}
-        for key, value in extra.items():
-            if not key.startswith(PREFIX):
-                continue  # another connector's key (e.g. in a MultiConnector)
-            name = key.removeprefix(PREFIX)
-            if name not in names:
-                raise ValueError(
-                    f"kv_connector_extra_config: unknown key {key!r}; known: "
-                    f"{sorted(PREFIX + n for n in names)}"
-                )
-            values[name] = value
-        values.setdefault("auth_token", os.environ.get("KVTIER_AUTH_TOKEN", ""))
-        settings = cls(**values)
-        if settings.salt_source not in SALT_SOURCES:
+    def __post_init__(self) -> None:
+        if self.salt_source not in SALT_SOURCES:
             raise ValueError(f"kvtier.salt_source must be one of {SALT_SOURCES}")
-        if settings.store not in STORE_POLICIES:
+        if self.store not in STORE_POLICIES:
             raise ValueError(f"kvtier.store must be one of {STORE_POLICIES}")
         for name in ("lookup_wait_s", "request_timeout_s"):
-            if not float(getattr(settings, name)) > 0:
+            if not float(getattr(self, name)) > 0:
                 raise ValueError(f"kvtier.{name} must be a positive number of seconds")
+
+    @classmethod
+    def from_extra_config(
+        cls, extra: Mapping[str, Any], environ: Mapping[str, str] | None = None
+    ) -> ConnectorSettings:
+        """ValueError naming the key for anything unknown or out of range."""
+        flags = {k.removeprefix(PREFIX): v for k, v in extra.items() if k.startswith(PREFIX)}
+        config_file = flags.pop("config_file", None)
+        file = (
+            read_toml(config_file, "kvtier.config_file").get("connector", {}) if config_file else {}
+        )
+        settings = load(
+            cls,
+            file=file.get("connector", {}),
+            environ=environ,
+            flags=flags,
+            env_prefix=ENV_PREFIX,
+            where="kv_connector_extra_config",
+            flag_name=lambda key: PREFIX + key,
+        )
+        if settings.auth_token_file:
+            token = secret(settings.auth_token_file, "kvtier.auth_token_file", "KVTIER_AUTH_TOKEN")
+            settings = dataclasses.replace(settings, auth_token=token)
         return settings
 
     def salt_for(self, cache_salt: str | None) -> str:

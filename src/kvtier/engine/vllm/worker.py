@@ -76,7 +76,7 @@ class WorkerSide:
             state = client.lookup(
                 spec.request_id, spec.hashes, wait_s=self.settings.request_timeout_s
             )
-            hit = state.hit or 0
+            hit = state.hit_chunks or 0
 
             def scatter(i: int, view: npt.NDArray[np.uint8]) -> None:
                 paged.scatter(view, spec.blocks[i])

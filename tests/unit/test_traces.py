@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from kvtier.bench.trace import (
+from kvtier.traces import (
     ChatSpec,
     RagSpec,
     chat_trace,
