@@ -120,6 +120,9 @@ class DelegatingLink:
     def end(self, request_id: str) -> None:
         self.inner.end(request_id)
 
+    def report_shadow(self, checked: int, mismatched: int) -> None:
+        self.inner.report_shadow(checked, mismatched)
+
     def close(self) -> None:
         self.inner.close()
 

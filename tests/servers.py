@@ -10,7 +10,6 @@ tests that need it (``.ci/run`` installs both).
 
 from __future__ import annotations
 
-import shutil
 import signal
 import socket
 import subprocess
@@ -23,6 +22,7 @@ from kvtier.bench.stores import (
     RedisProcess,
     answers_ping,
     free_port,
+    installed_binary,
     mooncake_binaries,
     redis_binary,
 )
@@ -42,7 +42,7 @@ def valkey_binary() -> str | None:
 
 
 def weed_binary() -> str | None:
-    return shutil.which("weed")
+    return installed_binary("weed")
 
 
 def free_port_pair() -> int:

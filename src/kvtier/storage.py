@@ -32,6 +32,7 @@ import numpy.typing as npt
 
 from kvtier.controllers import (
     LookupResult,
+    MissReason,
     PrefetchConfig,
     PrefetchController,
     PrefetchHandle,
@@ -234,7 +235,7 @@ class StorageManager:
             with self._lock:
                 self._lookup_timeouts += 1
             log.error("storage: a lookup was not answered %.1f s after its deadline", wait)
-            return LookupResult(0, {}, {})
+            return LookupResult(0, {}, {}, miss_reason=MissReason.ERROR)
         return result
 
     def lookup(

@@ -221,7 +221,8 @@ def bad_hello(draw: st.DrawFn) -> Case:
         dtype = draw(st.text(max_size=10).filter(lambda d: d not in ("float16", "bfloat16")))
         fields["layouts"] = [p.LayoutSpec(0, 2, 2, 16, dtype)]
     elif what == "model":
-        fields["model"] = draw(st.sampled_from(["", "a@b", "x" * 200, "sp ace", "a\x00b"]))
+        # Any other name is hashed into a key-safe label (tests/unit/keys).
+        fields["model"] = draw(st.sampled_from(["", "x" * 5000]))
     else:  # the chunk size is frozen at 256: an alignment must divide it
         fields["chunk_alignment"] = draw(
             st.integers(-(2**31), 2**31).filter(lambda a: a <= 0 or 256 % a)

@@ -32,6 +32,7 @@ from transformers import AutoModelForCausalLM, PreTrainedModel
 
 from kvtier.engine.hf import Generation, KVTierModel, kv_layout
 from kvtier.engine.link import Hit, ServerLink
+from kvtier.engine.shadow import ShadowCheck
 from kvtier.keys import TokenHasher, salt_label
 from kvtier.l1 import L1Config
 from kvtier.process import clean_env, read_line, stop_process
@@ -315,6 +316,45 @@ def test_perturbed_kv_fails_the_comparison(
 
     engine.link = link.inner  # the cache itself was not touched
     run(engine, model, ids, hit=64, stored=0)
+    backend.assert_nothing_held()
+
+
+def test_shadow_check_confirms_reuse_and_catches_wrong_kv(
+    backend: Backend, models: dict[str, PreTrainedModel], seed: int
+) -> None:
+    """Every hit is sampled: the last loaded chunk is recomputed and compared.
+    Honest reuse agrees to float32 rounding; KV that is off by 0.5 (what a
+    checksum cannot see: another model's or prompt's KV) is a mismatch,
+    counted here and, through a server, in the server's metrics."""
+    model = models["llama"]
+    shadow = ShadowCheck(1.0)
+    engine = backend.engine(model, shadow=shadow)
+    link = engine.link
+
+    def reported() -> dict[str, int]:  # the server's counts (shared by the module's tests)
+        assert isinstance(link, ServerLink)
+        counters = (link.client.status() or {}).get("server", {})
+        return {k: v for k, v in counters.items() if k.startswith("shadow_chunks.")}
+
+    before = reported() if isinstance(link, ServerLink) else {}
+    ids = prompt(seed, 70)
+    cold = run(engine, model, ids, hit=0, stored=64)
+    assert cold.prefill.shadow_error is None  # nothing loaded, nothing to check
+    hot = run(engine, model, ids, hit=64, stored=0)
+    assert hot.prefill.shadow_error is not None and hot.prefill.shadow_error < 1e-4
+    assert shadow.stats().checked_chunks == 1 and shadow.stats().mismatched_chunks == 0
+
+    engine.link = PerturbingLink(link, delta=0.5, chunks=[3])
+    wrong = engine.prefill(ids)
+    assert wrong.hit_tokens == 64 and wrong.shadow_error is not None
+    assert wrong.shadow_error > shadow.tolerance
+    assert shadow.stats().checked_chunks == 2 and shadow.stats().mismatched_chunks == 1
+    if isinstance(link, ServerLink):
+        checked = before.get("shadow_chunks.checked", 0) + 2
+        counted = wait_for(reported, lambda c: c.get("shadow_chunks.checked") == checked)
+        mismatched = counted["shadow_chunks.mismatched"] - before.get("shadow_chunks.mismatched", 0)
+        assert (counted["shadow_chunks.checked"], mismatched) == (checked, 1)
+    engine.link = link
     backend.assert_nothing_held()
 
 

@@ -53,6 +53,7 @@ def test_metrics_parse_and_counters_follow_requests(server: Server) -> None:
         assert client.store("s", hashes[:3], w.payloads(71, 3, SIZE)) == 3
         state = client.lookup("r", hashes)  # three stored chunks, then one never stored
         assert client.query(state, timeout_s=10.0) == 3
+        assert state.miss_reason == "not_found"  # the server's fs L2 was asked too
         out = w.empty_buffers(3, SIZE)
         assert client.retrieve_into("r", 0, 3, out)
         with w.raw_dealer(server.rpc) as socket:  # one refused request
@@ -78,6 +79,7 @@ def test_metrics_parse_and_counters_follow_requests(server: Server) -> None:
     assert delta(after, before, "kvtier_storage_prefetch_lookups") == 1
     assert delta(after, before, "kvtier_storage_prefetch_hit_chunks") == 3
     assert delta(after, before, "kvtier_storage_prefetch_hit_objects", "L1") == 3
+    assert delta(after, before, "kvtier_storage_prefetch_miss_reasons", "not_found") == 1
     assert value(after, "kvtier_storage_store_stored_objects", "fs") == 3
     assert value(after, "kvtier_storage_l1_resident_objects") == 3
     assert value(after, "kvtier_storage_l1_used_bytes") == 3 * SIZE
@@ -99,7 +101,8 @@ def test_metrics_count_misses_and_l2_hits(server: Server) -> None:
         before = samples(server.metrics())
         code, body = server.http_get("/clear", method="POST")  # L1 forgets; the fs L2 has them
         assert (code, body) == (200, b'{"cleared": 2}')
-        assert client.query(client.lookup("l2", hashes), timeout_s=10.0) == 2
+        l2 = client.lookup("l2", hashes)
+        assert client.query(l2, timeout_s=10.0) == 2 and l2.miss_reason == ""  # a full hit
         client.end_session("l2")
         assert client.query(client.lookup("miss", w.chunk_hashes(256, 73, 2)), 10.0) == 0
         after = wait_for(

@@ -36,7 +36,7 @@ def test_client_degrades_while_down_then_hits_after_restart(
 
         # Down: a miss / nothing stored (the first call after request_timeout_s).
         state = client.lookup("down", hashes)
-        assert (state.acked, state.hit_chunks) == (False, 0)
+        assert (state.acked, state.hit_chunks, state.miss_reason) == (False, 0, "no_server")
         assert client.query(state) == 0
         assert client.store("down", hashes[:1], w.payloads(31, 1, SIZE)) == 0
         assert client.ping() is False
@@ -53,6 +53,7 @@ def test_client_degrades_while_down_then_hits_after_restart(
         state = client.lookup("up", hashes)
         assert state.acked
         assert client.query(state, timeout_s=10.0) == CHUNKS
+        assert state.miss_reason == ""
         out = w.empty_buffers(CHUNKS, SIZE)
         assert client.retrieve_into("up", 0, CHUNKS, out)
         for got, want in zip(out, w.payloads(31, CHUNKS, SIZE), strict=True):

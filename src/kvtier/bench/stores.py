@@ -13,6 +13,7 @@ import shutil
 import signal
 import socket
 import subprocess
+import sysconfig
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -27,8 +28,14 @@ def free_port() -> int:
         return port
 
 
+def installed_binary(name: str) -> str | None:
+    """``name`` on PATH, else among this Python's scripts (a server binary a pip
+    package installed into a virtualenv that is not activated)."""
+    return shutil.which(name) or shutil.which(name, path=sysconfig.get_path("scripts"))
+
+
 def redis_binary() -> str | None:
-    return shutil.which("redis-server")
+    return installed_binary("redis-server")
 
 
 def answers_ping(port: int) -> bool:
@@ -103,7 +110,7 @@ class RedisProcess:
 
 
 def mooncake_binaries() -> tuple[str, str] | None:
-    master, holder = shutil.which("mooncake_master"), shutil.which("mooncake_client")
+    master, holder = installed_binary("mooncake_master"), installed_binary("mooncake_client")
     return (master, holder) if master and holder else None
 
 

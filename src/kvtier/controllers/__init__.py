@@ -3,6 +3,7 @@
 from kvtier.controllers.prefetch import (
     L1_TIER,
     LookupResult,
+    MissReason,
     PrefetchConfig,
     PrefetchController,
     PrefetchHandle,
@@ -12,6 +13,7 @@ from kvtier.controllers.store import StoreConfig, StoreController
 __all__ = [
     "L1_TIER",
     "LookupResult",
+    "MissReason",
     "PrefetchConfig",
     "PrefetchController",
     "PrefetchHandle",

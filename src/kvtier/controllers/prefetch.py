@@ -42,6 +42,7 @@ except ``_counters`` (thread-safe) is the worker's.
 
 from __future__ import annotations
 
+import enum
 import functools
 import heapq
 import itertools
@@ -58,6 +59,7 @@ from kvtier.failures import FailureLog
 from kvtier.keys import ObjectKey
 from kvtier.l1 import IOFence, L1Manager, L1Result, Placement, WriterTag
 from kvtier.l2.base import L2Adapter, TaskId, TaskKind, TaskResult
+from kvtier.l2.format import Corruption
 from kvtier.layout import KVLayout
 
 log = logging.getLogger(__name__)
@@ -85,15 +87,34 @@ class PrefetchConfig:
                 raise ValueError(f"prefetch option {name!r} must be positive")
 
 
+class MissReason(enum.Enum):
+    """Why a lookup's hit ends where it does: the fate of the first chunk it
+    does not cover (one of that chunk's objects)."""
+
+    NOT_IN_L1 = "not_in_l1"  # no L2 tier to ask (none configured, or its layout unknown)
+    NOT_FOUND = "not_found"  # no tier holds it
+    BACKEND_DOWN = "backend_down"  # a tier that may hold it could not answer
+    CORRUPT = "corrupt"  # the copy failed its checks (kvtier.l2.format)
+    LAYOUT_MISMATCH = "layout_mismatch"  # the copy was written for another layout
+    LOAD_FAILED = "load_failed"  # found, then gone or unreadable when loaded
+    NO_ROOM = "no_room"  # L1 could not stage it (larger than L1, or all of it pinned)
+    DEADLINE = "deadline"  # still loading when the prefetch deadline passed
+    OVERLOADED = "overloaded"  # the prefetch backlog was full: L1 only
+    STOPPED = "stopped"  # the server was shutting down
+    ERROR = "error"  # a fault of the server's own (logged)
+
+
 @dataclass(frozen=True, slots=True)
 class LookupResult:
     """A finished lookup. The caller holds one read lock on every object of the
-    first ``hit_chunks`` chunks (``placements``) and must release them."""
+    first ``hit_chunks`` chunks (``placements``) and must release them.
+    ``miss_reason`` is None when every chunk hit."""
 
     hit_chunks: int
     placements: Mapping[ObjectKey, Placement]
     objects_by_tier: Mapping[str, int]  # "L1" or adapter name -> objects in the hit
     temporary: frozenset[ObjectKey] = frozenset()  # loaded for this request only
+    miss_reason: MissReason | None = None
 
     def chunks_by_tier(self) -> dict[str, int]:
         """Hit chunks per tier: objects over the objects of one chunk (every
@@ -167,6 +188,9 @@ class _Request:
     waiting_lookups: set[str] = field(default_factory=set)
     found: dict[str, set[ObjectKey]] = field(default_factory=dict)
     pending_loads: set[ObjectKey] = field(default_factory=set)
+    down: set[str] = field(default_factory=set)  # adapters whose lookup could not answer
+    missed: dict[ObjectKey, MissReason] = field(default_factory=dict)  # why an object missed
+    ended: MissReason | None = None  # why the request was answered early, if it was
     parked: bool = False  # waiting in the backlog with its L1 locks given back
     done: bool = False
 
@@ -235,6 +259,7 @@ class PrefetchController:
                 if not self._closed:
                     self._events.put(request)
                     return handle
+            request.ended = MissReason.STOPPED
         self._answer(request)  # the worker never sees this request
         return handle
 
@@ -313,6 +338,7 @@ class PrefetchController:
             self._start(request)
         elif len(self._backlog) >= self.config.max_backlog_requests:
             self._counters.add("backlog_full")
+            request.ended = MissReason.OVERLOADED
             self._answer(request)  # what L1 had: no L2 this time
         else:
             # Waiting must not pin L1: give the locks back, take them again at _start.
@@ -346,6 +372,8 @@ class PrefetchController:
             self._unlock(result.adapter, found)  # nobody will load these
             return
         request.found[result.adapter] = found
+        if result.failure:
+            request.down.add(result.adapter)
         request.waiting_lookups.discard(result.adapter)
         if not request.waiting_lookups:
             self._guarded(request, self._plan)
@@ -364,6 +392,8 @@ class PrefetchController:
                     continue
                 source = next((n for n, keys in request.found.items() if key in keys), None)
                 if source is None:
+                    down = bool(request.down)
+                    request.missed[key] = MissReason.BACKEND_DOWN if down else MissReason.NOT_FOUND
                     break
                 sources[key] = source
             else:
@@ -425,6 +455,7 @@ class PrefetchController:
                     self._take_resident(request, key)  # published meanwhile: read it from L1
                 else:
                     self._counters.add("staging_out_of_memory")  # too large for L1, or no room
+                    request.missed[key] = MissReason.NO_ROOM
             if not staged:
                 self._unlock(name, set(keys))
                 return
@@ -488,6 +519,9 @@ class PrefetchController:
                 waiting.setdefault(len(live), []).append(key)
             else:
                 self._l1.abort_write([key], batch.tag)
+                reason = _load_miss(result, key)
+                for request in live:
+                    request.missed[key] = reason
         self._counters.add(f"loaded_objects.{result.adapter}", result.count)
         self._counters.add(f"failed_loads.{result.adapter}", len(result.ok) - result.count)
         for n, keys in waiting.items():
@@ -496,8 +530,10 @@ class PrefetchController:
                 continue
             placements = self._l1.finish_write_and_reserve_read(keys, batch.tag, n)
             for key, placement in zip(keys, placements, strict=True):
-                if placement.result is not L1Result.SUCCESS:
-                    continue  # the staging lease expired: a miss
+                if placement.result is not L1Result.SUCCESS:  # the staging lease expired
+                    for request in batch.subscribers[key]:
+                        request.missed[key] = MissReason.LOAD_FAILED
+                    continue
                 for request in batch.subscribers[key]:
                     if not request.done:
                         request.locked[key] = placement
@@ -509,6 +545,7 @@ class PrefetchController:
             _, _, request = heapq.heappop(self._deadlines)
             if not request.done:
                 self._counters.add("deadline_misses")
+                request.ended = MissReason.DEADLINE
                 if request.parked:  # still in the backlog: what L1 has now
                     self._backlog.remove(request)
                     request.parked = False
@@ -563,13 +600,31 @@ class PrefetchController:
         temporary: frozenset[ObjectKey] = frozenset()
         if not self.config.retain_loaded:
             temporary = frozenset(k for k in placements if request.tier[k] != L1_TIER)
-        if not request.handle._set(LookupResult(hit, placements, dict(tiers), temporary)):
+        reason = self._miss_reason(request, hit, give_up)
+        result = LookupResult(hit, placements, dict(tiers), temporary, reason)
+        if not request.handle._set(result):
             self._counters.add("abandoned")  # the caller stopped waiting: nobody reads these
             self._l1.finish_read(list(placements))
             return
         self._counters.add("hit_chunks", hit)
         for tier, n in tiers.items():
             self._counters.add(f"hit_objects.{tier}", n)
+        if reason is not None:
+            self._counters.add(f"miss_reasons.{reason.value}")
+
+    def _miss_reason(self, request: _Request, hit: int, give_up: bool) -> MissReason | None:
+        """Why chunk ``hit`` (the first the answer lacks) missed."""
+        if hit == len(request.chunks):
+            return None
+        if give_up:
+            return MissReason.STOPPED if self._stopping else MissReason.ERROR
+        chunk = request.chunks[hit]
+        for key in chunk:
+            if key not in request.locked and key in request.missed:
+                return request.missed[key]
+        if request.ended is not None:
+            return request.ended
+        return MissReason.NOT_IN_L1  # no L2 was asked: none, or no layout for its group
 
     # ------------------------------------------------------------- helpers
 
@@ -609,6 +664,16 @@ class PrefetchController:
             inflight_bytes=self._inflight_bytes,
             inflight_objects=len(self._inflight),
         )
+
+
+def _load_miss(result: TaskResult, key: ObjectKey) -> MissReason:
+    """Why ``key`` failed to load in ``result``."""
+    refused = result.corrupt.get(key)
+    if refused == Corruption.LAYOUT.value:
+        return MissReason.LAYOUT_MISMATCH
+    if refused is not None:
+        return MissReason.CORRUPT
+    return MissReason.BACKEND_DOWN if result.backend_down else MissReason.LOAD_FAILED
 
 
 def _describe(event: object) -> str:

@@ -46,6 +46,7 @@ from kvtier.engine.identity import (
 )
 from kvtier.engine.identity import model_identity as identity_of
 from kvtier.engine.link import CacheLink, LocalLink, ServerLink, new_request_id
+from kvtier.engine.shadow import ShadowCheck
 from kvtier.keys import TokenHasher
 from kvtier.layout import KVLayout
 from kvtier.server.client import Fill
@@ -135,6 +136,7 @@ class Timings:
     load_s: float = 0.0  # copying hit KV into the cache
     prefill_s: float = 0.0  # running the model on the rest of the prompt
     store_s: float = 0.0  # copying new chunks out
+    shadow_s: float = 0.0  # the shadow check, when this prompt was sampled
     ttft_s: float = 0.0
 
 
@@ -152,6 +154,8 @@ class Prefill:
     bytes_loaded: int = 0
     bytes_stored: int = 0
     load_failed: bool = False  # the hit could not be read; the prompt was computed
+    miss_reason: str = ""  # why the hit ends where it does (``Hit.miss_reason``)
+    shadow_error: float | None = None  # the shadow check's error, if this prompt was sampled
     timings: Timings = field(default_factory=Timings)
 
 
@@ -170,6 +174,8 @@ class KVTierModel:
     ``storage``: a ``StorageManager`` in this process (``chunk_size`` tokens
     per chunk); neither: no cache (a reference run). ``name``/``revision``/
     ``salt``: see ``model_identity``. ``client_options`` go to ``ClientConfig``.
+    ``shadow``: recompute one hit chunk of a sampled fraction of prompts and
+    compare it with what was loaded (``kvtier.engine.shadow``).
     """
 
     def __init__(
@@ -185,10 +191,12 @@ class KVTierModel:
         auth_token: str = "",
         lookup_timeout_s: float = 5.0,
         client_options: dict[str, Any] | None = None,
+        shadow: ShadowCheck | None = None,
     ) -> None:
         if server is not None and storage is not None:
             raise ValueError("pass server= or storage=, not both")
         self.model = model.eval()
+        self.shadow = shadow
         self.identity = model_identity(model, name, revision, salt)
         self._cache_argument = cache_argument(model)
         self._vocab = int(model.config.get_text_config(decoder=True).vocab_size)
@@ -301,7 +309,13 @@ class KVTierModel:
             else 0
         )
         now = time.perf_counter()
-        timings.store_s, timings.ttft_s = now - mark, now - started
+        timings.store_s, mark = now - mark, now
+
+        last = use // chunk_size - 1  # the last loaded chunk
+        sampled = self.shadow is not None and loaded and last >= 0 and self.shadow.sample()
+        error = self._shadow(link, ids, cache, last, layout) if sampled else None
+        now = time.perf_counter()
+        timings.shadow_s, timings.ttft_s = now - mark, now - started
         tiers = hit.chunks_by_tier if hit is not None and loaded else {}
         return Prefill(
             logits,
@@ -314,6 +328,8 @@ class KVTierModel:
             bytes_loaded=math.ceil(use / chunk_size) * layout.object_bytes(),
             bytes_stored=stored * layout.object_bytes(),
             load_failed=not loaded,
+            miss_reason=("load_failed" if not loaded else hit.miss_reason) if hit else "",
+            shadow_error=error,
             timings=timings,
         )
 
@@ -353,23 +369,31 @@ class KVTierModel:
                 cache.update(keys, values, n)
         return True
 
+    def _shadow(
+        self, link: CacheLink, ids: list[int], cache: DynamicCache, chunk: int, layout: KVLayout
+    ) -> float:
+        """Recompute loaded chunk ``chunk`` on top of the loaded chunks before
+        it and compare (``ShadowCheck.compare``)."""
+        assert self.shadow is not None
+        start, end = chunk * layout.tokens_per_chunk, (chunk + 1) * layout.tokens_per_chunk
+        context = DynamicCache()
+        for n, (keys, values) in enumerate(_layers(cache, layout)):
+            context.update(keys[:, :, :start], values[:, :, :start], n)
+        self._forward(ids[start:end], context)
+        served, computed = (
+            torch.stack([t[0, :, start:end] for pair in _layers(c, layout) for t in pair])
+            for c in (cache, context)
+        )  # [layers x (K, V), kv_heads, tokens, head_dim]
+        what = f"chunk {chunk} of a {len(ids)}-token prompt"
+        verdict = self.shadow.compare(served, computed, what)
+        link.report_shadow(1, int(verdict.mismatched))
+        return verdict.error
+
     def _gather(self, cache: DynamicCache, first: int, layout: KVLayout) -> Fill:
         """A ``Fill`` writing chunk ``first + i`` of ``cache`` into an object."""
         c = layout.tokens_per_chunk
         dtype = self.model.dtype
-        expected = (1, layout.kv_heads, layout.head_dim)
-        layers: list[tuple[torch.Tensor, torch.Tensor]] = []
-        for layer in cache.layers:
-            keys, values = getattr(layer, "keys", None), getattr(layer, "values", None)
-            if not isinstance(keys, torch.Tensor) or not isinstance(values, torch.Tensor):
-                raise ValueError(f"a cache layer ({type(layer).__name__}) holds no K/V tensors")
-            shape = tuple(keys.shape)
-            if (shape[0], shape[1], shape[3]) != expected or values.shape != keys.shape:
-                raise ValueError(
-                    f"the model's cache holds K {shape} / V {tuple(values.shape)}; "
-                    f"kv_layout expected [1, {layout.kv_heads}, tokens, {layout.head_dim}]"
-                )
-            layers.append((keys, values))
+        layers = _layers(cache, layout)
 
         def fill(i: int, view: npt.NDArray[np.uint8]) -> None:
             start = (first + i) * c
@@ -423,6 +447,25 @@ class KVTierModel:
         if bad.size:
             raise ValueError(f"token id {bad[0]} is outside the vocabulary [0, {self._vocab})")
         return [int(t) for t in ids.tolist()]
+
+
+def _layers(cache: DynamicCache, layout: KVLayout) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Each layer's K and V, ``[1, kv_heads, tokens, head_dim]``; ValueError
+    for a cache that does not hold them so."""
+    expected = (1, layout.kv_heads, layout.head_dim)
+    layers: list[tuple[torch.Tensor, torch.Tensor]] = []
+    for layer in cache.layers:
+        keys, values = getattr(layer, "keys", None), getattr(layer, "values", None)
+        if not isinstance(keys, torch.Tensor) or not isinstance(values, torch.Tensor):
+            raise ValueError(f"a cache layer ({type(layer).__name__}) holds no K/V tensors")
+        shape = tuple(keys.shape)
+        if (shape[0], shape[1], shape[3]) != expected or values.shape != keys.shape:
+            raise ValueError(
+                f"the model's cache holds K {shape} / V {tuple(values.shape)}; "
+                f"kv_layout expected [1, {layout.kv_heads}, tokens, {layout.head_dim}]"
+            )
+        layers.append((keys, values))
+    return layers
 
 
 def _as_chunk(view: npt.NDArray[np.uint8], layout: KVLayout, dtype: torch.dtype) -> torch.Tensor:

@@ -31,10 +31,13 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True, slots=True)
 class Hit:
-    """A finished lookup: the first ``chunks`` chunks are locked for the caller."""
+    """A finished lookup: the first ``chunks`` chunks are locked for the caller.
+    ``miss_reason`` says why the hit ends there ("" when it covers every
+    chunk): see ``LookupState.miss_reason``."""
 
     chunks: int
     chunks_by_tier: dict[str, int] = field(default_factory=dict)
+    miss_reason: str = ""
 
 
 class CacheLink(Protocol):
@@ -59,6 +62,10 @@ class CacheLink(Protocol):
         ...
 
     def end(self, request_id: str) -> None: ...
+
+    def report_shadow(self, checked: int, mismatched: int) -> None:
+        """Shadow-check results (``kvtier.engine.shadow``), for the cache's metrics."""
+        ...
 
     def close(self) -> None: ...
 
@@ -109,8 +116,8 @@ class ServerLink:
                 request_id,
                 self.lookup_timeout_s,
             )
-            return Hit(0)
-        return Hit(state.hit_chunks or 0, dict(state.chunks_by_tier))
+            return Hit(0, miss_reason="over_budget")
+        return Hit(state.hit_chunks or 0, dict(state.chunks_by_tier), state.miss_reason)
 
     def load(self, request_id: str, start: int, end: int, consume: Consume) -> bool:
         return self.client.retrieve_with(request_id, start, end, consume)
@@ -123,6 +130,9 @@ class ServerLink:
 
     def end(self, request_id: str) -> None:
         self.client.end_session(request_id)
+
+    def report_shadow(self, checked: int, mismatched: int) -> None:
+        self.client.report_shadow(checked, mismatched)
 
     def close(self) -> None:
         self.client.close()
@@ -145,7 +155,8 @@ class LocalLink:
     def lookup(self, request_id: str, hashes: Sequence[bytes]) -> Hit:
         result = self.storage.lookup(self._keys(hashes), self.layout)
         self._locked[request_id] = list(result.placements)
-        return Hit(result.hit_chunks, result.chunks_by_tier())
+        reason = result.miss_reason.value if result.miss_reason is not None else ""
+        return Hit(result.hit_chunks, result.chunks_by_tier(), reason)
 
     def load(self, request_id: str, start: int, end: int, consume: Consume) -> bool:
         keys = self._take(request_id, start, end)
@@ -178,6 +189,9 @@ class LocalLink:
         keys = [k for k in self._locked.pop(request_id, []) if k is not None]
         if keys:
             self.storage.release(keys)
+
+    def report_shadow(self, checked: int, mismatched: int) -> None:
+        return None  # no server to tell: the caller's ShadowCheck holds the counts
 
     def close(self) -> None:
         for request_id in list(self._locked):

@@ -23,7 +23,9 @@ controller loop::
   in-flight tasks. Callers keep L1 memory fenced until the result arrives.
 - Failures are misses: an error, a timeout, an unreachable backend or a
   corrupt copy sets that key's bit to False and counts the reason in
-  ``status()["failures"]``; nothing raises into the caller. After a
+  ``status()["failures"]``; nothing raises into the caller. The result
+  says why a key missed: ``failure`` when a part failed as a whole,
+  ``corrupt`` for each refused copy (the caller's "why miss"). After a
   connection failure the adapter backs off (doubling, capped) and answers
   submits at once as misses until the back-off ends, then reconnects (one
   thread reconnects; parts that come meanwhile are misses, "reconnecting").
@@ -51,7 +53,7 @@ import threading
 import time
 from abc import ABC, abstractmethod
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import ClassVar, NewType
@@ -85,10 +87,21 @@ class TaskResult:
     keys: tuple[ObjectKey, ...]
     ok: tuple[bool, ...]
     nbytes: int = 0  # bytes really written (store) or read (load)
+    # Why a whole part failed ("backoff", "unreachable", "timeout", ...): the
+    # backend could not answer for its keys. Empty when it answered.
+    failure: str = ""
+    # Copies this task refused (``kvtier.l2.format``): key -> ``Corruption`` value.
+    corrupt: Mapping[ObjectKey, str] = field(default_factory=dict)
 
     @property
     def count(self) -> int:
         return sum(self.ok)
+
+    @property
+    def backend_down(self) -> bool:
+        """A part could not reach the backend (down, backing off, reconnecting,
+        closed), as opposed to failing on its own ("error")."""
+        return self.failure not in ("", "error")
 
 
 CompletionCallback = Callable[[TaskResult], None]
@@ -196,6 +209,8 @@ class _Task:
     ok: list[bool] = field(default_factory=list)
     nbytes: int = 0
     remaining: int = 0
+    failure: str = ""
+    corrupt: dict[ObjectKey, str] = field(default_factory=dict)
 
 
 class BackendUnavailable(Exception):
@@ -250,6 +265,7 @@ class BlockingAdapter(L2Adapter):
         self._stored: OrderedDict[ObjectKey, None] = OrderedDict()  # stored lately, oldest first
         self._failures = Counters()  # misses by reason
         self._counters = Counters()
+        self._part = threading.local()  # the running part's refused copies (_corrupt)
 
     # ------------------------------------------------------------ contract
 
@@ -348,6 +364,7 @@ class BlockingAdapter(L2Adapter):
         log.warning("L2 %s: corrupt copy of %s (%s); treated as a miss", self.name, key, error)
         self._counters.add("corrupt_objects")
         self._failures.add(f"corrupt_{error.reason.value}")
+        self._part.corrupt[key] = error.reason.value
 
     # ------------------------------------------------------------ internals
 
@@ -378,7 +395,8 @@ class BlockingAdapter(L2Adapter):
                     pool.submit(self._run_part, task, lo, hi)
         if refused is not None:
             self._count_failure(refused, n)
-            self._deliver(TaskResult(self.name, task.id, task.kind, task.keys, (False,) * n))
+            no = (False,) * n
+            self._deliver(TaskResult(self.name, task.id, task.kind, task.keys, no, failure=refused))
         elif inline:
             self._run_part(task, 0, n)
         return task.id
@@ -388,6 +406,8 @@ class BlockingAdapter(L2Adapter):
         buffers = task.buffers[lo:hi]
         ok: Sequence[bool]
         nbytes = 0
+        failure = ""
+        self._part.corrupt = {}  # filled by _corrupt, on this thread
         try:
             self._connected()
             if task.kind is TaskKind.STORE:
@@ -399,20 +419,21 @@ class BlockingAdapter(L2Adapter):
                 ok = self._lookup(keys)
             self._backend_ok()
         except _Reconnecting:
-            self._count_failure("reconnecting", len(keys))
-            ok = [False] * len(keys)
+            failure = "reconnecting"
         except (BackendUnavailable, TimeoutError, ConnectionError) as exc:
-            reason = "timeout" if isinstance(exc, TimeoutError) else "unreachable"
-            self._backend_down(reason, exc)
-            self._count_failure(reason, len(keys))
-            ok = [False] * len(keys)
+            failure = "timeout" if isinstance(exc, TimeoutError) else "unreachable"
+            self._backend_down(failure, exc)
         except Exception:
             log.exception("L2 %s: %s of %d keys failed", self.name, task.kind.value, len(keys))
-            self._count_failure("error", len(keys))
+            failure = "error"
+        if failure:
+            self._count_failure(failure, len(keys))
             ok = [False] * len(keys)
         with self._lock:
             task.ok[lo:hi] = ok
             task.nbytes += nbytes
+            task.failure = failure or task.failure
+            task.corrupt.update(self._part.corrupt)
             task.remaining -= 1
             if task.remaining:
                 return
@@ -420,7 +441,16 @@ class BlockingAdapter(L2Adapter):
             self._counters.add(f"{kind}_keys", len(task.keys))
             self._counters.add(f"{kind}_ok", sum(task.ok))
             self._counters.add(f"{kind}_bytes", task.nbytes)
-        result = TaskResult(self.name, task.id, task.kind, task.keys, tuple(task.ok), task.nbytes)
+        result = TaskResult(
+            self.name,
+            task.id,
+            task.kind,
+            task.keys,
+            tuple(task.ok),
+            task.nbytes,
+            task.failure,
+            task.corrupt,
+        )
         self._deliver(result)
 
     def _store_missing(

@@ -109,12 +109,10 @@ def encode_header(
     return fixed + key_bytes + bytes(header_len - used)
 
 
-def parse_header(data: bytes | memoryview, key: ObjectKey, layout: str) -> Header:
-    """Decode and check a header against the key and layout the reader wants.
-
-    ``data`` must hold at least the whole header (``MAX_HEADER_BYTES`` is
-    always enough). Raises ``CorruptObject`` naming the first mismatch.
-    """
+def unpack_header(data: bytes | memoryview) -> Header:
+    """Decode a header (whatever key and layout it names). ``data`` must hold
+    at least the whole header (``MAX_HEADER_BYTES`` is always enough).
+    Raises ``CorruptObject`` for one that is not a header."""
     view = memoryview(data)
     if len(view) < _FIXED.size:
         raise CorruptObject(Corruption.SHORT, f"{len(view)} bytes")
@@ -126,11 +124,18 @@ def parse_header(data: bytes | memoryview, key: ObjectKey, layout: str) -> Heade
     if header_len < _FIXED.size + key_len or len(view) < _FIXED.size + key_len:
         raise CorruptObject(Corruption.SHORT, "header shorter than its key")
     stored_key = bytes(view[_FIXED.size : _FIXED.size + key_len]).decode("utf-8", "replace")
-    if stored_key != key.to_str():
-        raise CorruptObject(Corruption.KEY, stored_key)
-    if stored_layout != layout_bytes(layout):
-        raise CorruptObject(Corruption.LAYOUT, stored_layout.hex())
     return Header(header_len, stored_layout, length, digest, stored_key)
+
+
+def parse_header(data: bytes | memoryview, key: ObjectKey, layout: str) -> Header:
+    """Decode a header and check it against the key and layout the reader
+    wants; ``CorruptObject`` names the first mismatch (see ``unpack_header``)."""
+    header = unpack_header(data)
+    if header.key != key.to_str():
+        raise CorruptObject(Corruption.KEY, header.key)
+    if header.layout != layout_bytes(layout):
+        raise CorruptObject(Corruption.LAYOUT, header.layout.hex())
+    return header
 
 
 def verify_payload(header: Header, payload: Payload) -> None:

@@ -102,13 +102,18 @@ class _Call:
 class LookupState:
     """One request's lookup: submitted -> acked -> pending -> done(n).
     ``hit_chunks`` is None until done; 0 is a miss. Once done it never
-    changes, so polling again never counts a hit twice."""
+    changes, so polling again never counts a hit twice. ``miss_reason`` says
+    why the hit ends where it does: the server's ``MissReason`` value, or
+    ``refused`` (the server answered with an error), ``no_server`` (no
+    answer) or ``over_budget`` (still pending when the caller stopped asking);
+    "" for a full hit or while pending."""
 
     request_id: str
     acked: bool = False
     hit_chunks: int | None = None
     polls: int = 0
     chunks_by_tier: dict[str, int] = field(default_factory=dict)
+    miss_reason: str = ""
     _ack: _Call | None = None
     _answer: _Call | None = None  # the WAIT or QUERY whose reply is awaited
 
@@ -116,8 +121,13 @@ class LookupState:
         """Take a QUERY/WAIT answer; anything but a result is a miss."""
         if isinstance(reply, p.QueryResult):
             self.hit_chunks, self.chunks_by_tier = reply.hit_chunks, reply.chunks_by_tier
-        else:
-            self.hit_chunks = 0  # an error or no server: a miss, never wait forever
+            self.miss_reason = reply.miss_reason
+        else:  # an error or no server: a miss, never wait forever
+            self.give_up("refused" if isinstance(reply, p.Error) else "no_server")
+
+    def give_up(self, reason: str) -> None:
+        """End the lookup as a miss, for ``reason``."""
+        self.hit_chunks, self.miss_reason = 0, reason
 
     @property
     def done(self) -> bool:
@@ -286,6 +296,11 @@ class CacheClient:
         if wait:
             call.wait()
 
+    def report_shadow(self, checked: int, mismatched: int, unavailable: int = 0) -> None:
+        """Tell the server about shadow checks (``kvtier.engine.shadow``);
+        sent without waiting for the ack."""
+        self._submit(p.ShadowReport(checked, mismatched, unavailable))
+
     # ----------------------------------------------------------------- store
 
     def store(
@@ -416,7 +431,7 @@ class CacheClient:
         log.warning(
             "client: lookup %s still pending after %d polls; a miss", state.request_id, state.polls
         )
-        state.hit_chunks = 0
+        state.give_up("over_budget")
         return True
 
     @staticmethod
@@ -426,7 +441,7 @@ class CacheClient:
             if isinstance(state._ack.reply, p.Ack):
                 state.acked = True
             else:
-                state.hit_chunks = 0  # refused, or no server: a miss
+                state.settle(state._ack.reply)  # refused, or no server: a miss
             state._ack = None
         answer = state._answer
         if state.done or answer is None or not answer.done.is_set():

@@ -53,6 +53,7 @@ log = logging.getLogger(__name__)
 
 Frames = list[npt.NDArray[np.uint8]]
 LAYOUTS_SEEN = 64  # namespaces whose layouts /status shows
+MAX_SHADOW_REPORT = 1 << 32  # chunks in one shadow report
 Buffer = bytes | memoryview
 Answer = tuple[p.Reply, Frames]
 
@@ -111,6 +112,7 @@ class CacheServer:
             p.Store: self._store,
             p.EndSession: self._end_session,
             p.Status: self._status,
+            p.ShadowReport: self._shadow_report,
         }
 
     # ------------------------------------------------------------ dispatch
@@ -219,7 +221,30 @@ class CacheServer:
         for tier, chunks in by_tier.items():
             self.counters.add(f"hit_tokens.{tier}", chunks * chunk)
         self.counters.add("lookup_tokens", looked_up * chunk)
-        return p.QueryResult(result.hit_chunks, by_tier), []
+        reason = result.miss_reason.value if result.miss_reason is not None else ""
+        return p.QueryResult(result.hit_chunks, by_tier, reason), []
+
+    def _shadow_report(
+        self, client: Client, req: p.ShadowReport, frames: Sequence[Buffer]
+    ) -> Outcome:
+        counts = {"checked": req.checked, "mismatched": req.mismatched}
+        counts["unavailable"] = req.unavailable
+        if not all(0 <= n <= MAX_SHADOW_REPORT for n in counts.values()):
+            raise RequestError(
+                "bad_request", f"shadow report counts must be in [0, {MAX_SHADOW_REPORT}]"
+            )
+        if req.mismatched > req.checked:
+            raise RequestError("bad_request", "a shadow report has more mismatches than checks")
+        if req.mismatched:
+            log.warning(
+                "client %s reports %d shadow-check mismatches: kvtier served KV that differs "
+                "from the engine's recomputation",
+                shown(client.client_id),
+                req.mismatched,
+            )
+        for name, n in counts.items():
+            self.counters.add(f"shadow_chunks.{name}", n)
+        return p.Ack(), []
 
     def _retrieve(self, client: Client, req: p.Retrieve, frames: Sequence[Buffer]) -> Outcome:
         started = time.perf_counter()

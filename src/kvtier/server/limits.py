@@ -19,6 +19,7 @@ from kvtier.layout import DTYPE_BYTES, KVLayout
 from kvtier.server import protocol as p
 
 MAX_TEXT_CHARS = 256  # client id, revision, LoRA id, layout format, request ids
+MAX_MODEL_NAME_CHARS = 4096  # a hub id or a local path (PATH_MAX)
 MAX_LAYOUTS = 16  # object groups per client
 MAX_LAYERS = 4096
 MAX_KV_HEADS = 4096
@@ -82,6 +83,9 @@ def check_hello(hello: p.Hello) -> None:
     """Bound every field of a HELLO that the server will build from (the chunk
     size and the layouts' object sizes are checked once the chunk size is
     known: ``check_layouts``)."""
+    if not hello.model:
+        raise RequestError("bad_request", "hello names no model: send its hub id or path")
+    check_text("model", hello.model, MAX_MODEL_NAME_CHARS)
     for what, value in (
         ("client_id", hello.client_id),
         ("revision", hello.revision),

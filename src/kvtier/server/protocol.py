@@ -143,6 +143,15 @@ class Status(Message, tag="status"):
     pass
 
 
+class ShadowReport(Message, tag="shadow_report"):
+    """An engine's shadow-check results since its last report
+    (``kvtier.engine.shadow``): the server counts them for the node."""
+
+    checked: int
+    mismatched: int
+    unavailable: int = 0
+
+
 Request = (
     Hello
     | Lookup
@@ -157,6 +166,7 @@ Request = (
     | EndSession
     | Ping
     | Status
+    | ShadowReport
 )
 
 # ------------------------------------------------------------------- replies
@@ -177,6 +187,8 @@ class Ack(Message, tag="ack"):
 class QueryResult(Message, tag="query_result"):
     hit_chunks: int | None  # None: still pending; 0: done, a miss
     chunks_by_tier: dict[str, int] = {}  # hit chunks per tier ("L1", an L2 adapter's name)
+    # Why the hit ends before the last chunk (a ``MissReason`` value); "" for a full hit.
+    miss_reason: str = ""
 
 
 class Objects(Message, tag="objects"):

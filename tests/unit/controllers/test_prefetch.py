@@ -15,7 +15,7 @@ import numpy as np
 import numpy.typing as npt
 import pytest
 
-from kvtier.controllers import L1_TIER, LookupResult, PrefetchConfig
+from kvtier.controllers import L1_TIER, LookupResult, MissReason, PrefetchConfig
 from kvtier.keys import ObjectKey
 from kvtier.l2.base import L2Adapter
 from kvtier.l2.fs import FSAdapter
@@ -89,7 +89,7 @@ def test_l1_part_and_l2_rest_make_a_full_hit(stack: Stack) -> None:
     data = seed_l2(storage, keys, keep=keys[:3])
     result = storage.lookup(keys, LAYOUT)
     assert_hit(storage, result, keys, data, 8, {L1_TIER: 3, "mock": 5})
-    assert result.temporary == frozenset()
+    assert result.temporary == frozenset() and result.miss_reason is None
     assert mock.status()["lookup_keys"] == mock.status()["load_keys"] == 5
     assert mock.status()["leases"] == 0
     storage.release(keys)
@@ -150,6 +150,8 @@ def test_an_object_nobody_has_ends_the_prefix(stack: Stack) -> None:
     data = seed_l2(storage, stored, keep=[keys[4]], seeds=[0, 1, 2, 4, 5])
     result = storage.lookup(keys, LAYOUT)
     assert_hit(storage, result, keys, data, 3, {"mock": 3})
+    assert result.miss_reason is MissReason.NOT_FOUND
+    assert prefetch_status(storage)["miss_reasons.not_found"] == 1
     assert storage.l1.audit()["read_locks"] == 3  # keys[4] (in L1, past the gap) released
     assert mock.status()["load_keys"] == 3 and counters(fs.status(), "load_keys") == 0
     assert not storage.l1.contains(keys[5])  # past the prefix: not loaded
@@ -164,6 +166,7 @@ def test_without_a_layout_only_l1_hits_count(stack: Stack) -> None:
     data = seed_l2(storage, keys, keep=keys[:2])
     result = storage.lookup(keys)
     assert_hit(storage, result, keys, data, 2, {L1_TIER: 2})
+    assert result.miss_reason is MissReason.NOT_IN_L1
     storage.release(keys[:2])
     assert counters(mock.status(), "lookup_keys") == counters(mock.status(), "load_keys") == 0
     storage.l1.delete(keys[:1])
@@ -225,6 +228,7 @@ def test_a_corrupt_copy_is_a_miss_at_that_chunk(
         corrupt_fs_file(store, keys[2], how)
     result = storage.lookup(keys, LAYOUT)
     assert_hit(storage, result, keys, data, 2, {spec: 2})
+    assert result.miss_reason is MissReason.CORRUPT
     assert not storage.l1.contains(keys[2])
     assert store.status()["corrupt_objects"] == 1
     assert failures(store) == {f"corrupt_{reason}": 1}
@@ -238,6 +242,7 @@ def test_a_corrupt_copy_is_a_miss_at_that_chunk(
     storage.l1.clear()
     again = storage.lookup(keys, LAYOUT)
     assert_hit(storage, again, keys, data, 2, {spec: 2})
+    assert again.miss_reason is MissReason.NOT_FOUND  # the bad copy is gone
     assert store.status()["corrupt_objects"] == 1  # nothing left to refuse
     storage.release(keys[:2])
     assert_settled(storage)
@@ -252,6 +257,7 @@ def test_a_copy_of_another_layout_is_a_miss(stack: Stack) -> None:
     seed_l2(storage, keys)
     result = storage.lookup(keys, other)
     assert (result.hit_chunks, dict(result.objects_by_tier)) == (0, {})
+    assert result.miss_reason is MissReason.LAYOUT_MISMATCH
     assert failures(mock) == {"corrupt_layout": 2}  # both copies were loaded and refused
     assert mock.keys() == []  # and dropped
     assert_settled(storage)
@@ -268,6 +274,7 @@ def test_load_failures_end_the_prefix_at_the_first_failed_chunk(stack: Stack) ->
     mock.faults.fail_load_rate = 1.0
     result = storage.lookup(keys, LAYOUT)
     assert_hit(storage, result, keys, data, 2, {L1_TIER: 2})
+    assert result.miss_reason is MissReason.LOAD_FAILED
     assert storage.l1.audit()["read_locks"] == 2  # keys[3] (L1, past the failure) released
     assert prefetch_status(storage)["failed_loads.mock"] == 2  # keys 2 and 4
     assert failures(mock) == {"error": 2}
@@ -290,6 +297,7 @@ def test_a_hang_past_the_deadline_gives_what_l1_had(stack: Stack) -> None:
     mock.faults.hang_s = 0.5  # every task: the lookup hangs
     result = storage.lookup(keys, LAYOUT, deadline_s=0.05)
     assert_hit(storage, result, keys, data, 2, {L1_TIER: 2})
+    assert result.miss_reason is MissReason.DEADLINE
     assert prefetch_status(storage)["deadline_misses"] == 1
     storage.release(keys[:2])
     wait_until(lambda: failures(mock).get("timeout") == 2, "the hung lookup to end")
@@ -356,12 +364,14 @@ def test_after_a_connection_failure_the_adapter_refuses_until_the_back_off_ends(
     mock.faults.unreachable = True
     result = storage.lookup(keys, LAYOUT)
     assert_hit(storage, result, keys, data, 2, {L1_TIER: 2})
+    assert result.miss_reason is MissReason.BACKEND_DOWN
     storage.release(keys[:2])
     assert failures(mock) == {"unreachable": 2}
     assert mock.status()["healthy"] is False
     mock.faults.unreachable = False  # back, but the back-off still runs for a minute
     result = storage.lookup(keys, LAYOUT)
     assert_hit(storage, result, keys, data, 2, {L1_TIER: 2})
+    assert result.miss_reason is MissReason.BACKEND_DOWN  # refused: backing off
     storage.release(keys[:2])
     assert failures(mock) == {"unreachable": 2, "backoff": 2}
     extra = make_key(9)
@@ -677,6 +687,7 @@ def test_an_l2_object_larger_than_l1_is_a_miss(stack: Stack) -> None:
     small = stack.build(stack.fs(), l1_bytes=64 * PAGE)  # 256 KiB: smaller than one object
     result = small.lookup(keys, big)
     assert (result.hit_chunks, dict(result.objects_by_tier)) == (0, {})
+    assert result.miss_reason is MissReason.NO_ROOM
     assert counters(prefetch_status(small), "staging_out_of_memory") == 2  # per object
     assert small.l1.status()["too_large"] == 1
     assert "worker_errors" not in prefetch_status(small)
@@ -705,6 +716,7 @@ def test_a_failing_worker_step_ends_only_its_request(
     monkeypatch.setattr(storage.l1, "reserve_write", reserve_write)
     result = storage.lookup(keys, LAYOUT)
     assert (result.hit_chunks, dict(result.objects_by_tier)) == (0, {})  # given up: a miss
+    assert result.miss_reason is MissReason.ERROR
     assert counters(prefetch_status(storage), "worker_errors") == 1
     wait_until(lambda: prefetch_idle(storage), "the prefetch controller to go idle")
     assert_clean(storage.l1)  # the L1 lock of the request was released
@@ -732,6 +744,7 @@ def test_a_backlog_request_holds_no_l1_lock_while_it_waits(stack: Stack) -> None
     third = storage.submit_lookup([[keys[3]], [make_key(99)]], {0: LAYOUT})  # backlog full
     third_result = storage.collect(third, timeout=10)
     assert third_result is not None and third_result.hit_chunks == 1  # what L1 had, at once
+    assert third_result.miss_reason is MissReason.OVERLOADED
     assert counters(prefetch_status(storage), "backlog_full") == 1
     storage.release([keys[3]])
     gate.open()
@@ -781,6 +794,7 @@ def test_lookups_racing_stop_are_all_answered(stack: Stack) -> None:
     for handle in handles:
         result = handle.wait(timeout=10)
         assert result is not None, "a lookup that raced stop() was never answered"
+        assert result.miss_reason in (None, MissReason.STOPPED), result.miss_reason
         storage.collect(handle, 0)
         storage.release(list(result.placements))
     assert storage.status()["held_lookup_locks"] == 0
@@ -808,6 +822,7 @@ def test_a_lookup_the_worker_never_answers_is_a_miss_not_a_hang(
     monkeypatch.setattr("kvtier.storage.LOOKUP_GRACE_S", 0.05)
     result = storage.lookup(keys, LAYOUT, deadline_s=0.05)
     assert (result.hit_chunks, dict(result.placements)) == (0, {})
+    assert result.miss_reason is MissReason.ERROR
     assert entered.is_set() and storage.status()["lookup_timeouts"] == 1
     stuck.set()
     wait_until(lambda: "abandoned" in prefetch_status(storage), "the late answer")

@@ -433,6 +433,18 @@ def test_local_link_leaves_no_locks(
     assert storage.l1.status()["resident_objects"] == 6  # 4 + the 2 diverging chunks
 
 
+def test_prefill_says_why_its_hit_ends(
+    llama: transformers.PreTrainedModel, storage: StorageManager
+) -> None:
+    engine = KVTierModel(llama, storage=storage, chunk_size=CHUNK)
+    ids = prompt(11, 50)  # 3 full chunks
+    assert engine.prefill(ids).miss_reason == "not_in_l1"  # no L2 here to ask
+    assert engine.prefill(ids).miss_reason == ""  # every full chunk hit
+    assert engine.prefill(ids[:40] + prompt(12, 10)).miss_reason == "not_in_l1"  # chunk 2
+    engine.link = TruncatingLink(engine.link)
+    assert engine.prefill(ids).miss_reason == "load_failed"
+
+
 class TruncatingLink(DelegatingLink):
     """Hands each loaded object over one byte short (a wrong-size object)."""
 

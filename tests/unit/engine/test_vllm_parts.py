@@ -3,6 +3,8 @@ layer names and page copies (``PagedKV``)."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
@@ -18,6 +20,23 @@ def test_settings_read_kvtier_keys_and_ignore_others() -> None:
     )
     assert settings.address == "tcp://10.0.0.1:7000"
     assert settings.store == "none"
+
+
+def test_settings_precedence_extra_config_then_environment_then_file(tmp_path: Path) -> None:
+    toml = tmp_path / "kvtier.toml"
+    toml.write_text('[connector]\nsalt = "file"\nstore = "none"\nlookup_wait_s = 0.5\n')
+    settings = ConnectorSettings.from_extra_config(
+        {"kvtier.config_file": str(toml), "kvtier.salt": "flag"},
+        environ={"KVTIER_SALT": "env", "KVTIER_STORE": "prompt"},
+    )
+    assert (settings.salt, settings.store, settings.lookup_wait_s) == ("flag", "prompt", 0.5)
+
+
+def test_settings_file_errors_name_the_file_key(tmp_path: Path) -> None:
+    toml = tmp_path / "kvtier.toml"
+    toml.write_text("[connector]\nlookup_wait = 0.5\n")
+    with pytest.raises(ValueError, match="lookup_wait"):
+        ConnectorSettings.from_extra_config({"kvtier.config_file": str(toml)}, environ={})
 
 
 @pytest.mark.parametrize(

@@ -112,7 +112,7 @@ def test_one_wait_per_request_may_be_parked(loop: Loop) -> None:
     second = loop.call(p.Wait("r", 10.0))  # answered before the first
     assert isinstance(second, p.Error) and second.code == "busy"
     first, _ = w.recv_reply(loop.socket)
-    assert first == p.QueryResult(0, {})  # the mock has nothing: a miss, once settled
+    assert first == p.QueryResult(0, {}, miss_reason="not_found")  # the mock has nothing
 
 
 def test_an_oversized_message_closes_its_connection_and_is_counted(loop: Loop) -> None:

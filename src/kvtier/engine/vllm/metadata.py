@@ -32,6 +32,19 @@ class StoreSpec:
 
 
 @dataclass(slots=True)
+class ShadowSpec:
+    """Compare chunk ``chunk`` of a request, which this step's forward computed
+    into ``block_ids`` instead of loading it, with kvtier's copy (``hash``)."""
+
+    request_id: str
+    salt: str
+    chunk: int
+    hash: bytes
+    block_ids: list[int]
+
+
+@dataclass(slots=True)
 class KVTierMetadata(KVConnectorMetadata):  # type: ignore[misc]
     loads: list[LoadSpec] = field(default_factory=list)
     stores: list[StoreSpec] = field(default_factory=list)
+    shadows: list[ShadowSpec] = field(default_factory=list)

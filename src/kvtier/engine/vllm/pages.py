@@ -147,6 +147,10 @@ class PagedKV:
         done.synchronize()  # the forward's writes, then these copies, have landed
         out.copy_(host)
 
+    def values(self, chunk: npt.NDArray[np.uint8]) -> torch.Tensor:
+        """An object's bytes as the engine's KV values, one row per layer."""
+        return torch.from_numpy(chunk).view(self.layers[0].dtype).view(len(self.layers), -1)
+
     def scatter(self, chunk: npt.NDArray[np.uint8], blocks: Mapping[int, int]) -> None:
         """Write pages of one object into the engine: ``blocks`` maps a block's
         position in the chunk to the engine block it goes to."""

@@ -17,6 +17,13 @@ Loads are synchronous (the worker copies before the step's forward), so the
 hit offered is at most ``num_tokens - 1``: a full hit still computes the last
 prompt token. Stores are emitted for prompt chunks that this step completes.
 
+Each finished lookup is logged at debug level with why its hit ends where it
+does (``LookupState.miss_reason``), and counted; the counts are logged with
+the step timings. With ``kvtier.shadow_fraction``, a sampled request is
+offered one chunk less than its hit: vLLM computes that chunk (the last one
+it would have loaded), and the worker compares it with kvtier's copy after
+the forward (``ShadowSpec``, ``kvtier.engine.shadow``).
+
 The scheduler thread never waits on the network beyond a small budget: a new
 request's lookup waits at most ``kvtier.lookup_wait_s`` for its answer (then
 the request is deferred and polled next step, without waiting), releases and
@@ -34,8 +41,10 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvtier.counters import Counters
+from kvtier.engine.shadow import ShadowCheck
 from kvtier.engine.vllm.clients import ClientPool
-from kvtier.engine.vllm.metadata import KVTierMetadata, LoadSpec, StoreSpec
+from kvtier.engine.vllm.metadata import KVTierMetadata, LoadSpec, ShadowSpec, StoreSpec
 from kvtier.engine.vllm.settings import ConnectorSettings
 from kvtier.server.client import CacheClient, LookupState
 
@@ -62,13 +71,16 @@ class StepTimer:
     def __exit__(self, *exc: object) -> None:
         self._current += time.perf_counter() - self._entered
 
-    def step(self) -> None:
+    def step(self) -> bool:
+        """End a step; True when this logged a summary."""
         self.steps.append(self._current)
         self.max_s = max(self.max_s, self._current)
         self.total_steps += 1
         self._current = 0.0
-        if len(self.steps) >= LOG_EVERY_STEPS:
-            self.report()
+        if len(self.steps) < LOG_EVERY_STEPS:
+            return False
+        self.report()
+        return True
 
     def report(self) -> None:
         if not self.steps:
@@ -97,6 +109,8 @@ class Tracked:
     prompt_tokens: int
     preemptions: int
     lookup: LookupState | None = None
+    settled: bool = False  # the lookup's outcome was counted (and a shadow chunk chosen)
+    shadow_chunk: int | None = None  # the hit chunk vLLM computes for the shadow check
     local: int = 0  # tokens the engine had itself when last asked
     stored: int = 0  # chunks [0, stored) are in kvtier (hit, or stored by us)
     block_ids: list[int] = field(default_factory=list)
@@ -114,6 +128,8 @@ class SchedulerSide:
         )
         self.clients.client(settings.salt_for(None))  # the default tenant, registered up front
         self.timer = StepTimer()
+        self.outcomes = Counters()  # finished lookups by miss reason ("hit": none)
+        self.shadow = ShadowCheck(settings.shadow_fraction, settings.shadow_tolerance)
         self.block_size = self.clients.block_size
         self.requests: dict[str, Tracked] = {}
         self._loads: list[LoadSpec] = []
@@ -143,7 +159,31 @@ class SchedulerSide:
         if not tracked.lookup.done and client.poll(tracked.lookup, wait) is None:
             return None, False  # pending: asked again next step, without waiting
         end = min((tracked.lookup.hit_chunks or 0) * tracked.chunk_size, request.num_tokens - 1)
+        if not tracked.settled:
+            self._settle(tracked, end)
+        if tracked.shadow_chunk is not None:
+            if tracked.shadow_chunk * tracked.chunk_size < num_computed_tokens:
+                tracked.shadow_chunk = None  # the engine has that chunk itself now: no check
+            else:
+                end = tracked.shadow_chunk * tracked.chunk_size  # vLLM computes it
         return max(0, end - num_computed_tokens), False
+
+    def _settle(self, tracked: Tracked, end: int) -> None:
+        """Count a finished lookup and choose whether to shadow-check it."""
+        assert tracked.lookup is not None
+        tracked.settled = True
+        hit, reason = tracked.lookup.hit_chunks or 0, tracked.lookup.miss_reason
+        self.outcomes.add(reason or "hit")
+        log.debug(
+            "kvtier: %s: %d of %d chunks hit%s",
+            tracked.request_id,
+            hit,
+            len(tracked.hashes),
+            f" ({reason})" if reason else "",
+        )
+        last = end // tracked.chunk_size - 1  # the last chunk the hit offers whole
+        if last >= 0 and last * tracked.chunk_size >= tracked.local and self.shadow.sample():
+            tracked.shadow_chunk = last
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         with self.timer:
@@ -190,7 +230,8 @@ class SchedulerSide:
     # ----------------------------------------------------------------- steps
 
     def build_connector_meta(self, scheduler_output: Any) -> KVTierMetadata:
-        self.timer.step()  # once per step: what this step's connector calls took
+        if self.timer.step():  # once per step: what this step's connector calls took
+            self._log_outcomes()
         meta = KVTierMetadata(loads=self._loads)
         self._loads = []
         self._loading.append(
@@ -203,6 +244,7 @@ class SchedulerSide:
                 tracked.block_ids = list(new.block_ids[0])
                 done = new.num_computed_tokens + scheduled.get(new.req_id, 0)
                 meta.stores += self._stores(tracked, done)
+                meta.shadows += self._shadows(tracked, done)
         cached = scheduler_output.scheduled_cached_reqs
         for i, request_id in enumerate(cached.req_ids):
             tracked = self.requests.get(request_id)
@@ -215,6 +257,7 @@ class SchedulerSide:
                 tracked.block_ids.extend(new_ids[0])
             done = cached.num_computed_tokens[i] + scheduled.get(request_id, 0)
             meta.stores += self._stores(tracked, done)
+            meta.shadows += self._shadows(tracked, done)
         return meta
 
     def update_connector_output(self, connector_output: Any) -> None:
@@ -236,6 +279,7 @@ class SchedulerSide:
 
     def close(self) -> None:
         self.timer.report()
+        self._log_outcomes()
         self.clients.close()
 
     # ------------------------------------------------------------ internals
@@ -282,6 +326,25 @@ class SchedulerSide:
         )
         tracked.stored = complete
         return [spec]
+
+    def _shadows(self, tracked: Tracked, done_tokens: int) -> list[ShadowSpec]:
+        """The shadow check of the request's chunk that this step computed, if it did."""
+        chunk = tracked.shadow_chunk
+        if chunk is None or tracked.client is None:
+            return []
+        per_chunk = tracked.chunk_size // self.block_size
+        end = (chunk + 1) * per_chunk
+        if done_tokens < (chunk + 1) * tracked.chunk_size or len(tracked.block_ids) < end:
+            return []
+        tracked.shadow_chunk = None
+        blocks = tracked.block_ids[chunk * per_chunk : end]
+        return [ShadowSpec(tracked.request_id, tracked.salt, chunk, tracked.hashes[chunk], blocks)]
+
+    def _log_outcomes(self) -> None:
+        outcomes = self.outcomes.snapshot()
+        if outcomes:
+            shown = ", ".join(f"{k} {v}" for k, v in sorted(outcomes.items()))
+            log.info("kvtier scheduler: lookups by outcome (since start): %s", shown)
 
 
 def _looked_up(lookup: LookupState | None) -> bool:

@@ -17,6 +17,10 @@
 - ``lookup_wait_s`` (0.02): the scheduler thread's budget for a request's
   first lookup; a request whose answer is later is deferred to the next step.
 - ``request_timeout_s`` (2.0): a server silent this long is away (misses).
+- ``shadow_fraction`` (0.0): the share of requests with a hit whose last hit
+  chunk vLLM computes anyway, to compare with kvtier's copy
+  (``kvtier.engine.shadow``); ``shadow_tolerance`` (0.02): the relative error
+  above which a chunk counts as a mismatch.
 """
 
 from __future__ import annotations
@@ -46,6 +50,8 @@ class ConnectorSettings:
     revision: str | None = None
     lookup_wait_s: float = 0.02
     request_timeout_s: float = 2.0
+    shadow_fraction: float = 0.0
+    shadow_tolerance: float = 0.02
 
     def __post_init__(self) -> None:
         if self.salt_source not in SALT_SOURCES:
@@ -55,6 +61,10 @@ class ConnectorSettings:
         for name in ("lookup_wait_s", "request_timeout_s"):
             if not float(getattr(self, name)) > 0:
                 raise ValueError(f"kvtier.{name} must be a positive number of seconds")
+        if not 0.0 <= self.shadow_fraction <= 1.0:
+            raise ValueError("kvtier.shadow_fraction must be in [0, 1]")
+        if not self.shadow_tolerance > 0:
+            raise ValueError("kvtier.shadow_tolerance must be positive")
 
     @classmethod
     def from_extra_config(
@@ -63,9 +73,7 @@ class ConnectorSettings:
         """ValueError naming the key for anything unknown or out of range."""
         flags = {k.removeprefix(PREFIX): v for k, v in extra.items() if k.startswith(PREFIX)}
         config_file = flags.pop("config_file", None)
-        file = (
-            read_toml(config_file, "kvtier.config_file").get("connector", {}) if config_file else {}
-        )
+        file = read_toml(config_file, "kvtier.config_file") if config_file else {}
         settings = load(
             cls,
             file=file.get("connector", {}),

@@ -9,7 +9,9 @@ from the first bad block (set ``kv_load_failure_policy`` to ``recompute``):
 never garbage. After the forward, ``wait_for_save`` copies the pages of the
 chunks this step completed straight into the arena and commits them before
 it returns, so a block is never reused (or freed by a preemption, which vLLM
-decides in a later ``schedule()``) while a store still reads it.
+decides in a later ``schedule()``) while a store still reads it. A shadow
+check (``ShadowSpec``) reads kvtier's copy of a chunk this step computed and
+compares the two there too; its counts are logged at shutdown.
 """
 
 from __future__ import annotations
@@ -21,8 +23,9 @@ import numpy as np
 import numpy.typing as npt
 import torch
 
+from kvtier.engine.shadow import ShadowCheck
 from kvtier.engine.vllm.clients import ClientPool
-from kvtier.engine.vllm.metadata import KVTierMetadata, LoadSpec, StoreSpec
+from kvtier.engine.vllm.metadata import KVTierMetadata, LoadSpec, ShadowSpec, StoreSpec
 from kvtier.engine.vllm.pages import PagedKV
 from kvtier.engine.vllm.settings import ConnectorSettings
 
@@ -41,6 +44,7 @@ class WorkerSide:
         self._paged: dict[int, PagedKV] = {}  # per chunk size
         self._load_errors: set[int] = set()
         self.stats = {"loaded_chunks": 0, "stored_chunks": 0, "failed_chunks": 0}
+        self.shadow = ShadowCheck(settings.shadow_fraction, settings.shadow_tolerance)
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         self._kv_caches = dict(kv_caches)
@@ -52,12 +56,25 @@ class WorkerSide:
     def wait_for_save(self, meta: KVTierMetadata) -> None:
         for spec in meta.stores:
             self._store(spec)
+        for check in meta.shadows:
+            self._shadow(check)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         errors, self._load_errors = self._load_errors, set()
         return errors
 
     def close(self) -> None:
+        shadow = self.shadow.stats()
+        if shadow.checked_chunks or shadow.unavailable_chunks:
+            log.info(
+                "kvtier worker %d: shadow check: %d chunks checked, %d mismatched, %d unavailable; "
+                "worst relative error %.3g",
+                self.rank,
+                shadow.checked_chunks,
+                shadow.mismatched_chunks,
+                shadow.unavailable_chunks,
+                shadow.worst_error,
+            )
         self.clients.close()
 
     # ------------------------------------------------------------ internals
@@ -111,3 +128,29 @@ class WorkerSide:
         stored = client.store_with(spec.request_id, spec.hashes, sizes, gather)
         client.end_session(spec.request_id)
         self.stats["stored_chunks"] += stored
+
+    def _shadow(self, spec: ShadowSpec) -> None:
+        client = self.clients.client(spec.salt)
+        if client is None or client.chunk_size is None:
+            self.shadow.unavailable()
+            return
+        paged = self._paged_kv(client.chunk_size)
+        session = f"{spec.request_id}/shadow"
+        served = np.empty(paged.object_bytes, np.uint8)
+
+        def keep(i: int, view: npt.NDArray[np.uint8]) -> None:
+            served[:] = view
+
+        state = client.lookup(session, [spec.hash], wait_s=self.settings.request_timeout_s)
+        read = state.hit_chunks == 1 and client.retrieve_with(session, 0, 1, keep)
+        if state.acked:
+            client.end_session(session)
+        if not read:  # evicted meanwhile, or the server is away: nothing to compare
+            self.shadow.unavailable()
+            client.report_shadow(0, 0, 1)
+            return
+        computed = np.empty_like(served)
+        paged.copy_out(spec.block_ids, computed)
+        what = f"request {spec.request_id} chunk {spec.chunk} (rank {self.rank})"
+        verdict = self.shadow.compare(paged.values(served), paged.values(computed), what)
+        client.report_shadow(1, int(verdict.mismatched))
