@@ -1,10 +1,14 @@
 """``CacheClient``: an engine's connection to the node's cache server.
 
-One I/O thread owns the ZeroMQ socket. A caller hands it a request and waits
-on that request's own reply, matched by ``seq``; no caller holds a lock
-while anything is on the wire, so the engine's threads are answered as fast
-as the server answers each of them, and a slow call (a long WAIT, a large
-store) holds up nobody else. The I/O thread also sends the heartbeat (PING:
+Requests and replies are matched by ``seq``, so any number of calls can be on
+the wire at once. Whoever holds the socket (``_io``) sends what callers have
+queued and hands each reply to its caller. A caller that finds the socket
+free takes it and does its own I/O, as a plain request/reply client would (no
+thread hop on the way out or back); a caller that finds it taken never waits
+for it: it queues its request, wakes the holder and waits on its own reply,
+so a slow call (a long WAIT, a large store) holds up nobody else's. A caller
+holds the socket only until its own reply is in, then hands whatever is still
+in flight to the client's I/O thread, which also sends the heartbeat (PING:
 keeps the registration alive, spots a restarted server by its boot id) and
 reconnects.
 
@@ -18,9 +22,9 @@ again within about a second). A restart is seen through the boot id or a
 once more. Local clients copy KV through the shared-memory arena (one copy
 each way); others, or ``shm=False``, send bytes in frames.
 
-Thread safety: any thread may call any method. The I/O thread owns the
-socket, the table of requests in flight and the registration state; callers
-reach it through ``_submissions`` and a wake-up pipe.
+Thread safety: any thread may call any method. The holder of ``_io`` owns
+the socket, the table of requests in flight and the registration state;
+other threads reach it through ``_submissions`` and a wake-up pipe.
 """
 
 from __future__ import annotations
@@ -28,8 +32,10 @@ from __future__ import annotations
 import contextlib
 import itertools
 import logging
+import math
 import os
 import queue
+import select
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -77,7 +83,7 @@ class ClientConfig:
 
 @dataclass(eq=False)
 class _Call:
-    """One request in flight, owned by the I/O thread until ``done`` is set."""
+    """One request in flight, owned by the socket's holder until ``done`` is set."""
 
     message: p.Message
     frames: Sequence[object]
@@ -89,12 +95,16 @@ class _Call:
     region: SharedRegion | None = None  # the arena of the registration it went under
     deadline: float = 0.0
     retried: bool = False
+    lead: Callable[[_Call, float], None] | None = None  # do the I/O for it, if the socket is free
 
     def wait(self, timeout_s: float | None = None) -> p.Reply | None:
         """The reply; None if there is none within ``timeout_s`` (default: the
-        request's own timeout, which the I/O thread enforces)."""
+        request's own timeout, which the socket's holder enforces)."""
         limit = self.timeout_s + GRACE_S if timeout_s is None else timeout_s
-        self.done.wait(limit)
+        end = time.monotonic() + limit
+        if self.lead is not None and not self.done.is_set():
+            self.lead(self, limit)
+        self.done.wait(max(0.0, end - time.monotonic()))
         return self.reply if self.done.is_set() else None
 
 
@@ -156,7 +166,8 @@ class CacheClient:
         self.boot_id: str | None = None
         self._context: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
         self._socket: zmq.Socket[bytes] | None = None
-        self._poller = zmq.Poller()  # the I/O thread's
+        self._poller = zmq.Poller()  # the socket's holder's
+        self._io = threading.Lock()  # held by whoever does the socket's I/O; never waited on
         self._region: SharedRegion | None = None
         self._submissions: queue.SimpleQueue[_Call] = queue.SimpleQueue()
         self._wake_read, self._wake_write = os.pipe()
@@ -225,7 +236,7 @@ class CacheClient:
         if state._answer is None and state._ack is None:
             if self._poll_limit(state):
                 return 0
-            state._answer = self._submit(self._asking(state, wait_s), timeout_s=self._t(wait_s))
+            state._answer = self._post(self._asking(state, wait_s), timeout_s=self._t(wait_s))
         return None
 
     def query(self, state: LookupState, timeout_s: float = 0.0) -> int | None:
@@ -264,7 +275,7 @@ class CacheClient:
             for i, view in enumerate(views if ok else ()):
                 consume(i, view)
         finally:
-            self._submit(p.Release(request_id, start, end))  # nothing waits for its ack
+            self._post(p.Release(request_id, start, end))  # nothing waits for its ack
         return ok
 
     def retrieve_into(
@@ -287,19 +298,23 @@ class CacheClient:
     def release(self, request_id: str, start: int, end: int, wait: bool = True) -> None:
         """Drop locks on hit chunks [start, end) the engine will compute itself
         (``wait=False``: send it and go on)."""
-        call = self._submit(p.Release(request_id, start, end))
+        message = p.Release(request_id, start, end)
         if wait:
-            call.wait()
+            self._submit(message).wait()
+        else:
+            self._post(message)
 
     def end_session(self, request_id: str, wait: bool = True) -> None:
-        call = self._submit(p.EndSession(request_id))
+        message = p.EndSession(request_id)
         if wait:
-            call.wait()
+            self._submit(message).wait()
+        else:
+            self._post(message)
 
     def report_shadow(self, checked: int, mismatched: int, unavailable: int = 0) -> None:
         """Tell the server about shadow checks (``kvtier.engine.shadow``);
         sent without waiting for the ack."""
-        self._submit(p.ShadowReport(checked, mismatched, unavailable))
+        self._post(p.ShadowReport(checked, mismatched, unavailable))
 
     # ----------------------------------------------------------------- store
 
@@ -348,7 +363,7 @@ class CacheClient:
             return 0
         if list(reply.sizes) != list(sizes):
             log.warning("client: the server's object sizes differ from ours; store skipped")
-            self._submit(p.StoreAbort(reply.reservation))
+            self._post(p.StoreAbort(reply.reservation))
             return 0
         arena = call.region.array
         try:
@@ -356,7 +371,7 @@ class CacheClient:
                 if offset >= 0:
                     fill(i, arena[offset : offset + size])
         except BaseException:
-            self._submit(p.StoreAbort(reply.reservation))
+            self._post(p.StoreAbort(reply.reservation))
             raise
         done = self._submit(p.StoreCommit(reply.reservation)).wait()
         return done.stored if isinstance(done, p.Committed) else 0
@@ -405,14 +420,47 @@ class CacheClient:
         frames: Sequence[object] = (),
         timeout_s: float | None = None,
     ) -> _Call:
+        """Queue a request; its ``wait`` sends it (or wakes the socket's holder)."""
         timeout = self.config.request_timeout_s if timeout_s is None else timeout_s
-        call = _Call(message, frames, timeout)
+        call = _Call(message, frames, timeout, lead=self._lead)
         if self._stop.is_set():
             call.done.set()  # closed: no answer
             return call
         self._submissions.put(call)
+        return call
+
+    def _post(
+        self, message: p.Message, frames: Sequence[object] = (), timeout_s: float | None = None
+    ) -> _Call:
+        """Queue a request that may not be waited for, and have it sent."""
+        call = self._submit(message, frames, timeout_s)
         self._wake()
         return call
+
+    def _lead(self, call: _Call, limit_s: float) -> None:
+        """Do the socket's I/O on this thread until ``call`` is answered or
+        ``limit_s`` has passed, if the socket is free; else wake its holder,
+        which sends ``call`` with the rest of the queue."""
+        if not self._io.acquire(blocking=False):
+            self._wake()
+            return
+        end = time.monotonic() + limit_s
+        try:
+            while not call.done.is_set() and not self._stop.is_set():
+                self._turn(end - time.monotonic())
+                if time.monotonic() >= end:
+                    break
+        except Exception:
+            self._failures.record("client: a caller's I/O")
+        finally:
+            pending = self._pending()
+            self._io.release()
+        if pending:
+            self._wake()  # the I/O thread takes over what is still in flight
+
+    def _pending(self) -> bool:
+        """Whether the socket's holder has work: calls queued, in flight or held."""
+        return bool(self._in_flight or self._held) or not self._submissions.empty()
 
     def _wake(self) -> None:
         with contextlib.suppress(BlockingIOError):  # a full pipe: the thread is awake anyway
@@ -453,33 +501,47 @@ class CacheClient:
     # ------------------------------------------------------------ I/O thread
 
     def _run(self) -> None:
+        """Idle without the socket until woken (a queued call, a caller handing
+        over) or a timer is due (heartbeat, reconnect); then hold the socket
+        while anything is queued or in flight."""
         self._poller.register(self._wake_read, zmq.POLLIN)
         while not self._stop.is_set():
-            try:
-                self._turn()
-            except Exception:
-                self._failures.record("client: the I/O thread")
-        self._fail_all()
-        while True:  # calls submitted while closing: no answer
-            try:
-                self._submissions.get_nowait().done.set()
-            except queue.Empty:
-                break
-        self._disconnect()
+            idle_s = 0.0 if self._pending() else self._next_timer() - time.monotonic()
+            select.select([self._wake_read], [], [], min(1.0, max(0.0, idle_s)))
+            with self._io:  # a caller doing its own I/O hands over when answered
+                try:
+                    self._turn(0.0)
+                    while self._pending() and not self._stop.is_set():
+                        self._turn(1.0)
+                except Exception:
+                    self._failures.record("client: the I/O thread")
+        with self._io:
+            self._fail_all()
+            while True:  # calls submitted while closing: no answer
+                try:
+                    self._submissions.get_nowait().done.set()
+                except queue.Empty:
+                    break
+            self._disconnect()
 
-    def _turn(self) -> None:
+    def _next_timer(self) -> float:
+        beat = self._next_beat if self.config.heartbeat_s > 0 else math.inf
+        return min(beat, self._next_try if self._socket is None else math.inf)
+
+    def _turn(self, max_wait_s: float) -> None:
+        """One round of the socket's I/O (the caller holds ``_io``): timers,
+        queued calls, then replies for up to ``max_wait_s``."""
         now = time.monotonic()
         if self._socket is None and now >= self._next_try:
             self._connect()
         if self._registered.is_set() and self.config.heartbeat_s > 0 and now >= self._next_beat:
             self._next_beat = now + self.config.heartbeat_s
             self._send_call(_Call(p.Ping(), (), self.config.request_timeout_s, self._on_pong))
+        self._dispatch_submissions()
         wake_at = min(
-            [call.deadline for call in self._in_flight.values()]
-            + [self._next_beat if self.config.heartbeat_s > 0 else now + 1.0]
-            + ([self._next_try] if self._socket is None else [])
+            [now + max_wait_s, self._next_timer()] + [c.deadline for c in self._in_flight.values()]
         )
-        timeout_ms = max(0, min(1000, int((wake_at - time.monotonic()) * 1000) + 1))
+        timeout_ms = max(0, min(1000, math.ceil((wake_at - time.monotonic()) * 1000)))
         ready = dict(self._poller.poll(timeout_ms))
         if self._wake_read in ready:
             with contextlib.suppress(BlockingIOError):

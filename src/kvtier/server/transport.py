@@ -98,7 +98,9 @@ class ServerTransport:
         self.address = self._socket.getsockopt_string(zmq.LAST_ENDPOINT)
         self._monitor = self._socket.get_monitor_socket(zmq.EVENT_DISCONNECTED)
         # Other threads hand events to the loop through this queue, and wake
-        # it with a byte on the pipe.
+        # it with a byte on the pipe (the loop's own events need no wake-up:
+        # it takes them after every batch of requests).
+        self._loop_thread: int | None = None
         self._events: queue.SimpleQueue[tuple[bytes, str] | _Done] = queue.SimpleQueue()
         self._wake_read, self._wake_write = os.pipe()
         os.set_blocking(self._wake_read, False)
@@ -117,6 +119,7 @@ class ServerTransport:
         poller.register(self._monitor, zmq.POLLIN)
         poller.register(self._wake_read, zmq.POLLIN)
         next_tick = time.monotonic() + TICK_S
+        self._loop_thread = threading.get_ident()
         try:
             while not stop.is_set():
                 now = time.monotonic()
@@ -127,9 +130,12 @@ class ServerTransport:
                     if self._monitor in ready:
                         self._count_disconnects()
                     if self._wake_read in ready:
-                        self._drain_events()
+                        with contextlib.suppress(BlockingIOError):
+                            while os.read(self._wake_read, 4096):
+                                pass
                     if self._socket in ready:
                         self._receive()
+                    self._take_events()
                 except Exception:
                     self._failures.record("server: receiving")
                 self._expire_parked()
@@ -155,20 +161,16 @@ class ServerTransport:
 
     def _post(self, event: tuple[bytes, str] | _Done) -> None:
         self._events.put(event)
+        if threading.get_ident() == self._loop_thread:
+            return  # a lookup that settled while the loop handled it
         with contextlib.suppress(BlockingIOError):  # a full pipe: the loop is awake anyway
             os.write(self._wake_write, b"\0")
 
     # ------------------------------------------------------------- events
 
-    def _drain_events(self) -> None:
-        with contextlib.suppress(BlockingIOError):
-            while os.read(self._wake_read, 4096):
-                pass
-        while True:
-            try:
-                event = self._events.get_nowait()
-            except queue.Empty:
-                return
+    def _take_events(self) -> None:
+        while not self._events.empty():  # the loop is the only consumer
+            event = self._events.get_nowait()
             try:
                 if isinstance(event, _Done):
                     self._finish(event)
