@@ -40,6 +40,23 @@ TINY = {
     "bench_mooncake_adapter.py": ["--rounds", "1", "--node-rounds", "2", "--shapes", "4x1"],
     "bench_redis_adapter.py": ["--rounds", "1", "--node-rounds", "2", "--shapes", "4x1"],
     "bench_s3_adapter.py": ["--rounds", "1", "--node-rounds", "2", "--shapes", "4x1"],
+    "bench_seams.py": [
+        "--baseline",
+        "HEAD",
+        "--rounds",
+        "1",
+        "--lookups",
+        "5",
+        "--threads",
+        "2",
+        "--per-thread",
+        "2",
+        "--parked",
+        "3",
+        "--window-s",
+        "0.2",
+    ],
+    "bench_shadow.py": ["--prompts", "2", "--prefix-chunks", "1", "--model-dir", "{tmp}"],
     "bench_server.py": [
         "--objects",
         "2",
@@ -59,10 +76,15 @@ def test_every_benchmark_has_a_smoke_run() -> None:
     assert {p.name for p in BENCHMARKS.glob("bench_*.py")} == set(TINY)
 
 
-# Scripts that start vLLM engines or external stores: slow (the quick run skips
-# them); the vLLM one only runs where vLLM is installed.
+# Scripts that start vLLM engines, external stores or many servers: slow (the
+# quick run skips them); the vLLM one only runs where vLLM is installed.
 ENGINE_SCRIPTS = {"bench_vllm_ttft.py"}
-STORE_SCRIPTS = {"bench_redis_adapter.py", "bench_s3_adapter.py", "bench_mooncake_adapter.py"}
+STORE_SCRIPTS = {
+    "bench_redis_adapter.py",
+    "bench_s3_adapter.py",
+    "bench_mooncake_adapter.py",
+    "bench_seams.py",
+}
 HAS_VLLM = importlib.util.find_spec("vllm") is not None
 
 

@@ -1,4 +1,4 @@
-"""The vLLM connector's parts that run without an engine: settings, salts,
+"""The vLLM connector's parts that run without an engine: settings, salts, the step timer,
 layer names and page copies (``PagedKV``)."""
 
 from __future__ import annotations
@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 import torch
 
+from kvtier.engine.vllm import timing
 from kvtier.engine.vllm.pages import PagedKV, layer_index
 from kvtier.engine.vllm.settings import ConnectorSettings
 from kvtier.layout import KVLayout
@@ -106,3 +107,20 @@ def test_shared_kv_layers_are_counted_once() -> None:
     shared = torch.zeros(4, 2, 4, 16)
     paged = PagedKV({"model.layers.0.attn": shared, "model.layers.1.attn": shared}, layout, 4)
     assert len(paged.layers) == 1
+
+
+def test_step_timer_logs_every_thousand_steps_or_every_thirty_seconds(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    now = [100.0]
+    monkeypatch.setattr(timing.time, "monotonic", lambda: now[0])
+    timer = timing.StepTimer()
+    caplog.set_level("INFO", logger=timing.__name__)
+    logged = [timer.step() for _ in range(timing.LOG_EVERY_STEPS)]
+    assert logged == [False] * (timing.LOG_EVERY_STEPS - 1) + [True]
+    assert timer.total_steps == timing.LOG_EVERY_STEPS and timer.steps == []
+    assert timer.step() is False  # a few steps, then quiet
+    now[0] += timing.LOG_EVERY_S
+    assert timer.step() is True  # ... but a summary every LOG_EVERY_S all the same
+    summaries = [r.message for r in caplog.records if "connector time per step" in r.message]
+    assert len(summaries) == 2 and "2 steps" in summaries[1]

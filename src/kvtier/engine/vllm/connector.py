@@ -34,11 +34,25 @@ from kvtier.engine.vllm.worker import WorkerSide
 log = logging.getLogger(__name__)
 
 
+def show_logs(level: str) -> None:
+    """vLLM gives only its own loggers a handler: give kvtier's one too (once
+    per process, unless logging is configured already) so that its summaries
+    and warnings reach the engine's log."""
+    logger = logging.getLogger("kvtier")
+    logger.setLevel(level.upper())
+    if logger.handlers or logging.getLogger().handlers:
+        return
+    handler = logging.StreamHandler()
+    handler.setFormatter(logging.Formatter("%(levelname)s %(asctime)s [%(name)s] %(message)s"))
+    logger.addHandler(handler)
+
+
 class KVTierConnector(KVConnectorBase_V1):  # type: ignore[misc]
     def __init__(self, vllm_config: Any, role: Any, kv_cache_config: Any = None) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
         transfer = vllm_config.kv_transfer_config
         settings = ConnectorSettings.from_extra_config(transfer.kv_connector_extra_config or {})
+        show_logs(settings.log_level)
         if getattr(transfer, "kv_load_failure_policy", "recompute") != "recompute":
             log.warning(
                 "kvtier: kv_load_failure_policy is %r: a chunk that fails to load fails its "

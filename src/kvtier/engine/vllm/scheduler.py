@@ -36,7 +36,6 @@ connector's scheduler calls take per step and logs a summary every
 from __future__ import annotations
 
 import logging
-import time
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
@@ -46,57 +45,10 @@ from kvtier.engine.shadow import ShadowCheck
 from kvtier.engine.vllm.clients import ClientPool
 from kvtier.engine.vllm.metadata import KVTierMetadata, LoadSpec, ShadowSpec, StoreSpec
 from kvtier.engine.vllm.settings import ConnectorSettings
+from kvtier.engine.vllm.timing import StepTimer
 from kvtier.server.client import CacheClient, LookupState
 
 log = logging.getLogger(__name__)
-
-LOG_EVERY_STEPS = 1000
-
-
-class StepTimer:
-    """Seconds the scheduler thread spends in the connector's calls, per step
-    (``with timer:`` around each call; ``step()`` once per step)."""
-
-    def __init__(self) -> None:
-        self.steps: list[float] = []  # per step, the last LOG_EVERY_STEPS
-        self.total_steps = 0
-        self.max_s = 0.0
-        self._current = 0.0
-        self._entered = 0.0
-
-    def __enter__(self) -> StepTimer:
-        self._entered = time.perf_counter()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._current += time.perf_counter() - self._entered
-
-    def step(self) -> bool:
-        """End a step; True when this logged a summary."""
-        self.steps.append(self._current)
-        self.max_s = max(self.max_s, self._current)
-        self.total_steps += 1
-        self._current = 0.0
-        if len(self.steps) < LOG_EVERY_STEPS:
-            return False
-        self.report()
-        return True
-
-    def report(self) -> None:
-        if not self.steps:
-            return
-        ordered = sorted(self.steps)
-        p50, p99 = (ordered[min(len(ordered) - 1, int(q * len(ordered)))] for q in (0.5, 0.99))
-        log.info(
-            "kvtier scheduler: %d steps; connector time per step p50 %.3f ms, p99 %.3f ms, "
-            "max %.3f ms (over %d steps)",
-            len(ordered),
-            p50 * 1e3,
-            p99 * 1e3,
-            self.max_s * 1e3,
-            self.total_steps,
-        )
-        self.steps.clear()
 
 
 @dataclass(slots=True)

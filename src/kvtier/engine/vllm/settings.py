@@ -21,6 +21,8 @@
   chunk vLLM computes anyway, to compare with kvtier's copy
   (``kvtier.engine.shadow``); ``shadow_tolerance`` (0.02): the relative error
   above which a chunk counts as a mismatch.
+- ``log_level`` (``info``): of kvtier's messages in vLLM's log (``debug``
+  adds a line per lookup with its hit and why it ends there).
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ PREFIX = "kvtier."
 ENV_PREFIX = "KVTIER_"
 SALT_SOURCES = ("request", "fixed")
 STORE_POLICIES = ("prompt", "none")
+LOG_LEVELS = ("debug", "info", "warning", "error")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -52,6 +55,7 @@ class ConnectorSettings:
     request_timeout_s: float = 2.0
     shadow_fraction: float = 0.0
     shadow_tolerance: float = 0.02
+    log_level: str = "info"
 
     def __post_init__(self) -> None:
         if self.salt_source not in SALT_SOURCES:
@@ -65,6 +69,8 @@ class ConnectorSettings:
             raise ValueError("kvtier.shadow_fraction must be in [0, 1]")
         if not self.shadow_tolerance > 0:
             raise ValueError("kvtier.shadow_tolerance must be positive")
+        if self.log_level not in LOG_LEVELS:
+            raise ValueError(f"kvtier.log_level must be one of {LOG_LEVELS}")
 
     @classmethod
     def from_extra_config(
