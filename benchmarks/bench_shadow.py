@@ -8,11 +8,14 @@ its own and a 64-token suffix, through one in-process ``StorageManager``:
   once with every hit sampled (``ShadowCheck(1.0)``) and once without, the
   order alternating prompt by prompt. Reported: the relative error of each
   checked chunk (max and median), mismatches (must be 0), and the warm TTFT
-  with the check against without (the check recomputes one chunk of 256
-  tokens instead of loading it).
+  with the check against without (the prompt still uses the loaded chunk;
+  the check recomputes that chunk of 256 tokens on top, and ``prefill``
+  returns after it).
 - crossed: the lookup of each prompt is answered with the previous prompt's
   KV (what a metadata mix-up would serve: every checksum passes). Reported:
   the share of those chunks the check flags (must be all).
+
+Exits 1 when honest reuse is flagged or wrong KV is not.
 
 Run for the demo model (15.5 M parameters) in float32 and in bfloat16, whose
 rounding the default tolerance (0.02) must absorb.
@@ -140,11 +143,18 @@ def main() -> None:
                 f"({r['ttft_with_check_s'] / r['ttft_without_s']:.2f}x)",
             ),
         ]
+    failed = [
+        name
+        for name, r in results.items()
+        if r["honest_mismatched"] or r["crossed_flagged"] < r["crossed_checked"]
+    ]
     report(
         f"shadow check, {args.prompts} prompts of {args.prefix_chunks} x {CHUNK} + {SUFFIX} tokens",
         rows,
         results,
     )
+    if failed:
+        raise SystemExit(f"the shadow check misjudged reuse in {', '.join(failed)}")
 
 
 if __name__ == "__main__":

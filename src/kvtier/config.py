@@ -30,6 +30,7 @@ import typing
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, TypeVar
+from urllib.parse import urlsplit, urlunsplit
 
 import tomli_w
 
@@ -38,7 +39,18 @@ from kvtier.units import parse_size
 C = TypeVar("C")
 Layer = dict[str, Any]
 Namer = Callable[[str], str]  # a dotted key -> how the user spelled it (for errors)
-SECRET_FIELDS = ("auth_token",)  # never printed, never taken from a flag
+SECRET_FIELDS = ("auth_token", "secret_access_key")  # never printed; kvtier serve: no flag
+URL_FIELDS = ("url",)  # printed without their password
+
+
+def redacted(url: str) -> str:
+    """The URL without its password (for status and logs)."""
+    parts = urlsplit(url)
+    if parts.password is None:
+        return url
+    host = parts.hostname or ""
+    netloc = f"{parts.username or ''}:***@{host}" + (f":{parts.port}" if parts.port else "")
+    return urlunsplit(parts._replace(netloc=netloc))
 
 
 def load(
@@ -261,6 +273,8 @@ def _plain(layer: Mapping[str, Any]) -> Layer:
     for key, value in layer.items():
         if key in SECRET_FIELDS and value:
             out[key] = "***"
+        elif key in URL_FIELDS and isinstance(value, str):
+            out[key] = redacted(value)
         elif isinstance(value, Mapping):
             out[key] = _plain(value)
         elif isinstance(value, tuple | list):

@@ -225,3 +225,15 @@ def test_a_slow_call_holds_up_no_other_engine_thread(gated: Gated) -> None:
     finally:
         gated.gate.set()
         client.close()
+
+
+def test_a_closed_client_drops_late_calls_without_raising(gated: Gated) -> None:
+    """Review finding: a release or shadow report after ``close()`` wrote to
+    the closed wake-up pipe and raised OSError into the engine."""
+    client = CacheClient(w.client_config(gated.address, shm=False))
+    assert client.ping()
+    client.close()
+    client.release("r", 0, 1, wait=False)
+    client.end_session("r", wait=False)
+    client.report_shadow(1, 0)
+    assert client.ping() is False

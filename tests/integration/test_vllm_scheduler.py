@@ -17,9 +17,10 @@ from tests.integration.conftest import Gated
 from tests.integration.harness import Server, wait_for
 
 pytest.importorskip("vllm")
-
 from kvtier.engine.vllm.scheduler import SchedulerSide
 from kvtier.engine.vllm.settings import ConnectorSettings
+
+pytestmark = pytest.mark.slow  # needs vLLM: CI runs it with the engine tests
 
 BLOCK = 128
 CHUNK = 256

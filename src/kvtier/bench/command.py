@@ -26,9 +26,9 @@ from typing import Any, Literal
 from kvtier.config import load, read_toml
 from kvtier.extras import missing_extra
 from kvtier.output import JSON_HELP, write_json
+from kvtier.traces import Span
 from kvtier.units import parse_span
 
-MiB = 1 << 20
 ENV_PREFIX = "KVTIER_BENCH_"
 TRACE_OPTIONS = (
     "requests",
@@ -42,7 +42,6 @@ TRACE_OPTIONS = (
     "sessions",
     "turns",
 )
-Span = tuple[int, int]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -76,10 +75,6 @@ class BenchOptions:
     lmcache_venv: str | None = None
     out: str = "kvtier-bench"
     json: str | None = None
-
-    def __post_init__(self) -> None:
-        if self.requests < 1:
-            raise ValueError(f"--requests must be at least 1, got {self.requests}")
 
 
 # Each option's flag: (help, help group).

@@ -116,6 +116,11 @@ class LookupResult:
     temporary: frozenset[ObjectKey] = frozenset()  # loaded for this request only
     miss_reason: MissReason | None = None
 
+    @property
+    def why(self) -> str:
+        """``miss_reason`` as wire text: "" when every chunk hit."""
+        return self.miss_reason.value if self.miss_reason is not None else ""
+
     def chunks_by_tier(self) -> dict[str, int]:
         """Hit chunks per tier: objects over the objects of one chunk (every
         chunk of the hit has all of them)."""

@@ -164,6 +164,17 @@ def _file_tensors(files: list[Path]) -> Tensors:
                 yield name, tuple(tensor.shape), _ends(tensor)
 
 
+def checkpoint_names(files: list[Path]) -> set[str]:
+    """The tensor names in these safetensors files (their values are not read)."""
+    from safetensors import safe_open
+
+    names: set[str] = set()
+    for path in files:
+        with safe_open(str(path), framework="pt") as f:
+            names.update(f.keys())
+    return names
+
+
 def state_tensors(state: Mapping[str, Any]) -> Tensors:
     """A loaded model's ``state_dict()`` as ``fingerprint`` input."""
     for name, tensor in state.items():
@@ -183,6 +194,7 @@ __all__ = [
     "CONFIG_NOT_IN_KV",
     "ModelIdentity",
     "checkpoint_fingerprint",
+    "checkpoint_names",
     "config_fingerprint",
     "fingerprint",
     "hub_commit",

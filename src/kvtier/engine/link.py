@@ -155,8 +155,7 @@ class LocalLink:
     def lookup(self, request_id: str, hashes: Sequence[bytes]) -> Hit:
         result = self.storage.lookup(self._keys(hashes), self.layout)
         self._locked[request_id] = list(result.placements)
-        reason = result.miss_reason.value if result.miss_reason is not None else ""
-        return Hit(result.hit_chunks, result.chunks_by_tier(), reason)
+        return Hit(result.hit_chunks, result.chunks_by_tier(), result.why)
 
     def load(self, request_id: str, start: int, end: int, consume: Consume) -> bool:
         keys = self._take(request_id, start, end)

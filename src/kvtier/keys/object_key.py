@@ -32,18 +32,17 @@ _SEP = "@"
 _HEX_DIGEST = re.compile(f"[0-9a-f]{{{2 * HASH_BYTES}}}")
 _PLACEMENT = re.compile(r"r(\d{1,5})g(\d{1,5})")
 _HASHED_SALT = re.compile(r"s-[0-9a-f]{32}")
-_HASHED_MODEL = re.compile(r"m-[0-9a-f]{32}")
 
 
 def model_label(model: str) -> str:
     """A model name made safe for ``ObjectKey.model``: ``/`` becomes ``--``
     (the Hugging Face cache's convention); a name that is still too long or
-    not key-safe (a local path with a space or a ``+``), or that looks like a
-    hashed label, becomes ``m-`` and 32 hex digits of its blake3. The label
-    is for people and listings: the chunk hash covers the full name."""
+    not key-safe (a local path with a space or a ``+``) becomes ``m-`` and 32
+    hex digits of its blake3. A label is its own label (engines send labels,
+    and the server labels what it is sent), so two labels may coincide: the
+    label is for people and listings, the chunk hash covers the full name."""
     label = model.replace("/", "--")
-    safe = 0 < len(label) <= MAX_MODEL_CHARS and _SAFE.fullmatch(label)
-    if safe and not _HASHED_MODEL.fullmatch(label):
+    if 0 < len(label) <= MAX_MODEL_CHARS and _SAFE.fullmatch(label):
         return label
     return "m-" + blake3(model.encode()).hexdigest(length=16)
 

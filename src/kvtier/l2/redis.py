@@ -24,10 +24,10 @@ import logging
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
-from urllib.parse import urlsplit, urlunsplit
 
 import numpy as np
 
+from kvtier.config import redacted
 from kvtier.keys import ObjectKey
 from kvtier.l2.base import (
     AdapterConfig,
@@ -65,16 +65,6 @@ class RedisConfig(AdapterConfig):
         for name in ("max_connections", "batch_bytes", "batch_keys"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"option '{name}' must be positive, got {getattr(self, name)}")
-
-
-def redacted(url: str) -> str:
-    """The URL without its password (for status and logs)."""
-    parts = urlsplit(url)
-    if parts.password is None:
-        return url
-    host = parts.hostname or ""
-    netloc = f"{parts.username or ''}:***@{host}" + (f":{parts.port}" if parts.port else "")
-    return urlunsplit(parts._replace(netloc=netloc))
 
 
 class RedisAdapter(BlockingAdapter):

@@ -171,6 +171,8 @@ class CacheClient:
         self._region: SharedRegion | None = None
         self._submissions: queue.SimpleQueue[_Call] = queue.SimpleQueue()
         self._wake_read, self._wake_write = os.pipe()
+        self._wake_lock = threading.Lock()
+        self._closed = False
         os.set_blocking(self._wake_read, False)
         os.set_blocking(self._wake_write, False)
         self._seq = itertools.count(1)
@@ -230,28 +232,16 @@ class CacheClient:
         """The lookup's answer if it has come; never blocks. While pending, a
         WAIT of ``wait_s`` (or a QUERY) is kept in flight so that a later
         poll finds the answer. None while pending; 0 is a miss."""
-        self._take(state)
-        if state.done:
-            return state.hit_chunks
-        if state._answer is None and state._ack is None:
-            if self._poll_limit(state):
-                return 0
-            state._answer = self._post(self._asking(state, wait_s), timeout_s=self._t(wait_s))
-        return None
+        self._ask(state, wait_s, self._post)
+        return state.hit_chunks
 
     def query(self, state: LookupState, timeout_s: float = 0.0) -> int | None:
         """The lookup's answer, waiting up to ``timeout_s`` for it (plus one
         round trip); None if still pending then, 0 is a miss."""
-        self._take(state)
-        if not state.done and state._answer is None:
-            if self._poll_limit(state):
-                return 0
-            state._answer = self._submit(
-                self._asking(state, timeout_s), timeout_s=self._t(timeout_s)
-            )
-        if not state.done and state._answer is not None:
-            state._answer.wait()
-        self._take(state)
+        answer = self._ask(state, timeout_s, self._submit)
+        if answer is not None:
+            answer.wait()
+            self._take(state)
         return state.hit_chunks
 
     def retrieve_with(self, request_id: str, start: int, end: int, consume: Consume) -> bool:
@@ -409,8 +399,10 @@ class CacheClient:
         self._stop.set()
         self._wake()
         self._thread.join()
-        os.close(self._wake_read)
-        os.close(self._wake_write)
+        with self._wake_lock:  # a late release or report after close is dropped, never raised
+            self._closed = True
+            os.close(self._wake_read)
+            os.close(self._wake_write)
 
     # ------------------------------------------------------ caller helpers
 
@@ -463,24 +455,30 @@ class CacheClient:
         return bool(self._in_flight or self._held) or not self._submissions.empty()
 
     def _wake(self) -> None:
-        with contextlib.suppress(BlockingIOError):  # a full pipe: the thread is awake anyway
-            os.write(self._wake_write, b"\0")
+        with self._wake_lock, contextlib.suppress(BlockingIOError):  # full: the thread is awake
+            if not self._closed:
+                os.write(self._wake_write, b"\0")
 
-    def _t(self, wait_s: float) -> float:
-        return wait_s + self.config.request_timeout_s
-
-    def _asking(self, state: LookupState, wait_s: float) -> p.Message:
-        state.polls += 1
-        return p.Wait(state.request_id, wait_s) if wait_s > 0 else p.Query(state.request_id)
-
-    def _poll_limit(self, state: LookupState) -> bool:
-        if state.polls < self.config.max_polls:
-            return False
-        log.warning(
-            "client: lookup %s still pending after %d polls; a miss", state.request_id, state.polls
-        )
-        state.give_up("over_budget")
-        return True
+    def _ask(self, state: LookupState, wait_s: float, send: Callable[..., _Call]) -> _Call | None:
+        """Take the replies that came in; while the lookup is pending, have a
+        WAIT of ``wait_s`` (or a QUERY) out for it (``send``: queue it, or
+        queue it and wake the socket's holder). The call awaited, if any."""
+        self._take(state)
+        if state.done:
+            return None
+        if state._answer is None:
+            if state.polls >= self.config.max_polls:
+                log.warning(
+                    "client: lookup %s still pending after %d polls; a miss",
+                    state.request_id,
+                    state.polls,
+                )
+                state.give_up("over_budget")
+                return None
+            state.polls += 1
+            asking = p.Wait(state.request_id, wait_s) if wait_s > 0 else p.Query(state.request_id)
+            state._answer = send(asking, timeout_s=wait_s + self.config.request_timeout_s)
+        return state._answer
 
     @staticmethod
     def _take(state: LookupState) -> None:

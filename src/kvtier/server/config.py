@@ -21,7 +21,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvtier.config import env_name, load, read_toml, secret
+from kvtier.config import SECRET_FIELDS, load, read_toml, secret
 from kvtier.controllers import PrefetchConfig, StoreConfig
 from kvtier.l1 import L1Config
 from kvtier.l2.registry import parse_spec
@@ -104,6 +104,11 @@ def load_config(
 ) -> ServerConfig:
     """Merge the ``--config`` file, ``KVTIER_*`` variables and the flags given
     (None: not given; keys may be dotted), then read the token file."""
+    if any(flags.get(key) for key in SECRET_FIELDS):
+        raise ValueError(
+            "the auth token is never a flag (a command line shows in ps): use --auth-token-file "
+            "or KVTIER_AUTH_TOKEN"
+        )
     file = read_toml(config_file, "--config") if config_file else {}
     config = load(
         ServerConfig,
@@ -121,4 +126,4 @@ def load_config(
     return config
 
 
-__all__ = ["ServerConfig", "default_l1_bytes", "env_name", "flag_name", "load_config"]
+__all__ = ["ServerConfig", "default_l1_bytes", "flag_name", "load_config"]

@@ -189,13 +189,21 @@ class CacheServer:
         layout = self._layout(client, req.group)
         keys = self._keys(client, req.hashes, req.group)
         session = self.sessions.open_lookup(client, req.request_id, keys)
-        session.handle = self.storage.submit_lookup(keys, {req.group: layout})
+        try:
+            session.handle = self.storage.submit_lookup(keys, {req.group: layout})
+        except BaseException:
+            self.sessions.end(client, req.request_id)
+            raise
         session.started = time.perf_counter()
-        if self.on_lookup_done is not None:
-            notify, peer, rid = self.on_lookup_done, client.peer, req.request_id
-            session.handle.add_done_callback(lambda: notify(peer, rid))
+        peer, rid = client.peer, req.request_id
+        session.handle.add_done_callback(lambda: self._lookup_done(peer, rid))
         self.counters.add("lookups")
         return p.Ack(), []
+
+    def _lookup_done(self, peer: bytes, request_id: str) -> None:
+        notify = self.on_lookup_done  # read now: the transport unsets it when it stops
+        if notify is not None:
+            notify(peer, request_id)
 
     def _answer_lookup(
         self, client: Client, req: p.Query | p.Wait, frames: Sequence[Buffer]
@@ -221,8 +229,7 @@ class CacheServer:
         for tier, chunks in by_tier.items():
             self.counters.add(f"hit_tokens.{tier}", chunks * chunk)
         self.counters.add("lookup_tokens", looked_up * chunk)
-        reason = result.miss_reason.value if result.miss_reason is not None else ""
-        return p.QueryResult(result.hit_chunks, by_tier, reason), []
+        return p.QueryResult(result.hit_chunks, by_tier, result.why), []
 
     def _shadow_report(
         self, client: Client, req: p.ShadowReport, frames: Sequence[Buffer]

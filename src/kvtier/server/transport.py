@@ -57,6 +57,7 @@ TICK_S = 0.25
 MAX_PARKED = 1 << 16
 BATCH_MESSAGES = 1024  # messages handled between two looks at the other events
 COPY_THREADS = 2
+MAX_DEFERRED = 4 * COPY_THREADS  # copies queued for the pool; past it the loop copies itself
 
 
 @dataclass(eq=False)
@@ -106,6 +107,9 @@ class ServerTransport:
         os.set_blocking(self._wake_read, False)
         os.set_blocking(self._wake_write, False)
         self._pool = ThreadPoolExecutor(COPY_THREADS, thread_name_prefix="kvtier-copy")
+        self._deferred = 0  # copies on or queued for the pool (the loop's count)
+        self._wake_lock = threading.Lock()  # no byte for a closed (or reused) pipe
+        self._closed = False
         self._parked: dict[tuple[bytes, str], _ParkedWait] = {}
         self._deadlines: list[tuple[float, int, tuple[bytes, str]]] = []  # may be stale
         self._seq = 0
@@ -144,14 +148,16 @@ class ServerTransport:
                     next_tick = time.monotonic() + TICK_S
         finally:
             self.core.on_lookup_done = None
-            self._pool.shutdown(wait=True)
+            self._pool.shutdown(wait=True, cancel_futures=True)
             self._socket.disable_monitor()
             self._monitor.close(linger=0)
             self._socket.close(linger=0)
             self._connections.close()
             self._context.term()
-            os.close(self._wake_read)
-            os.close(self._wake_write)
+            with self._wake_lock:
+                self._closed = True
+                os.close(self._wake_read)
+                os.close(self._wake_write)
 
     # ------------------------------------------------------ other threads
 
@@ -163,8 +169,9 @@ class ServerTransport:
         self._events.put(event)
         if threading.get_ident() == self._loop_thread:
             return  # a lookup that settled while the loop handled it
-        with contextlib.suppress(BlockingIOError):  # a full pipe: the loop is awake anyway
-            os.write(self._wake_write, b"\0")
+        with self._wake_lock, contextlib.suppress(BlockingIOError):  # full: the loop is awake
+            if not self._closed:
+                os.write(self._wake_write, b"\0")
 
     # ------------------------------------------------------------- events
 
@@ -179,12 +186,19 @@ class ServerTransport:
             except Exception:
                 self._failures.record("server: a finished lookup or copy")
 
-    def _settled(self, slot: tuple[bytes, str]) -> None:
-        wait = self._parked.pop(slot, None)
-        if wait is not None:
-            self._answer(wait.peer, wait.connection, wait.request, [])
+    def _settled(self, slot: tuple[bytes, str], expired: bool = False) -> None:
+        """Answer the WAIT parked for ``slot``: its lookup settled (an event for
+        an older lookup of the same id is ignored), or its time is up."""
+        wait = self._parked.get(slot)
+        if wait is None or not (
+            expired or self.core.lookup_settled(wait.peer, wait.request.request_id, wait.connection)
+        ):
+            return
+        del self._parked[slot]
+        self._answer(wait.peer, wait.connection, wait.request, [])
 
     def _finish(self, done: _Done) -> None:
+        self._deferred -= 1
         try:
             reply, out = done.deferred.finish(done.future.result())
         except Exception:
@@ -261,11 +275,7 @@ class ServerTransport:
         self._parked[slot] = _ParkedWait(peer, connection, wait, deadline)
         self._seq += 1
         heapq.heappush(self._deadlines, (deadline, self._seq, slot))
-        # The lookup may have settled between the check and now: its callback
-        # then found nothing parked, so look once more.
-        if self.core.lookup_settled(peer, wait.request_id, connection):
-            self._settled(slot)
-        return True
+        return True  # a lookup settling from now on queues an event the loop takes
 
     def _expire_parked(self) -> None:
         now = time.monotonic()
@@ -274,7 +284,7 @@ class ServerTransport:
             wait = self._parked.get(slot)
             if wait is not None and wait.deadline == deadline:
                 try:
-                    self._settled(slot)
+                    self._settled(slot, expired=True)
                 except Exception:
                     self._parked.pop(slot, None)
                     self._failures.record("server: a parked WAIT")
@@ -287,7 +297,14 @@ class ServerTransport:
         except Exception:  # a fault, not a client's error: answer, log, keep serving
             self._failures.record(f"server: {type(request).__name__}")
             outcome = self.core.fault(type(request).__name__), []
+        if isinstance(outcome, Deferred) and self._deferred >= MAX_DEFERRED:
+            try:  # the pool is behind: copy here, so the socket pushes back on senders
+                outcome = outcome.finish(outcome.work())
+            except Exception:
+                self._failures.record("server: a bulk copy")
+                outcome = self.core.fault("copy"), []
         if isinstance(outcome, Deferred):
+            self._deferred += 1
             future = self._pool.submit(outcome.work)
             done = _Done(peer, request.seq, outcome, future)
             future.add_done_callback(lambda _: self._post(done))

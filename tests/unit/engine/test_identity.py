@@ -9,6 +9,7 @@ from types import SimpleNamespace
 from typing import Any
 
 import pytest
+import torch
 import transformers
 
 from kvtier.engine.hf import KVTierModel, kv_layout
@@ -98,3 +99,18 @@ def test_identity_parts() -> None:
     assert hub_commit("/tmp/m") is None
     with pytest.raises(ValueError, match="pass the model's revision"):
         model_identity("org/not-cached-anywhere", config)
+
+
+def test_weights_changed_after_loading_or_a_display_name_get_their_own_identity(
+    checkpoint: Path,
+) -> None:
+    """Review findings: the fingerprint came from the files even when the
+    loaded weights had changed since (a merged adapter, an in-place edit), and
+    a display ``name=`` took the revision the hub cache holds for that name."""
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(checkpoint)
+    before = hf_identity(loaded)
+    with torch.no_grad():
+        next(loaded.parameters()).mul_(2.0)
+    assert hf_identity(loaded).revision != before.revision
+    named = hf_identity(loaded, name="org/base")
+    assert named.model == "org/base" and named.revision == hf_identity(loaded).revision

@@ -140,3 +140,11 @@ SALTS = st.one_of(st.text(max_size=80), st.text(max_size=80).map(salt_label))  #
 def test_distinct_salts_get_distinct_labels(a: str, b: str) -> None:
     if a != b:
         assert salt_label(a) != salt_label(b)
+
+
+def test_a_model_label_is_its_own_label() -> None:
+    """Engines send labels and the server labels what it is sent: a hashed
+    label must come through unchanged, or server keys differ from local ones."""
+    for name in ("meta-llama/Llama-3.1-8B", "/models/my model+lora", "x" * 300):
+        label = model_label(name)
+        assert model_label(label) == label

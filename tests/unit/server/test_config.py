@@ -6,6 +6,7 @@ from pathlib import Path
 import pytest
 
 from kvtier.cli import main
+from kvtier.config import dump_toml
 from kvtier.server.config import ServerConfig, default_l1_bytes, flag_name, load_config
 
 NO_ENV: dict[str, str] = {}
@@ -118,3 +119,22 @@ def test_print_config_round_trips(
     saved.write_text(printed.replace('auth_token = "***"\n', ""))
     again = load_config({}, str(saved), NO_ENV)
     assert again.l1.size_bytes == 64 << 20 and again.limits.max_clients == 8
+
+
+def test_no_secret_on_a_command_line_or_in_print_config() -> None:
+    """Review findings: ``--set auth_token=...`` was taken (a command line
+    shows in ps), and ``--print-config`` printed L2 passwords and keys."""
+    with pytest.raises(ValueError, match="never a flag"):
+        load_config({"auth_token": "sekrit"}, environ={})
+    config = load_config(
+        {
+            "l2": (
+                {"type": "redis", "url": "redis://:pw123@cache:6379/0"},
+                {"type": "s3", "bucket": "b", "secret_access_key": "SUPERSECRET"},
+            )
+        },
+        environ={},
+    )
+    printed = dump_toml(config)
+    assert "pw123" not in printed and "SUPERSECRET" not in printed
+    assert "redis://:***@cache:6379/0" in printed

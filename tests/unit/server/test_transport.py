@@ -21,8 +21,9 @@ from tests.integration.harness import wait_for
 
 
 class Loop:
-    def __init__(self, transport: ServerTransport) -> None:
+    def __init__(self, transport: ServerTransport, gate: threading.Event) -> None:
         self.transport = transport
+        self.gate = gate  # L2 lookups wait while it is clear (a pending lookup, for sure)
         self.stop = threading.Event()
         self.thread = threading.Thread(target=transport.serve, args=(self.stop,), daemon=True)
         self.thread.start()
@@ -42,12 +43,24 @@ MAX_MESSAGE = 1 << 20
 
 @pytest.fixture
 def loop() -> Iterator[Loop]:
-    spec = {"type": "mock", "latency_s": 0.3}  # lookups that miss L1 stay pending a while
     l1 = L1Config(size_bytes=1 << 20, populate=False)
-    storage = StorageManager(StorageConfig(l1=l1, l2=({**spec},)))
+    storage = StorageManager(StorageConfig(l1=l1, l2=({"type": "mock"},)))
+    gate = threading.Event()
+    gate.set()
+    adapter: Any = storage.adapters[0]
+    real_lookup = adapter._lookup
+
+    def gated_lookup(keys: Any) -> list[bool]:
+        assert gate.wait(30), "the test never opened the gate"
+        result: list[bool] = real_lookup(keys)
+        return result
+
+    adapter._lookup = gated_lookup
     core = CacheServer(storage, chunk_size=256)
-    running = Loop(ServerTransport(core, "tcp://127.0.0.1:0", max_message_bytes=MAX_MESSAGE))
+    transport = ServerTransport(core, "tcp://127.0.0.1:0", max_message_bytes=MAX_MESSAGE)
+    running = Loop(transport, gate)
     yield running
+    gate.set()
     running.socket.close(linger=0)
     running.stop.set()
     running.thread.join(timeout=10)
@@ -100,17 +113,20 @@ def test_a_failing_request_is_an_internal_error(
 
 @pytest.mark.parametrize("timeout", [math.nan, -math.inf, -1.0])
 def test_a_wait_with_no_usable_timeout_is_answered_at_once(loop: Loop, timeout: float) -> None:
+    loop.gate.clear()
     assert isinstance(loop.call(w.hello(chunk_alignment=256)), p.Welcome)
     assert loop.call(p.Lookup("r", w.chunk_hashes(256, 1, 2))) == p.Ack()
     assert loop.call(p.Wait("r", timeout)) == p.QueryResult(None)  # pending: not parked
 
 
 def test_one_wait_per_request_may_be_parked(loop: Loop) -> None:
+    loop.gate.clear()
     assert isinstance(loop.call(w.hello(chunk_alignment=256)), p.Welcome)
     assert loop.call(p.Lookup("r", w.chunk_hashes(256, 1, 2))) == p.Ack()
     w.send_raw(loop.socket, [p.encode(p.Wait("r", math.inf))])  # parked until settled
     second = loop.call(p.Wait("r", 10.0))  # answered before the first
     assert isinstance(second, p.Error) and second.code == "busy"
+    loop.gate.set()
     first, _ = w.recv_reply(loop.socket)
     assert first == p.QueryResult(0, {}, miss_reason="not_found")  # the mock has nothing
 

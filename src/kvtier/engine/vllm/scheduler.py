@@ -182,8 +182,13 @@ class SchedulerSide:
     # ----------------------------------------------------------------- steps
 
     def build_connector_meta(self, scheduler_output: Any) -> KVTierMetadata:
+        with self.timer:
+            meta = self._build(scheduler_output)
         if self.timer.step():  # once per step: what this step's connector calls took
             self._log_outcomes()
+        return meta
+
+    def _build(self, scheduler_output: Any) -> KVTierMetadata:
         meta = KVTierMetadata(loads=self._loads)
         self._loads = []
         self._loading.append(

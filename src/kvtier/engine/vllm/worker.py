@@ -100,8 +100,7 @@ class WorkerSide:
 
             if hit and client.retrieve_with(spec.request_id, 0, hit, scatter):
                 loaded = hit
-            if state.acked:
-                client.end_session(spec.request_id)
+            client.end_session(spec.request_id, wait=False)  # even unacked: the ack may be late
         for blocks in spec.blocks[loaded:]:
             self._load_errors.update(blocks.values())
         self.stats["loaded_chunks"] += loaded
@@ -126,7 +125,7 @@ class WorkerSide:
 
         sizes = [paged.object_bytes] * len(spec.hashes)
         stored = client.store_with(spec.request_id, spec.hashes, sizes, gather)
-        client.end_session(spec.request_id)
+        client.end_session(spec.request_id, wait=False)
         self.stats["stored_chunks"] += stored
 
     def _shadow(self, spec: ShadowSpec) -> None:
@@ -143,8 +142,7 @@ class WorkerSide:
 
         state = client.lookup(session, [spec.hash], wait_s=self.settings.request_timeout_s)
         read = state.hit_chunks == 1 and client.retrieve_with(session, 0, 1, keep)
-        if state.acked:
-            client.end_session(session)
+        client.end_session(session, wait=False)
         if not read:  # evicted meanwhile, or the server is away: nothing to compare
             self.shadow.unavailable()
             client.report_shadow(0, 0, 1)
