@@ -25,7 +25,8 @@ from typing import IO, Any
 READY = re.compile(
     r"kvtier serve: rpc (?P<rpc>tcp://[^:\s]+:(?P<port>\d+)) "
     r"http (?P<http>\S+) boot (?P<boot>[0-9a-f]+) "
-    r"l1 .+ arena (?P<arena>kvtier-\d+-[0-9a-f]+) l2 (?P<l2>\S+)"
+    r"l1 .+ arena (?P<arena>kvtier-\d+-[0-9a-f]+) l2 (?P<l2>\S+) "
+    r"events (?P<events>off|(?P<pub>\S+) replay (?P<replay>\S+))"
 )
 START_TIMEOUT_S = 20.0
 STOP_TIMEOUT_S = 10.0
@@ -74,6 +75,8 @@ class ServerProcess:
     boot_id: str
     arena: str
     l2: str
+    events: str = ""  # the KV-event PUB endpoint; "" when off
+    events_replay: str = ""  # its replay endpoint; "" when off or none
     shm_dir: Path = Path("/dev/shm")
 
     @classmethod
@@ -122,6 +125,8 @@ class ServerProcess:
             match["boot"],
             match["arena"],
             match["l2"],
+            match["pub"] or "",
+            "" if match["replay"] in (None, "none") else match["replay"],
             shm_dir,
         )
 

@@ -19,6 +19,7 @@ the controllers have their own.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import logging
 import threading
@@ -39,6 +40,7 @@ from kvtier.controllers import (
     StoreConfig,
     StoreController,
 )
+from kvtier.events.residency import L1_TIER, Residency, Tier
 from kvtier.keys import ObjectKey
 from kvtier.l1 import IOFence, L1Config, L1Manager, L1Result, Placement, WriterTag
 from kvtier.l2 import L2Adapter, TaskKind, TaskResult, make_adapter
@@ -78,8 +80,12 @@ class _Held:
 class StorageManager:
     """Store, look up and read chunk objects across tiers; see the module docstring."""
 
-    def __init__(self, config: StorageConfig | None = None) -> None:
+    def __init__(
+        self, config: StorageConfig | None = None, residency: Residency | None = None
+    ) -> None:
         self.config = config or StorageConfig()
+        self.residency = residency
+        self._tiers: dict[str, Tier] = {}  # adapter name -> its tier in KV events
         self.l1 = L1Manager(self.config.l1)
         self.adapters: list[L2Adapter] = []
         try:
@@ -97,6 +103,8 @@ class StorageManager:
             raise
         for adapter in self.adapters:
             adapter.register_memory(self.l1.memory)
+        if residency is not None:
+            self._report_residency(residency)
         self.store_controller = StoreController(
             self.config.store, self.l1, [a for a in self.adapters if a.writable]
         )
@@ -320,10 +328,40 @@ class StorageManager:
     # ------------------------------------------------------------ internals
 
     def _on_complete(self, result: TaskResult) -> None:
+        if self.residency is not None:
+            self._note_residency(result)
         if result.kind is TaskKind.STORE:
             self.store_controller.on_result(result)
         else:
             self.prefetch.on_result(result)
+
+    def _report_residency(self, residency: Residency) -> None:
+        """Tell ``residency`` (KV events) what each tier holds and will hold:
+        what node-local adapters hold now, then every change."""
+        self._tiers = {a.name: Tier(a.name, a.shared) for a in self.adapters}
+        for adapter in self.adapters:
+            tier = self._tiers[adapter.name]
+            residency.added(tier, adapter.held_keys())
+            adapter.on_removed = functools.partial(residency.removed, tier)
+
+        def on_l1(stored: bool, keys: Sequence[ObjectKey]) -> None:
+            (residency.added if stored else residency.removed)(L1_TIER, keys)
+
+        self.l1.on_residency = on_l1
+
+    def _note_residency(self, result: TaskResult) -> None:
+        """Stores that landed; objects a shared store's lookup or load found
+        gone (a node-local adapter reports its own removals)."""
+        assert self.residency is not None
+        tier = self._tiers[result.adapter]
+        if result.kind is TaskKind.STORE:
+            self.residency.added(
+                tier, [k for k, ok in zip(result.keys, result.ok, strict=True) if ok]
+            )
+        elif tier.shared and not result.failure:
+            self.residency.removed(
+                tier, [k for k, ok in zip(result.keys, result.ok, strict=True) if not ok]
+            )
 
     def _held_locks(self, key: ObjectKey) -> int:
         held = self._held.get(key)

@@ -55,10 +55,16 @@ def chunk_hashes(chunk_size: int, seed: int, n_chunks: int, num_ranks: int = 1) 
         num_ranks=num_ranks,
     )
     namespace = Namespace(MODEL, kv_dtype=LAYOUT.dtype, layout=layout.digest())
-    tokens = np.random.default_rng(seed).integers(0, 50_000, n_chunks * chunk_size)
-    hashes = TokenHasher(namespace, chunk_size).chunk_hashes(tokens)
+    hashes = TokenHasher(namespace, chunk_size).chunk_hashes(
+        prompt_tokens(seed, n_chunks, chunk_size)
+    )
     assert len(hashes) == n_chunks
     return hashes
+
+
+def prompt_tokens(seed: int, n_chunks: int, chunk_size: int) -> npt.NDArray[np.int64]:
+    """The tokens of ``chunk_hashes``'s prompt."""
+    return np.random.default_rng(seed).integers(0, 50_000, n_chunks * chunk_size)
 
 
 def payload(seed: int, chunk: int, rank: int, nbytes: int) -> npt.NDArray[np.uint8]:

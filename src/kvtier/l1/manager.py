@@ -122,6 +122,9 @@ class L1Manager:
         self._fenced_objects = 0  # objects (any table) with io_fences > 0
         self._counters = Counters()
         self._counters.set(**dict.fromkeys(COUNTERS, 0))
+        # Told of every object that becomes resident (True) or stops being
+        # resident (False), under the lock: it must only record (KV events).
+        self.on_residency: Callable[[bool, Sequence[ObjectKey]], None] | None = None
 
     # ----------------------------------------------------------------- arena
 
@@ -449,6 +452,8 @@ class L1Manager:
             self._evict_to_watermark(sum(o.reserved for o in admitted if not o.read_locks))
             for obj in reversed(admitted):
                 self._policy.admit(obj.key, obj.reserved, obj.cost)
+            if admitted and self.on_residency is not None:
+                self.on_residency(True, [obj.key for obj in admitted])
             return results
 
     def _evict_to_watermark(self, fresh_bytes: int) -> None:
@@ -500,6 +505,8 @@ class L1Manager:
     def _drop_resident(self, obj: L1Object) -> None:
         del self._resident[obj.key]
         self._arena.free([obj.offset])
+        if self.on_residency is not None:
+            self.on_residency(False, (obj.key,))
 
     def _release_memory(self, obj: L1Object) -> None:
         if obj.io_fences:

@@ -137,6 +137,9 @@ class AdapterConfig:
     # this, and each try costs one part a reconnect (refused at once when the
     # server is down; ``timeout_s`` when its host does not answer).
     backoff_max_s: float = 2.0
+    # Whether other nodes read and write this store too (KV events mark its
+    # chunks SHARED; a router lets every node load them). None: the type's default.
+    shared: bool | None = None
     skip_present: bool = True  # a store of a key stored before asks whether it is still there
     remembered_keys: int = 1 << 16  # keys stored lately, for skip_present (~150 bytes each)
 
@@ -159,9 +162,14 @@ class L2Adapter(ABC):
 
     type_name: ClassVar[str]
     config_class: ClassVar[type[AdapterConfig]]
+    shared_by_default: ClassVar[bool] = True  # a remote store; a node-local one says False
 
     name: str
     writable: bool
+    shared: bool
+    # Told of objects the adapter itself removed (evicted, deleted as corrupt),
+    # from its I/O threads: it must only record (KV events).
+    on_removed: Callable[[Sequence[ObjectKey]], None] | None = None
 
     @abstractmethod
     def submit_store(
@@ -186,6 +194,11 @@ class L2Adapter(ABC):
         """How often the backend answered again after failing (0 for adapters
         that cannot fail that way)."""
         return 0
+
+    def held_keys(self) -> list[ObjectKey]:
+        """Every object a node-local adapter holds now (what a restarted server
+        announces); a remote store cannot list cheaply and says nothing."""
+        return []
 
     @abstractmethod
     def unlock(self, keys: Sequence[ObjectKey]) -> None: ...
@@ -248,6 +261,7 @@ class BlockingAdapter(L2Adapter):
         self.config = config
         self.name = config.name or self.type_name
         self.writable = config.write
+        self.shared = self.shared_by_default if config.shared is None else config.shared
         self.clock: Callable[[], float] = time.monotonic
         self._on_complete = on_complete
         self._tasks = itertools.count(1)

@@ -73,6 +73,7 @@ class FSConfig(AdapterConfig):
 class FSAdapter(BlockingAdapter):
     type_name = "fs"
     config_class = FSConfig
+    shared_by_default = False  # a directory on this node (an NFS mount: set shared = true)
     inline_lookup = True  # the index is in memory
 
     def __init__(self, config: FSConfig, on_complete: CompletionCallback) -> None:
@@ -231,10 +232,21 @@ class FSAdapter(BlockingAdapter):
             self.path_of(victim).unlink(missing_ok=True)
         if victims:
             self._count_evictions(len(victims))
+            if self.on_removed is not None:
+                self.on_removed(victims)
 
     def _forget(self, key: ObjectKey) -> None:
         with self._index_lock:
-            self._used -= self._index.pop(key, 0)
+            size = self._index.pop(key, None)
+            if size is None:
+                return
+            self._used -= size
+        if self.on_removed is not None:
+            self.on_removed((key,))
+
+    def held_keys(self) -> list[ObjectKey]:
+        with self._index_lock:
+            return list(self._index)
 
     def _delete(self, key: ObjectKey, path: Path) -> None:
         self._forget(key)

@@ -64,6 +64,7 @@ class MockFaults:
 class MockAdapter(BlockingAdapter):
     type_name = "mock"
     config_class = MockConfig
+    shared_by_default = False  # in this process
 
     def __init__(self, config: MockConfig, on_complete: CompletionCallback) -> None:
         super().__init__(config, on_complete)

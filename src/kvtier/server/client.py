@@ -396,10 +396,13 @@ class CacheClient:
         return reply.status if isinstance(reply, p.StatusReply) else None
 
     def close(self) -> None:
+        """Stop the client's thread and free its descriptors; a second close does nothing."""
         self._stop.set()
         self._wake()
         self._thread.join()
         with self._wake_lock:  # a late release or report after close is dropped, never raised
+            if self._closed:
+                return
             self._closed = True
             os.close(self._wake_read)
             os.close(self._wake_write)

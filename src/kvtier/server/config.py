@@ -4,7 +4,8 @@ Its sections are the components' own settings: ``[l1]`` (``L1Config``:
 size, shared-memory directory, eviction policy, watermarks, leases),
 ``[store]`` (``StoreConfig``: write-back policy and bounds), ``[prefetch]``
 (``PrefetchConfig``: deadline and bounds), ``[limits]`` (``ServerLimits``:
-time-to-live and what a client may make the server hold), and ``[[l2]]``
+time-to-live and what a client may make the server hold), ``[events]``
+(``EventsConfig``: where KV events are published), and ``[[l2]]``
 tables for the shared stores after the local disk. ``load_config`` reads
 them with ``kvtier.config.load``'s precedence (flags > ``KVTIER_*``
 environment > ``--config`` TOML file > defaults); ``--print-config`` shows
@@ -23,6 +24,7 @@ from typing import Any
 
 from kvtier.config import SECRET_FIELDS, load, read_toml, secret
 from kvtier.controllers import PrefetchConfig, StoreConfig
+from kvtier.events.publisher import EventsConfig
 from kvtier.l1 import L1Config
 from kvtier.l2.registry import parse_spec
 from kvtier.paths import cache_home
@@ -65,6 +67,7 @@ class ServerConfig:
     store: StoreConfig = field(default_factory=StoreConfig)
     prefetch: PrefetchConfig = field(default_factory=PrefetchConfig)
     limits: ServerLimits = field(default_factory=ServerLimits)
+    events: EventsConfig = field(default_factory=EventsConfig)  # KV events; off by default
     # More L2 adapters after the fs one, e.g. shared stores: TOML ``[[l2]]``
     # tables or ``--l2 '{"type": "redis", "url": "redis://..."}'`` (repeatable).
     l2: tuple[dict[str, Any], ...] = ()

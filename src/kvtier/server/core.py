@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 import hmac
+import json
 import logging
 import secrets
 import time
@@ -96,10 +97,14 @@ class CacheServer:
         self.counters = Counters()  # client errors, faults and work done (any thread)
         self.transport_counters = Counters()  # counted by the transport's threads
         self.on_lookup_done: Callable[[bytes, str], None] | None = None  # (peer, request_id)
+        self.publisher_status: Callable[[], dict[str, object]] | None = None  # KV events
         self._started = clock()
         # namespace -> its layouts, for /status (kvtier plan --from-server); the
         # most recent LAYOUTS_SEEN namespaces, whether or not still connected
         self._layouts_seen: OrderedDict[str, dict[str, object]] = OrderedDict()
+        # What a router needs to hash prompts as the clients do (docs/hashing.md),
+        # the salt left out: the most recent LAYOUTS_SEEN distinct ones.
+        self._hash_namespaces: OrderedDict[str, dict[str, object]] = OrderedDict()
         self._handlers: dict[type[p.Message], Handler] = {
             p.Lookup: self._lookup,
             p.Query: self._answer_lookup,
@@ -181,6 +186,7 @@ class CacheServer:
         self.sessions.register(client)
         self.chunks.freeze(chunk_size)  # only a hello that is accepted fixes it
         self._remember_layouts(client)
+        self._remember_namespace(hello, layouts, chunk_size)
         self.counters.add("hellos")
         arena = self.storage.l1.arena_name if hello.shm else None
         return p.Welcome(chunk_size, self.boot_id, arena)
@@ -378,6 +384,8 @@ class CacheServer:
             "uptime_s": self._clock() - self._started,
             "namespaces": sorted({f"{c.model}@{c.salt}" for c in clients}),
             "layouts": dict(self._layouts_seen),
+            "hash_namespaces": list(self._hash_namespaces.values()),
+            "events": self.publisher_status() if self.publisher_status else None,
             "server": self.counters.snapshot(),
             "transport": self.transport_counters.snapshot(),
             "storage": self.storage.status(),
@@ -397,6 +405,27 @@ class CacheServer:
         }
         while len(self._layouts_seen) > LAYOUTS_SEEN:
             self._layouts_seen.popitem(last=False)
+
+    def _remember_namespace(
+        self, hello: p.Hello, layouts: dict[int, KVLayout], chunk_size: int
+    ) -> None:
+        """The namespace of the client's chunk hashes, salt aside: its model,
+        revision and LoRA, and the dtype and digest of its first group's layout
+        (what ``ModelIdentity.namespace`` builds from the engine's layout)."""
+        first = layouts[min(layouts)]
+        entry: dict[str, object] = {
+            "model": hello.model,
+            "revision": hello.revision,
+            "lora": hello.lora,
+            "kv_dtype": first.dtype,
+            "layout": first.digest(),
+            "chunk_size": chunk_size,
+        }
+        name = json.dumps(entry, sort_keys=True)
+        self._hash_namespaces.pop(name, None)
+        self._hash_namespaces[name] = entry
+        while len(self._hash_namespaces) > LAYOUTS_SEEN:
+            self._hash_namespaces.popitem(last=False)
 
     def _layout(self, client: Client, group: int) -> KVLayout:
         layout = client.layouts.get(group)

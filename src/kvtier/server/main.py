@@ -8,6 +8,8 @@ import signal
 import threading
 from types import FrameType
 
+from kvtier.events.publisher import EventPublisher
+from kvtier.events.residency import Residency
 from kvtier.l2.registry import parse_spec
 from kvtier.server.admin import AdminHTTP
 from kvtier.server.config import ServerConfig
@@ -38,20 +40,30 @@ def serve(config: ServerConfig, stop: threading.Event | None = None) -> None:
 
         signal.signal(signal.SIGTERM, on_signal)
         signal.signal(signal.SIGINT, on_signal)
-    storage = StorageManager(storage_config(config))
+    residency = Residency(config.chunk_size) if config.events.enabled else None
+    storage = StorageManager(storage_config(config), residency)
     core = CacheServer(
         storage, config.chunk_size, config.auth_token, config.limits, offload_bytes=OFFLOAD_BYTES
     )
     admin = None
+    publisher = None
     try:
+        if residency is not None:
+            publisher = EventPublisher(config.events, residency)
+            core.publisher_status = publisher.status
+            publisher.start()
         transport = ServerTransport(core, f"tcp://{config.host}:{config.port}")
         if config.http_port >= 0:
             admin = AdminHTTP(transport, config.host, config.http_port, config.auth_token)
         http = f"http://{config.host}:{admin.port}" if admin else "off"
         l2 = config.l2_dir or "none"
+        events = "off"
+        if publisher is not None:
+            events = f"{publisher.endpoint} replay {publisher.replay_endpoint or 'none'}"
         print(
             f"kvtier serve: rpc {transport.address} http {http} boot {core.boot_id} "
-            f"l1 {format_size(config.l1.size_bytes)} arena {storage.l1.arena_name} l2 {l2}",
+            f"l1 {format_size(config.l1.size_bytes)} arena {storage.l1.arena_name} l2 {l2} "
+            f"events {events}",
             flush=True,
         )
         transport.serve(stop)
@@ -60,3 +72,5 @@ def serve(config: ServerConfig, stop: threading.Event | None = None) -> None:
             admin.close()
         core.close()
         storage.close()
+        if publisher is not None:
+            publisher.close()

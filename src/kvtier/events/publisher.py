@@ -1,0 +1,209 @@
+"""``EventPublisher``: a node's KV events on a ZeroMQ PUB socket, with replay.
+
+One thread owns both sockets and the ``Residency`` tables. Every
+``interval_s`` it drains what the tiers reported into one batch, numbers it
+(``seq`` from 0, +1 per batch) and publishes ``(topic, seq, payload)``
+(``kvtier.events.wire``); it also keeps the last ``buffer_batches`` batches.
+With nothing to say it still publishes an empty batch every ``heartbeat_s``,
+so a subscriber can tell a quiet node from a dead stream.
+
+The replay socket (ROUTER) speaks vLLM's protocol: a request is
+``[b"", start_seq as 8 bytes]`` (a REQ socket's envelope, or a DEALER's that
+adds the empty frame); the answer is one ``[b"", topic, seq, payload]`` per
+buffered batch from ``start_seq`` on, then the end marker
+``[b"", b"", seq -1, b""]``. kvtier adds one thing: when ``start_seq`` is
+older than the buffer, the answer starts with a snapshot batch (``Residency.snapshot``:
+clear, then everything held now), numbered one before the oldest buffered
+batch, so a subscriber that started late or missed more than the buffer
+still converges to exactly what the node holds.
+
+Batch 0 of every run starts with ``AllBlocksCleared``: a restarted server
+announces that everything its predecessor held is gone, then what its
+persistent tiers still hold (reported to ``residency`` before ``start``).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass
+
+import zmq
+
+from kvtier.counters import Counters
+from kvtier.events.residency import Residency
+from kvtier.events.wire import (
+    END_SEQ,
+    AllBlocksCleared,
+    Event,
+    EventBatch,
+    encode_batch,
+    seq_bytes,
+    seq_of,
+)
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class EventsConfig:
+    """``[events]`` of ``kvtier serve``: off unless ``endpoint`` is set."""
+
+    endpoint: str = ""  # PUB, e.g. tcp://127.0.0.1:5557 (bound)
+    replay_endpoint: str = ""  # ROUTER for replay, e.g. tcp://127.0.0.1:5558; "" -> none
+    topic: str = ""
+    buffer_batches: int = 10_000
+    interval_s: float = 0.005
+    heartbeat_s: float = 1.0
+    hwm: int = 100_000
+
+    def __post_init__(self) -> None:
+        for name in ("buffer_batches", "hwm"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"option 'events.{name}' must be positive")
+        if not 0 < self.interval_s <= self.heartbeat_s:
+            raise ValueError(
+                "options must satisfy 0 < events.interval_s <= events.heartbeat_s, got "
+                f"{self.interval_s} and {self.heartbeat_s}"
+            )
+        if self.replay_endpoint and not self.endpoint:
+            raise ValueError("option 'events.replay_endpoint' needs 'events.endpoint'")
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.endpoint)
+
+
+class EventPublisher:
+    """See the module docstring. ``residency`` is filled by the tiers;
+    ``close()`` publishes what is still logged, then stops."""
+
+    def __init__(self, config: EventsConfig, residency: Residency) -> None:
+        self.config = config
+        self.residency = residency
+        self.counters = Counters()
+        self._topic = config.topic.encode()
+        self._buffer: deque[tuple[int, bytes]] = deque(maxlen=config.buffer_batches)
+        self._next_seq = 0
+        self._first: list[Event] = [AllBlocksCleared()]
+        self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
+        self._pub = self._ctx.socket(zmq.PUB)
+        self._pub.setsockopt(zmq.SNDHWM, config.hwm)
+        self._pub.setsockopt(zmq.LINGER, 0)
+        self._replay: zmq.Socket[bytes] | None = None
+        try:
+            self._pub.bind(config.endpoint)
+            if config.replay_endpoint:
+                self._replay = self._ctx.socket(zmq.ROUTER)
+                self._replay.setsockopt(zmq.LINGER, 0)
+                # a whole buffer (and a snapshot) per request, never dropped at the HWM
+                self._replay.setsockopt(zmq.SNDHWM, config.buffer_batches + 2)
+                self._replay.bind(config.replay_endpoint)
+        except zmq.ZMQError as exc:
+            self._close_sockets()
+            raise ValueError(
+                f"events: cannot bind {config.endpoint!r} / {config.replay_endpoint!r} ({exc}); "
+                "set events.endpoint and events.replay_endpoint to free addresses"
+            ) from exc
+        self.endpoint = self._pub.getsockopt_string(zmq.LAST_ENDPOINT)
+        self.replay_endpoint = (
+            self._replay.getsockopt_string(zmq.LAST_ENDPOINT) if self._replay else ""
+        )
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._run, name="kvtier-events", daemon=True)
+        self._thread.start()
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=5.0)
+        self._close_sockets()
+
+    def status(self) -> dict[str, object]:
+        return {
+            "endpoint": self.endpoint,
+            "replay_endpoint": self.replay_endpoint,
+            "next_seq": self._next_seq,
+            "buffered": len(self._buffer),
+            "pending_reports": self.residency.pending(),
+            "chunks": {t.name: self.residency.chunks(t) for t in list(self.residency.tiers())},
+            **self.counters.snapshot(),
+        }
+
+    # ------------------------------------------------------------ the thread
+
+    def _run(self) -> None:
+        poller = zmq.Poller()
+        if self._replay is not None:
+            poller.register(self._replay, zmq.POLLIN)
+        last = 0.0
+        while True:
+            stopping = self._stop.is_set()
+            try:
+                events = self._first + self.residency.drain()
+                self._first = []
+                now = time.monotonic()
+                if events or now - last >= self.config.heartbeat_s:
+                    self._publish(events)
+                    last = now
+                if stopping:
+                    return
+                for _sock, _ in poller.poll(int(self.config.interval_s * 1000) or 1):
+                    self._serve_replay()
+                if not poller.sockets:
+                    self._stop.wait(self.config.interval_s)
+            except Exception:
+                self.counters.add("errors", 1)
+                log.exception("events: publishing failed; going on")
+                self._stop.wait(self.config.interval_s)
+                if stopping:
+                    return
+
+    def _publish(self, events: list[Event]) -> None:
+        seq = self._next_seq
+        self._next_seq += 1
+        payload = encode_batch(EventBatch(time.time(), events))
+        self._buffer.append((seq, payload))
+        try:
+            self._pub.send_multipart((self._topic, seq_bytes(seq), payload), flags=zmq.NOBLOCK)
+        except zmq.Again:
+            self.counters.add("dropped_batches", 1)  # no subscriber reads: replay has it
+        self.counters.add("batches", 1)
+        self.counters.add("events", len(events))
+
+    def _serve_replay(self) -> None:
+        assert self._replay is not None
+        frames = self._replay.recv_multipart()
+        if len(frames) != 3 or frames[1] != b"":
+            self.counters.add("bad_replay_requests", 1)
+            return
+        peer = frames[0]
+        try:
+            start = seq_of(frames[2])
+        except ValueError:
+            self.counters.add("bad_replay_requests", 1)
+            return
+        self.counters.add("replays", 1)
+        send = self._replay.send_multipart
+        oldest = self._buffer[0][0] if self._buffer else self._next_seq
+        if start < oldest:
+            snapshot = encode_batch(EventBatch(time.time(), self.residency.snapshot()))
+            send((peer, b"", self._topic, seq_bytes(oldest - 1), snapshot))
+            self.counters.add("snapshots", 1)
+        for seq, payload in self._buffer:
+            if seq >= start:
+                send((peer, b"", self._topic, seq_bytes(seq), payload))
+        send((peer, b"", b"", seq_bytes(END_SEQ), b""))
+
+    def _close_sockets(self) -> None:
+        self._pub.close(linger=0)
+        if self._replay is not None:
+            self._replay.close(linger=0)
+
+
+__all__ = ["EventPublisher", "EventsConfig"]

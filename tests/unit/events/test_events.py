@@ -1,0 +1,284 @@
+"""KV events: the wire format (both encodings), chunk residency, and a
+publisher/subscriber pair that converges through gaps, late starts,
+restarts and a buffer too small for the history."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import msgspec
+import pytest
+import zmq
+
+from kvtier.events.publisher import EventPublisher, EventsConfig
+from kvtier.events.residency import HASHES_PER_EVENT, L1_TIER, Residency, Tier
+from kvtier.events.subscriber import EventSubscriber
+from kvtier.events.wire import (
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    DecodedBatch,
+    EventBatch,
+    decode_batch,
+    encode_batch,
+)
+from kvtier.keys import ObjectKey
+
+SHARED_TIER = Tier("redis", shared=True)
+
+
+def key(i: int, rank: int = 0) -> ObjectKey:
+    return ObjectKey(i.to_bytes(32, "big"), "m", rank)
+
+
+def chunk(i: int) -> bytes:
+    return i.to_bytes(32, "big")
+
+
+# ------------------------------------------------------------------ wire
+
+
+def test_batch_round_trip_in_map_encoding() -> None:
+    stored = BlockStored([chunk(1)], None, [], 256, None, "CPU", None, ownership="kvtier:L1")
+    batch = EventBatch(1.5, [stored, BlockRemoved([7], "GPU"), AllBlocksCleared()], 0)
+    decoded = decode_batch(encode_batch(batch))
+    assert decoded.events == batch.events and decoded.ts == 1.5 and decoded.skipped == 0
+    raw = msgspec.msgpack.decode(encode_batch(batch))
+    assert (
+        isinstance(raw, list) and raw[1][0]["type"] == "BlockStored"
+    )  # positional batch, map events
+    assert raw[1][0]["lora_id"] is None and "medium" in raw[1][1]  # required by vLLM: always there
+
+
+def test_decodes_the_older_positional_events() -> None:
+    payload = msgspec.msgpack.encode(
+        [2.0, [["BlockStored", [1, 2], 0, [5, 6], 16, None, "GPU"], ["BlockRemoved", [1], "GPU"]]]
+    )
+    decoded = decode_batch(payload)
+    assert decoded.events == [
+        BlockStored([1, 2], 0, [5, 6], 16, None, "GPU"),
+        BlockRemoved([1], "GPU"),
+    ]
+
+
+def test_unknown_event_types_are_skipped_and_malformed_ones_refused() -> None:
+    payload = msgspec.msgpack.encode(
+        [1.0, [{"type": "Future", "x": 1}, ["Other"], {"type": "AllBlocksCleared"}]]
+    )
+    decoded = decode_batch(payload)
+    assert decoded.events == [AllBlocksCleared()] and decoded.skipped == 2
+    with pytest.raises(msgspec.ValidationError):
+        decode_batch(msgspec.msgpack.encode([1.0, [{"type": "BlockStored", "block_hashes": "x"}]]))
+    with pytest.raises(msgspec.DecodeError):
+        decode_batch(b"\xc1garbage")
+
+
+# ------------------------------------------------------------- residency
+
+
+def test_a_chunk_is_stored_at_its_first_object_and_removed_at_its_last() -> None:
+    residency = Residency(256)
+    residency.added(L1_TIER, [key(1, 0), key(1, 1), key(2, 0)])
+    residency.removed(L1_TIER, [key(1, 0)])
+    events = residency.drain()
+    assert [type(e) for e in events] == [BlockStored]
+    assert events[0].block_hashes == [chunk(1), chunk(2)]
+    residency.removed(L1_TIER, [key(1, 1), key(9)])  # 9 was never there: nothing to say
+    assert residency.drain() == [
+        BlockRemoved([chunk(1)], "CPU", locality="LOCAL", ownership="kvtier:L1")
+    ]
+
+
+def test_a_shared_tier_announces_each_chunk_once() -> None:
+    residency = Residency(256)
+    residency.added(SHARED_TIER, [key(1), key(1, 1)])
+    residency.added(SHARED_TIER, [key(1)])
+    (stored,) = residency.drain()
+    assert isinstance(stored, BlockStored) and stored.locality == "SHARED"
+    assert stored.medium == "STORAGE" and stored.block_hashes == [chunk(1)]
+    residency.removed(SHARED_TIER, [key(1)])  # a lookup found it gone
+    assert [type(e) for e in residency.drain()] == [BlockRemoved]
+
+
+def test_events_keep_their_order_and_split_at_the_event_size() -> None:
+    residency = Residency(16)
+    residency.added(L1_TIER, [key(i) for i in range(HASHES_PER_EVENT + 1)])
+    residency.removed(L1_TIER, [key(0)])
+    residency.added(L1_TIER, [key(0)])
+    kinds = [(type(e).__name__, len(e.block_hashes)) for e in residency.drain()]  # type: ignore[union-attr]
+    assert kinds == [
+        ("BlockStored", HASHES_PER_EVENT),
+        ("BlockStored", 1),
+        ("BlockRemoved", 1),
+        ("BlockStored", 1),
+    ]
+
+
+# ------------------------------------------------- publisher and subscriber
+
+
+class Mirror:
+    """What a subscriber believes a node holds: tier -> chunks."""
+
+    def __init__(self) -> None:
+        self.tiers: dict[str, set[bytes | int]] = {}
+        self.lock = threading.Lock()
+
+    def apply(self, batch: DecodedBatch) -> None:
+        with self.lock:
+            for event in batch.events:
+                if isinstance(event, AllBlocksCleared):
+                    self.tiers.clear()
+                elif isinstance(event, BlockStored):
+                    self.tiers.setdefault(event.ownership or "", set()).update(event.block_hashes)
+                else:
+                    self.tiers.get(event.ownership or "", set()).difference_update(
+                        event.block_hashes
+                    )
+
+    def view(self) -> dict[str, set[bytes | int]]:
+        with self.lock:
+            return {k: set(v) for k, v in self.tiers.items() if v}
+
+
+def truth(residency: Residency) -> dict[str, set[bytes | int]]:
+    # Only read once the publisher drained everything (the tables are its thread's).
+    out: dict[str, set[bytes | int]] = {}
+    for event in residency.snapshot():
+        if isinstance(event, BlockStored):
+            out.setdefault(event.ownership or "", set()).update(event.block_hashes)
+    return {k: v for k, v in out.items() if v}
+
+
+def wait_for(predicate, timeout: float = 10.0) -> bool:  # type: ignore[no-untyped-def]
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if predicate():
+            return True
+        time.sleep(0.01)
+    return predicate()
+
+
+def publisher(buffer_batches: int = 10_000) -> EventPublisher:
+    config = EventsConfig(
+        endpoint="tcp://127.0.0.1:*",
+        replay_endpoint="tcp://127.0.0.1:*",
+        buffer_batches=buffer_batches,
+        interval_s=0.002,
+        heartbeat_s=0.05,
+    )
+    pub = EventPublisher(config, Residency(256))
+    pub.start()
+    return pub
+
+
+def churn(residency: Residency, rounds: int, start: int = 0) -> None:
+    for i in range(start, start + rounds):
+        residency.added(L1_TIER, [key(i)])
+        residency.added(SHARED_TIER, [key(i)])
+        if i % 3 == 0:
+            residency.removed(L1_TIER, [key(i // 2)])
+        time.sleep(0.0005)
+
+
+def test_a_late_subscriber_converges_even_past_the_buffer() -> None:
+    pub = publisher(buffer_batches=4)  # far less than the history: a snapshot must cover it
+    try:
+        churn(pub.residency, 300)
+        assert wait_for(lambda: pub.residency.pending() == 0)
+        mirror = Mirror()
+        sub = EventSubscriber(pub.endpoint, pub.replay_endpoint, mirror.apply)
+        sub.start()
+        try:
+            churn(pub.residency, 100, start=300)
+            assert wait_for(lambda: pub.residency.pending() == 0 and sub.synced)
+            time.sleep(0.2)  # a heartbeat or two: the subscriber has seen the last batch
+            assert wait_for(lambda: mirror.view() == truth(pub.residency))
+            assert pub.counters.snapshot().get("snapshots", 0) >= 1
+        finally:
+            sub.close()
+    finally:
+        pub.close()
+
+
+def test_a_gap_is_filled_by_replay() -> None:
+    pub = publisher()
+    mirror = Mirror()
+    seen: list[int] = []
+    sub = EventSubscriber(pub.endpoint, pub.replay_endpoint, mirror.apply)
+    sub.start()
+    try:
+        assert wait_for(lambda: sub.synced)
+        # Lose messages on purpose: this subscriber's socket sees nothing for a while.
+        original = sub._on_live
+
+        def lossy(frames: list[bytes]) -> None:
+            seen.append(int.from_bytes(frames[1], "big", signed=True))
+            if not 5 <= len(seen) <= 15:  # those are dropped
+                original(frames)
+
+        sub._on_live = lossy  # type: ignore[method-assign]
+        churn(pub.residency, 200)
+        assert wait_for(lambda: pub.residency.pending() == 0)
+        time.sleep(0.2)
+        assert wait_for(lambda: mirror.view() == truth(pub.residency))
+        status = sub.status()
+        assert status["gaps"] >= 1 and status.get("lost_batches", 0) == 0
+    finally:
+        sub.close()
+        pub.close()
+
+
+def test_a_restarted_publisher_clears_what_its_predecessor_announced() -> None:
+    pub = publisher()
+    mirror = Mirror()
+    sub = EventSubscriber(pub.endpoint, pub.replay_endpoint, mirror.apply)
+    sub.start()
+    endpoint, replay = pub.endpoint, pub.replay_endpoint
+    try:
+        churn(pub.residency, 50)
+        assert wait_for(lambda: mirror.view() == truth(pub.residency) != {})
+        pub.close()
+        config = EventsConfig(
+            endpoint=endpoint, replay_endpoint=replay, interval_s=0.002, heartbeat_s=0.05
+        )
+        for _ in range(100):  # the old sockets close on zmq's I/O thread
+            try:
+                pub = EventPublisher(config, Residency(256))
+                break
+            except ValueError:
+                time.sleep(0.05)
+        pub.residency.added(L1_TIER, [key(1000)])  # what the new run holds
+        pub.start()
+        assert wait_for(lambda: mirror.view() == {"kvtier:L1": {chunk(1000)}})
+        sub.resync()  # what a router does when the boot id changes: same outcome
+        time.sleep(0.2)
+        assert wait_for(lambda: mirror.view() == {"kvtier:L1": {chunk(1000)}})
+    finally:
+        sub.close()
+        pub.close()
+
+
+def test_malformed_batches_are_counted_and_skipped() -> None:
+    ctx = zmq.Context.instance()
+    pub = ctx.socket(zmq.PUB)
+    port = pub.bind_to_random_port("tcp://127.0.0.1")
+    mirror = Mirror()
+    sub = EventSubscriber(f"tcp://127.0.0.1:{port}", "", mirror.apply)
+    sub.start()
+    try:
+        good = encode_batch(EventBatch(1.0, [BlockStored([chunk(1)], ownership="kvtier:L1")]))
+        deadline = time.monotonic() + 10
+        seq = 0
+        while mirror.view() == {} and time.monotonic() < deadline:  # slow joiner: resend
+            pub.send_multipart((b"", b"\xff" * 3, good))  # a bad sequence frame
+            pub.send_multipart((b"", seq.to_bytes(8, "big"), b"\x93garbage"))
+            pub.send_multipart((b"", (seq + 1).to_bytes(8, "big"), good))
+            seq += 2
+            time.sleep(0.02)
+        assert mirror.view() == {"kvtier:L1": {chunk(1)}}
+        assert sub.status()["malformed"] >= 2
+    finally:
+        sub.close()
+        pub.close(linger=0)
