@@ -1,0 +1,354 @@
+"""Routing policies: which engine gets a request.
+
+``score`` gathers, for one request and every live engine, what the policies
+look at (``Candidates``): the engine's queue (prefill tokens in flight), the
+prefix its own cache holds (``BlockIndex``), and, chunk by chunk along the
+kvtier prefix, the cheapest tier that engine's node could load it from
+(``ChunkIndex``: L1, a node-local L2, or a shared store the node reads).
+
+Policies (a registry, ``POLICIES``):
+
+- ``kvtier``: the engine with the least expected time to first token::
+
+      (queue + prompt - covered(j)) x rate(engine) + sum of load(chunk i < j)
+
+  minimised over how many kvtier chunks ``j`` to load (up to the prefix the
+  node has): a chunk counts only where loading it from its tier beats
+  recomputing it, ``covered(j)`` is the larger of the engine's own prefix and
+  ``j`` chunks, and the last prompt token is always computed.
+- ``longest_prefix``: llm-d's default scorers: 3 x the matched fraction of the
+  prompt (fixed tier weights: engine 1, L1 0.8, node-local L2 0.5, shared
+  0.3) + 2 x (1 - queue / longest queue).
+- ``least_loaded``: the fewest prefill tokens in flight.
+- ``round_robin``.
+
+Ties go to the engine with less in flight, then the lower index.
+
+How it stays fast (``benchmarks/bench_route_scoring.py``): nodes are bits of
+Python ints. Walking the chunks, nodes that found every chunk so far in the
+same tiers form one ``_Path``; a path splits when its nodes part ways and
+ends when none of them has the next chunk, so the work per chunk is a few
+bit operations per path, not per node. Only the chosen node's plan is spelt
+out (``Decision``).
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from kvtier.router.chunks import L1_SLOT, LOCAL_SLOTS
+from kvtier.router.cost import ENGINE, CostModel
+
+PREFIX_WEIGHTS = {"engine": 1.0, "L1": 0.8, "local": 0.5, "shared": 0.3}
+_FIELD = (1 << 64) - 1
+
+
+@dataclass(frozen=True, slots=True)
+class Tier:
+    name: str
+    kind: str  # "L1", "local" or "shared"
+    cost: float  # seconds per token
+
+
+@dataclass(frozen=True, slots=True)
+class Decision:
+    node: int
+    expected_ttft_s: float  # the kvtier policy's estimate (whoever picks, for the logs)
+    prefill_tokens: int  # queue excluded
+    queue_tokens: int
+    loaded: dict[str, int]  # tier -> tokens to load
+    load_chunks: int  # kvtier chunks the plan loads (from the first)
+
+
+class _Path:
+    """Nodes (``mask``) that found chunks 0..``length``-1 in the same tiers."""
+
+    __slots__ = ("cost_max", "length", "load_s", "mask", "parent", "tier", "weighted")
+
+    def __init__(
+        self,
+        mask: int,
+        parent: _Path | None,
+        tier: int,
+        load_s: float,
+        cost_max: float,
+        weighted: float,
+    ) -> None:
+        self.mask = mask
+        self.parent = parent
+        self.tier = tier  # of the last chunk (-1 for the root)
+        self.length: int = 0 if parent is None else parent.length + 1
+        self.load_s = load_s  # loading the whole path, whole chunks
+        self.cost_max = cost_max  # the dearest tier on it
+        self.weighted = weighted  # tokens x fixed tier weights (longest_prefix)
+
+    def tiers(self) -> list[int]:
+        out = []
+        path: _Path | None = self
+        while path is not None and path.parent is not None:
+            out.append(path.tier)
+            path = path.parent
+        return out[::-1]
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class Candidates:
+    """One request's features over ``nodes`` (engine indices, all live, in
+    order); everything per node is indexed like ``nodes``."""
+
+    nodes: list[int]
+    prompt_tokens: int
+    chunk_size: int
+    queue_tokens: list[int]  # prefill tokens in flight
+    engine_tokens: list[int]  # its own prefix cache's hit
+    ttft: list[float]  # the kvtier plan's expected time to first token
+    chunks: list[int]  # kvtier chunks the plan loads
+    matched: list[float]  # tokens x fixed tier weights (longest_prefix)
+    paths: list[_Path | None]
+    tiers: list[Tier]
+
+    def decision(self, j: int) -> Decision:
+        """Candidate ``j``'s plan, spelt out."""
+        size, last = self.chunk_size, max(self.prompt_tokens - 1, 0)
+        engine = min(self.engine_tokens[j], last)
+        loaded: dict[str, int] = {ENGINE: engine} if engine else {}
+        path = self.paths[j]
+        chunks = self.chunks[j]
+        if path is not None:
+            for i, tier in enumerate(path.tiers()[:chunks]):
+                tokens = _beyond(i, size, last, engine)
+                if tokens:
+                    name = self.tiers[tier].name
+                    loaded[name] = loaded.get(name, 0) + tokens
+        covered = min(max(engine, chunks * size), last)
+        return Decision(
+            self.nodes[j],
+            self.ttft[j],
+            self.prompt_tokens - covered,
+            self.queue_tokens[j],
+            loaded,
+            chunks,
+        )
+
+
+def _beyond(i: int, size: int, last: int, engine: int) -> int:
+    """Tokens of chunk ``i`` that loading brings: past the engine's own hit,
+    short of the last prompt token."""
+    return max(0, min((i + 1) * size, last) - max(i * size, engine))
+
+
+def score(
+    nodes: Sequence[int],
+    prompt_tokens: int,
+    chunk_size: int,
+    queue_tokens: Sequence[int],
+    engine_tokens: Sequence[int],
+    masks: Sequence[int],
+    slot_names: dict[int, str],
+    store_names: dict[int, str],
+    store_readers: dict[int, int],
+    cost: CostModel,
+) -> Candidates:
+    """Every candidate's features and kvtier plan. ``masks``: the request's
+    chunks as ``ChunkIndex.view`` gives them (one int per chunk, up to the
+    first that nobody has)."""
+    tiers = [
+        Tier(
+            slot_names.get(slot, "L1" if slot == L1_SLOT else f"slot{slot}"),
+            "L1" if slot == L1_SLOT else "local",
+            0.0,
+        )
+        for slot in range(LOCAL_SLOTS)
+    ]
+    tiers += [Tier(name, "shared", 0.0) for name in store_names.values()]
+    tiers = [Tier(t.name, t.kind, cost.tier_cost(t.name)) for t in tiers]
+    order = sorted(range(len(tiers)), key=lambda t: tiers[t].cost)  # cheapest first
+    stores = list(store_names)
+    readers = [store_readers.get(store, 0) for store in stores]
+    weights = [PREFIX_WEIGHTS[t.kind] for t in tiers]
+    size, last = chunk_size, max(prompt_tokens - 1, 0)
+
+    live = 0
+    for node in nodes:
+        live |= 1 << node
+    ended: list[_Path] = []
+    paths = [_Path(live, None, -1, 0.0, 0.0, 0.0)]
+    costs = [t.cost for t in tiers]
+    local_order = [t for t in order if t < LOCAL_SLOTS]
+    for i, mask in enumerate(masks):
+        tokens = max(min((i + 1) * size, last) - i * size, 0)
+        shared = mask >> (LOCAL_SLOTS * 64)
+        # (tier, nodes holding the chunk there), cheapest first, empty ones left out
+        holders = []
+        for t in order if shared else local_order:
+            held = (
+                (mask >> (t * 64)) & _FIELD
+                if t < LOCAL_SLOTS
+                else readers[t - LOCAL_SLOTS] * (shared >> stores[t - LOCAL_SLOTS] & 1)
+            )
+            if held:
+                holders.append((t, held))
+        grown: list[_Path] = []
+        for path in paths:
+            rest = path.mask
+            for t, held in holders:
+                part = rest & held
+                if part:
+                    rest ^= part
+                    c = costs[t]
+                    grown.append(
+                        _Path(
+                            part,
+                            path,
+                            t,
+                            path.load_s + tokens * c,
+                            c if c > path.cost_max else path.cost_max,
+                            path.weighted + tokens * weights[t],
+                        )
+                    )
+                    if not rest:
+                        break
+            if rest:  # these nodes' prefix ends here: the path is theirs now
+                path.mask = rest
+                ended.append(path)
+        paths = grown
+        if not paths:
+            break
+    ended += paths
+
+    path_of: dict[int, _Path] = {}
+    for done in ended:
+        bits = done.mask
+        while bits:
+            low = bits & -bits
+            path_of[low.bit_length() - 1] = done
+            bits ^= low
+    ttft: list[float] = []
+    chunks: list[int] = []
+    matched: list[float] = []
+    node_paths: list[_Path | None] = []
+    rates, default_rate = cost.rate_table()
+    for j, node in enumerate(nodes):
+        rate = rates.get(node, default_rate)
+        engine = min(engine_tokens[j], last)
+        base = queue_tokens[j] + prompt_tokens
+        best, best_j = (base - engine) * rate, 0
+        mine = path_of.get(node)
+        weighted = engine * PREFIX_WEIGHTS["engine"]
+        if mine is not None and mine.length:
+            if engine == 0 and mine.cost_max < rate:  # every chunk pays: load them all
+                whole = (base - min(mine.length * size, last)) * rate + mine.load_s
+                if whole < best:
+                    best, best_j = whole, mine.length
+                weighted = mine.weighted
+            else:
+                best, best_j, weighted = _exact(
+                    mine, tiers, weights, rate, base, engine, size, last
+                )
+        ttft.append(best)
+        chunks.append(best_j)
+        matched.append(weighted)
+        node_paths.append(mine)
+    return Candidates(
+        list(nodes),
+        prompt_tokens,
+        chunk_size,
+        list(queue_tokens),
+        list(engine_tokens),
+        ttft,
+        chunks,
+        matched,
+        node_paths,
+        tiers,
+    )
+
+
+def _exact(
+    path: _Path,
+    tiers: list[Tier],
+    weights: list[float],
+    rate: float,
+    base: int,
+    engine: int,
+    size: int,
+    last: int,
+) -> tuple[float, int, float]:
+    """The best number of chunks to load, chunk by chunk: with an engine hit
+    of its own, or a tier dearer than recomputing on the path."""
+    best, best_j = (base - engine) * rate, 0
+    load = 0.0
+    weighted = engine * PREFIX_WEIGHTS["engine"]
+    for i, tier in enumerate(path.tiers()):
+        tokens = _beyond(i, size, last, engine)
+        load += tokens * tiers[tier].cost
+        weighted += tokens * weights[tier]
+        covered = min(max(engine, (i + 1) * size), last)
+        value = (base - covered) * rate + load
+        if value < best:
+            best, best_j = value, i + 1
+    return best, best_j, weighted
+
+
+Policy = Callable[[Candidates], int]  # -> index into candidates.nodes
+
+
+def _least(values: Sequence[float], candidates: Candidates) -> int:
+    """The index of the smallest value; ties: less in flight, then first."""
+    low = min(values)
+    tied = [j for j, v in enumerate(values) if v == low]
+    return min(tied, key=lambda j: (candidates.queue_tokens[j], j))
+
+
+def expected_ttft(candidates: Candidates) -> int:
+    return _least(candidates.ttft, candidates)
+
+
+def least_loaded(candidates: Candidates) -> int:
+    return _least([float(q) for q in candidates.queue_tokens], candidates)
+
+
+def longest_prefix(candidates: Candidates) -> int:
+    prompt = max(candidates.prompt_tokens, 1)
+    longest = max(max(candidates.queue_tokens), 1)
+    scores = [
+        -(3 * min(m / prompt, 1.0) + 2 * (1 - q / longest))
+        for m, q in zip(candidates.matched, candidates.queue_tokens, strict=True)
+    ]
+    return _least(scores, candidates)
+
+
+class RoundRobin:
+    def __init__(self) -> None:
+        self._next = itertools.count()
+
+    def __call__(self, candidates: Candidates) -> int:
+        return next(self._next) % len(candidates.nodes)
+
+
+POLICIES: dict[str, Callable[[], Policy]] = {
+    "kvtier": lambda: expected_ttft,
+    "longest_prefix": lambda: longest_prefix,
+    "least_loaded": lambda: least_loaded,
+    "round_robin": RoundRobin,
+}
+
+
+def make_policy(name: str) -> Policy:
+    try:
+        return POLICIES[name]()
+    except KeyError:
+        choices = sorted(POLICIES)
+        raise ValueError(f"unknown routing policy {name!r}; choose one of {choices}") from None
+
+
+__all__ = [
+    "POLICIES",
+    "Candidates",
+    "Decision",
+    "Policy",
+    "Tier",
+    "make_policy",
+    "score",
+]

@@ -1,0 +1,247 @@
+"""The router's indexes and scoring, against a plain reference written per node."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from kvtier.events.wire import AllBlocksCleared, BlockRemoved, BlockStored, DecodedBatch
+from kvtier.router.blocks import BlockIndex, block_keys
+from kvtier.router.chunks import ChunkIndex
+from kvtier.router.core import NoEngine, Node, Router
+from kvtier.router.cost import ENGINE, CostConfig, CostModel
+from kvtier.router.scoring import make_policy
+
+NAMESPACE = {
+    "model": "m",
+    "revision": "r",
+    "lora": "",
+    "kv_dtype": "float16",
+    "layout": "l",
+    "chunk_size": 16,
+}
+TIERS = (("L1", "LOCAL"), ("fs", "LOCAL"), ("redis", "SHARED"))
+
+
+def batch(*events: object) -> DecodedBatch:
+    return DecodedBatch(0.0, list(events), None, 0)  # type: ignore[arg-type]
+
+
+def stored(hashes: list[bytes], tier: str, locality: str = "LOCAL") -> BlockStored:
+    return BlockStored(list(hashes), ownership=f"kvtier:{tier}", locality=locality)
+
+
+def removed(hashes: list[bytes], tier: str, locality: str = "LOCAL") -> BlockRemoved:
+    return BlockRemoved(list(hashes), ownership=f"kvtier:{tier}", locality=locality)
+
+
+def router(n: int, policy: str = "kvtier", cost: CostModel | None = None) -> Router:
+    r = Router([Node(i, f"n{i}", f"http://e{i}") for i in range(n)], policy, cost)
+    r.set_namespace(NAMESPACE)
+    return r
+
+
+# ------------------------------------------------------------------ index
+
+
+def test_removals_and_restarts_take_claims_away() -> None:
+    index = ChunkIndex()
+    a, b = b"a" * 32, b"b" * 32
+    index.apply(0, batch(stored([a, b], "L1"), stored([a], "redis", "SHARED")))
+    index.apply(1, batch(stored([a], "fs")))
+    assert index.holds(0, a, "L1") and index.holds(1, a, "fs") and index.holds(0, a, "redis")
+    assert not index.holds(1, a, "redis")  # node 1 never said it reads that store
+    index.apply(0, batch(removed([a], "L1")))
+    assert not index.holds(0, a, "L1") and index.holds(0, b, "L1")
+    index.apply(0, batch(AllBlocksCleared()))  # node 0 restarted
+    assert not index.holds(0, b, "L1") and index.holds(1, a, "fs")
+    assert index.holds(0, a, "redis")  # a shared store outlives one node's restart
+    index.apply(0, batch(removed([a], "redis", "SHARED")))
+    assert not index.holds(0, a, "redis")
+
+
+def test_events_it_cannot_place_are_counted() -> None:
+    index = ChunkIndex()
+    index.apply(0, batch(BlockStored([b"x" * 32], medium="GPU")))  # no kvtier ownership
+    assert index.malformed == 1 and len(index) == 0
+    with pytest.raises(ValueError, match="outside"):
+        index.apply(64, batch())
+
+
+def test_approximate_claims_count_only_for_silent_nodes_and_expire() -> None:
+    index = ChunkIndex(approx_ttl_s=10)
+    now = [0.0]
+    index._clock = lambda: now[0]
+    a = b"a" * 32
+    index.note_routed(3, [a])
+    assert index.view([a]) == []
+    index.approximate.add(3)
+    assert index.view([a]) == [1 << 3]
+    now[0] = 11.0
+    assert index.view([a]) == []
+    assert index.expire() == 1
+
+
+def test_engine_blocks_follow_vllm_events_with_the_salt() -> None:
+    blocks = BlockIndex()
+    tokens = np.arange(64, dtype=np.uint32)
+    event = BlockStored(
+        [101, 102], None, tokens[:32].tolist(), 16, None, "GPU", None, extra_keys=[["s"], None]
+    )
+    blocks.apply(2, batch(event))
+    child = BlockStored([103], 102, tokens[32:48].tolist(), 16, None, "GPU", None)
+    blocks.apply(2, batch(child))
+    assert blocks.prefix_tokens(tokens, "s") == {2: 48}
+    assert blocks.prefix_tokens(tokens, "other") == {}  # another tenant's salt: no hit
+    blocks.apply(2, batch(BlockRemoved([102], "GPU")))
+    assert blocks.prefix_tokens(tokens, "s") == {2: 16}
+    orphan = BlockStored([200], 999, tokens[:16].tolist(), 16, None, "GPU", None)
+    blocks.apply(1, batch(orphan))  # a parent never seen: skipped, not guessed
+    assert blocks.skipped == 1
+    keys = block_keys(tokens, 16, "s")
+    assert len(keys) == 4 and len(set(keys)) == 4
+
+
+# ---------------------------------------------------------------- scoring
+
+
+def reference(r: Router, tokens: np.ndarray, salt: str) -> list[tuple[float, int]]:
+    """Per node, the plan written out plainly: (expected TTFT, chunks loaded)."""
+    hashes, size = r.chunk_hashes(tokens, salt)
+    engine = r.blocks.prefix_tokens(tokens, salt)
+    prompt, last = len(tokens), len(tokens) - 1
+    out = []
+    for node in r.nodes:
+        rate = r.cost.rate(node.index)
+        e = min(engine.get(node.index, 0), last)
+        base = node.inflight_tokens + prompt
+        best, best_j, load = (base - e) * rate, 0, 0.0
+        for i, chunk in enumerate(hashes):
+            costs = [r.cost.tier_cost(t) for t, _ in TIERS if r.chunks.holds(node.index, chunk, t)]
+            if not costs:
+                break
+            load += max(0, min((i + 1) * size, last) - max(i * size, e)) * min(costs)
+            value = (base - min(max(e, (i + 1) * size), last)) * rate + load
+            if value < best:
+                best, best_j = value, i + 1
+        out.append((best, best_j))
+    return out
+
+
+@pytest.mark.parametrize("seed", range(30))
+def test_the_plan_matches_the_reference(seed: int) -> None:
+    rng = np.random.default_rng(seed)
+    n = int(rng.integers(1, 9))
+    tiers = {"L1": 2e-5, "fs": float(rng.choice([5e-5, 3e-3])), "redis": 1e-4}  # fs may lose
+    r = router(n, cost=CostModel(CostConfig(prefill_s_per_token=1e-3, tier_s_per_token=tiers)))
+    tokens = rng.integers(0, 1000, int(rng.integers(16, 200)), dtype=np.uint32)
+    hashes, _ = r.chunk_hashes(tokens, "t")
+    for node in range(n):
+        r.nodes[node].inflight_tokens = int(rng.integers(0, 300))
+        for tier, locality in TIERS:
+            if rng.random() < 0.5 and hashes:
+                held = hashes[: int(rng.integers(0, len(hashes) + 1))]
+                r.chunks.apply(node, batch(stored(held, tier, locality)))
+        if rng.random() < 0.3:
+            blocks = int(rng.integers(1, len(tokens) // 16 + 1))
+            keys = list(range(1000 * node, 1000 * node + blocks))
+            event = BlockStored(
+                keys,
+                None,
+                tokens[: blocks * 16].tolist(),
+                16,
+                None,
+                "GPU",
+                None,
+                extra_keys=[["t"]] + [None] * (blocks - 1),
+            )
+            r.blocks.apply(node, batch(event))
+    want = reference(r, tokens, "t")
+    routed = r.route(tokens, "t")
+    chosen = routed.decision.node
+    assert math.isclose(routed.decision.expected_ttft_s, want[chosen][0], rel_tol=1e-9)
+    assert routed.decision.load_chunks == want[chosen][1]
+    assert want[chosen][0] == pytest.approx(min(w[0] for w in want), rel=1e-9)
+    loaded = routed.decision.loaded
+    assert sum(loaded.values()) + routed.decision.prefill_tokens == len(tokens)
+    assert routed.decision.prefill_tokens >= 1  # the last token is always computed
+
+
+def test_loading_counts_only_where_it_beats_recomputing() -> None:
+    slow_disk = CostModel(CostConfig(prefill_s_per_token=1e-3, tier_s_per_token={"fs": 5e-3}))
+    r = router(2, cost=slow_disk)
+    tokens = np.arange(160, dtype=np.uint32)
+    hashes, _ = r.chunk_hashes(tokens, "t")
+    r.chunks.apply(1, batch(stored(hashes, "fs")))
+    decision = r.route(tokens, "t").decision
+    assert decision.load_chunks == 0 and decision.loaded == {}  # recomputing is cheaper
+    r.chunks.apply(1, batch(stored(hashes[:4], "L1")))
+    decision = r.route(tokens, "t").decision
+    assert (decision.node, decision.load_chunks, decision.loaded) == (1, 4, {"L1": 64})
+
+
+def test_the_queue_outweighs_a_small_hit() -> None:
+    r = router(2)
+    tokens = np.arange(320, dtype=np.uint32)
+    hashes, _ = r.chunk_hashes(tokens, "t")
+    r.chunks.apply(0, batch(stored(hashes[:2], "L1")))
+    assert r.route(tokens, "t").decision.node == 0
+    r.nodes[0].inflight_tokens = 1000
+    assert r.route(tokens, "t").decision.node == 1
+
+
+def test_tenants_do_not_see_each_others_chunks() -> None:
+    r = router(2)
+    tokens = np.arange(320, dtype=np.uint32)
+    hashes, _ = r.chunk_hashes(tokens, "alice")
+    r.chunks.apply(1, batch(stored(hashes, "L1")))
+    assert r.route(tokens, "alice").decision.node == 1
+    other = r.route(tokens, "bob").decision
+    assert other.node == 0 and other.loaded == {}
+
+
+def test_engine_hit_then_chunks_from_the_cache_server() -> None:
+    r = router(2)
+    tokens = np.arange(320, dtype=np.uint32)
+    hashes, _ = r.chunk_hashes(tokens, "t")
+    event = BlockStored(
+        [1, 2, 3], None, tokens[:48].tolist(), 16, None, "GPU", None, extra_keys=[["t"], None, None]
+    )
+    r.blocks.apply(0, batch(event))
+    r.chunks.apply(0, batch(stored(hashes[:10], "L1")))
+    decision = r.route(tokens, "t").decision
+    assert decision.node == 0
+    assert decision.loaded == {ENGINE: 48, "L1": 160 - 48}
+    assert decision.prefill_tokens == 160
+
+
+def test_baseline_policies() -> None:
+    tokens = np.arange(64, dtype=np.uint32)
+    rr = router(3, "round_robin")
+    assert [rr.route(tokens, "t").decision.node for _ in range(4)] == [0, 1, 2, 0]
+    ll = router(3, "least_loaded")
+    ll.nodes[0].inflight_tokens, ll.nodes[1].inflight_tokens = 5, 0
+    ll.nodes[2].inflight_tokens = 9
+    assert ll.route(tokens, "t").decision.node == 1
+    lp = router(2, "longest_prefix")
+    hashes, _ = lp.chunk_hashes(tokens, "t")
+    lp.chunks.apply(1, batch(stored(hashes, "redis", "SHARED")))
+    assert lp.route(tokens, "t").decision.node == 1
+    with pytest.raises(ValueError, match="choose one of"):
+        make_policy("random")
+
+
+def test_failed_engines_are_skipped_until_their_time_is_up() -> None:
+    now = [0.0]
+    r = Router([Node(0, "a", "u"), Node(1, "b", "v")], clock=lambda: now[0], down_s=5)
+    r.set_namespace(NAMESPACE)
+    tokens = np.arange(32, dtype=np.uint32)
+    r.failed(0, "timeout")
+    assert r.route(tokens, "t").decision.node == 1
+    with pytest.raises(NoEngine):
+        r.route(tokens, "t", exclude=[1])
+    now[0] = 6.0
+    assert r.route(tokens, "t", exclude=[1]).decision.node == 0
+    assert r.status()["nodes"][0]["failures"] == {"timeout": 1}  # type: ignore[index]
