@@ -78,7 +78,8 @@ def main() -> None:
                 None,
                 extra_keys=[["tenant"]] + [None] * (blocks - 1),
             )
-            router.blocks.apply(int(rng.integers(0, args.nodes)), DecodedBatch(0.0, [event], None, 0))
+            engine = int(rng.integers(0, args.nodes))
+            router.blocks.apply(engine, DecodedBatch(0.0, [event], None, 0))
     fill_s = time.perf_counter() - started
     gc.collect()
     gc.freeze()  # the index's objects are long-lived: keep the collector off them

@@ -10,7 +10,7 @@ import pytest
 from kvtier.events.wire import AllBlocksCleared, BlockRemoved, BlockStored, DecodedBatch
 from kvtier.router.blocks import BlockIndex, block_keys
 from kvtier.router.chunks import ChunkIndex
-from kvtier.router.core import NoEngine, Node, Router
+from kvtier.router.core import Node, NoEngine, Router
 from kvtier.router.cost import ENGINE, CostConfig, CostModel
 from kvtier.router.scoring import make_policy
 
