@@ -13,6 +13,7 @@ from kvtier.bench.command import add_parser as add_bench_parser
 from kvtier.extras import missing_extra
 from kvtier.output import JSON_HELP, report_stream, write_json
 from kvtier.planner.command import add_parser as add_plan_parser
+from kvtier.router.command import add_parser as add_route_parser
 from kvtier.units import parse_size, parse_span
 
 
@@ -149,6 +150,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo.set_defaults(run=_demo)
     add_plan_parser(commands)
     add_bench_parser(commands)
+    add_route_parser(commands)
     srv = commands.add_parser(
         "serve",
         help="run the node's shared cache server",

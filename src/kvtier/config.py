@@ -248,6 +248,10 @@ def _convert(value: Any, name: str, hint: Any, where: str) -> Any:
         inner = [a for a in typing.get_args(hint) if a is not type(None)]
         if len(inner) == 1:
             hint = inner[0]
+    if typing.get_origin(hint) in (dict, Mapping):
+        if not isinstance(value, Mapping):
+            raise ValueError(f"{where} must be a table, got {value!r}")
+        return dict(value)
     if typing.get_origin(hint) in (tuple, list):
         if not isinstance(value, list | tuple):
             raise ValueError(f"{where} must be a list, got {value!r}")

@@ -27,7 +27,7 @@ ENGINE = "engine"  # the engine's own prefix cache: free
 @dataclass(frozen=True, slots=True, kw_only=True)
 class CostConfig:
     prefill_s_per_token: float = 1e-3
-    tier_s_per_token: Mapping[str, float] = field(default_factory=lambda: {"L1": 2e-5, "fs": 5e-5})
+    tier_s_per_token: dict[str, float] = field(default_factory=lambda: {"L1": 2e-5, "fs": 5e-5})
     default_tier_s_per_token: float = 1e-4  # a tier not named above (a shared store)
     ewma: float = 0.2
     learn: bool = True

@@ -2,7 +2,8 @@
 
 ``GET /healthz`` (open, for liveness probes), ``GET /status`` (JSON),
 ``GET /metrics`` (Prometheus text), ``POST /clear`` (drops every unlocked
-object from L1). With an auth token configured, everything but ``/healthz``
+object from L1), ``POST /prefetch`` (a router's routing-time prefetch,
+``kvtier.server.warmup``). With an auth token configured, everything but ``/healthz``
 needs ``Authorization: Bearer <token>``. Status and metrics come from the
 snapshot the server loop refreshes every tick, so this thread never touches
 the loop's tables.
@@ -22,6 +23,8 @@ from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from kvtier.server.transport import ServerTransport
+
+MAX_PREFETCH_BODY = 1 << 20
 
 
 class SnapshotCollector(Collector):
@@ -67,6 +70,7 @@ class AdminHTTP:
         registry = transport.core.metrics.registry
         registry.register(SnapshotCollector(transport))
         storage = transport.core.storage
+        warmup = transport.core.warmup
 
         class Handler(BaseHTTPRequestHandler):
             def do_GET(self) -> None:
@@ -88,8 +92,30 @@ class AdminHTTP:
                 elif self.path == "/clear":
                     cleared = storage.l1.clear()
                     self._send(200, json.dumps({"cleared": cleared}).encode(), "application/json")
+                elif self.path == "/prefetch":
+                    self._prefetch()
                 else:
                     self._send(404, b"not found\n", "text/plain")
+
+            def _prefetch(self) -> None:
+                """``{"model": label, "salt": label, "hashes": [hex, ...]}``."""
+                try:
+                    length = int(self.headers.get("Content-Length") or 0)
+                    if not 0 < length <= MAX_PREFETCH_BODY:
+                        raise ValueError(f"a body of 1 to {MAX_PREFETCH_BODY} bytes, please")
+                    body = json.loads(self.rfile.read(length))
+                    hashes = [bytes.fromhex(h) for h in body["hashes"]]
+                    asked = warmup.start(str(body["model"]), str(body["salt"]), hashes)
+                except KeyError as exc:
+                    self._send(400, f"bad prefetch request: no {exc}\n".encode(), "text/plain")
+                except LookupError as exc:
+                    self._send(404, f"{exc}\n".encode(), "text/plain")
+                except OverflowError as exc:
+                    self._send(429, f"{exc}\n".encode(), "text/plain")
+                except (ValueError, TypeError, AttributeError) as exc:
+                    self._send(400, f"bad prefetch request: {exc}\n".encode(), "text/plain")
+                else:
+                    self._send(200, json.dumps({"chunks": asked}).encode(), "application/json")
 
             def _authorized(self) -> bool:
                 if not token:

@@ -48,6 +48,7 @@ from kvtier.server.limits import RequestError, ServerLimits, check_hello, check_
 from kvtier.server.metrics import ServerMetrics
 from kvtier.server.negotiation import ChunkSizeNegotiator
 from kvtier.server.sessions import Client, Reservation, Session, SessionTable, shown
+from kvtier.server.warmup import Warmup
 from kvtier.storage import StorageManager
 
 log = logging.getLogger(__name__)
@@ -98,6 +99,7 @@ class CacheServer:
         self.transport_counters = Counters()  # counted by the transport's threads
         self.on_lookup_done: Callable[[bytes, str], None] | None = None  # (peer, request_id)
         self.publisher_status: Callable[[], dict[str, object]] | None = None  # KV events
+        self.warmup = Warmup(storage)  # routing-time prefetch (the admin port's /prefetch)
         self._started = clock()
         # namespace -> its layouts, for /status (kvtier plan --from-server); the
         # most recent LAYOUTS_SEEN namespaces, whether or not still connected
@@ -187,6 +189,7 @@ class CacheServer:
         self.chunks.freeze(chunk_size)  # only a hello that is accepted fixes it
         self._remember_layouts(client)
         self._remember_namespace(hello, layouts, chunk_size)
+        self.warmup.register(label, hello.salt, layouts, hello.num_ranks)
         self.counters.add("hellos")
         arena = self.storage.l1.arena_name if hello.shm else None
         return p.Welcome(chunk_size, self.boot_id, arena)
@@ -386,6 +389,7 @@ class CacheServer:
             "layouts": dict(self._layouts_seen),
             "hash_namespaces": list(self._hash_namespaces.values()),
             "events": self.publisher_status() if self.publisher_status else None,
+            "warmup": self.warmup.status(),
             "server": self.counters.snapshot(),
             "transport": self.transport_counters.snapshot(),
             "storage": self.storage.status(),
@@ -393,6 +397,7 @@ class CacheServer:
 
     def close(self) -> None:
         """End every session (releasing what it holds)."""
+        self.warmup.close()
         self.sessions.close()
 
     # ---------------------------------------------------------- internals

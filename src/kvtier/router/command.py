@@ -1,0 +1,49 @@
+"""``kvtier route``'s command line (the router itself is imported when it runs:
+it needs the ``route`` extra)."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from kvtier.extras import missing_extra
+from kvtier.router.scoring import POLICIES
+
+
+def _run(args: argparse.Namespace) -> int:
+    try:
+        from kvtier.router.main import run
+    except ImportError as exc:
+        return missing_extra("route", exc, '"kvtier[route]"')
+    return run(args)
+
+
+def add_parser(commands: Any) -> None:
+    route = commands.add_parser(
+        "route",
+        help="run the gateway and cache-aware router in front of several engines",
+        description="An OpenAI-compatible server (/v1/completions, /v1/chat/completions, "
+        "/v1/models, /health, /metrics, /status) that authenticates tenants, rate-limits them, "
+        "sets their cache salt and sends each request to the engine with the least expected "
+        "time to first token. Engines, tenants and costs go in the --config TOML file "
+        "([[engines]], [[tenants]], [cost]); KVTIER_ROUTE_<OPTION> variables and flags override "
+        "the top-level options.",
+    )
+    route.add_argument("--config", help="TOML file with engines, tenants and options")
+    route.add_argument("--host", help="bind address (default 127.0.0.1)")
+    route.add_argument("--port", type=int, help="HTTP port (default 8000; 0 picks one)")
+    route.add_argument("--policy", choices=sorted(POLICIES), help="routing policy (kvtier)")
+    route.add_argument("--model", help="the model name clients use (default: the engines')")
+    route.add_argument(
+        "--tokenizer", help="a local tokenizer directory (default: engine /tokenize)"
+    )
+    route.add_argument(
+        "--engine",
+        action="append",
+        metavar="URL|JSON",
+        help="an engine: its URL, or a JSON object of [[engines]] options (repeatable)",
+    )
+    route.set_defaults(run=_run)
+
+
+__all__ = ["add_parser"]

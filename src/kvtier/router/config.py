@@ -1,0 +1,137 @@
+"""``RouterConfig``: every setting of ``kvtier route``.
+
+A TOML file (``--config``) with ``[[engines]]`` and ``[[tenants]]`` tables,
+``[cost]`` (``CostConfig``), and top-level options; ``KVTIER_ROUTE_*``
+variables and flags override the top-level ones (``kvtier.config.load``'s
+precedence). For example::
+
+    model = "HuggingFaceTB/SmolLM2-135M-Instruct"
+    tokenizer = "/models/smollm2"
+    policy = "kvtier"
+
+    [[engines]]
+    name = "node0"
+    url = "http://10.0.0.1:8000"            # vLLM's OpenAI server
+    cache_url = "http://10.0.0.1:8765"      # its node's kvtier serve admin HTTP
+    events = "tcp://10.0.0.1:5557"          # kvtier serve's [events]
+    events_replay = "tcp://10.0.0.1:5558"
+    engine_events = "tcp://10.0.0.1:5560"   # vLLM's --kv-events-config
+    engine_events_replay = "tcp://10.0.0.1:5561"
+
+    [[tenants]]
+    name = "acme"
+    api_keys = ["sk-..."]                   # keep this file private (0600)
+    requests_per_s = 20
+    prompt_tokens_per_s = 200000
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvtier.config import from_mapping, load, read_toml
+from kvtier.router.chunks import MAX_NODES
+from kvtier.router.cost import CostConfig
+from kvtier.router.gateway import TenantSpec
+from kvtier.router.scoring import POLICIES
+
+ENV_PREFIX = "KVTIER_ROUTE_"
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class EngineSpec:
+    name: str
+    url: str
+    cache_url: str = ""
+    events: str = ""
+    events_replay: str = ""
+    engine_events: str = ""
+    engine_events_replay: str = ""
+
+    def __post_init__(self) -> None:
+        if not self.url.startswith(("http://", "https://")):
+            raise ValueError(
+                f"engine {self.name!r}: 'url' must be an http(s) URL, got {self.url!r}"
+            )
+        if self.events_replay and not self.events:
+            raise ValueError(f"engine {self.name!r}: 'events_replay' needs 'events'")
+        if self.engine_events_replay and not self.engine_events:
+            raise ValueError(f"engine {self.name!r}: 'engine_events_replay' needs 'engine_events'")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RouterConfig:
+    host: str = "127.0.0.1"
+    port: int = 8000
+    model: str = ""  # the model name clients ask for ("" -> the engines' own)
+    tokenizer: str = ""  # a local tokenizer ("" -> the engines' /tokenize)
+    policy: str = "kvtier"
+    connect_timeout_s: float = 2.0
+    first_byte_timeout_s: float = 120.0  # an engine that says nothing this long is taken out
+    down_s: float = 10.0  # how long a failed engine stays out
+    status_poll_s: float = 2.0  # the cache servers' /status (namespace, boot id)
+    events_stale_s: float = 5.0  # no event for this long: approximate mode for that node
+    approx_ttl_s: float = 60.0
+    prefetch: bool = True  # tell the chosen node's cache server to start L2 -> L1 loads
+    engines: tuple[Any, ...] = ()  # EngineSpec tables
+    tenants: tuple[Any, ...] = ()  # TenantSpec tables
+    cost: CostConfig = field(default_factory=CostConfig)
+
+    def __post_init__(self) -> None:
+        if self.policy not in POLICIES:
+            raise ValueError(f"--policy {self.policy!r} is not one of {sorted(POLICIES)}")
+        if not 0 <= self.port < 65536:
+            raise ValueError(f"--port {self.port} is not a TCP port")
+        for option in ("connect_timeout_s", "first_byte_timeout_s", "status_poll_s"):
+            if getattr(self, option) <= 0:
+                raise ValueError(f"option {option!r} must be positive")
+        if len(self.engines) > MAX_NODES:
+            raise ValueError(f"{len(self.engines)} engines: one router takes at most {MAX_NODES}")
+
+    def engine_specs(self) -> list[EngineSpec]:
+        return [_spec(EngineSpec, e, f"[[engines]] #{i}") for i, e in enumerate(self.engines)]
+
+    def tenant_specs(self) -> list[TenantSpec]:
+        return [_spec(TenantSpec, t, f"[[tenants]] #{i}") for i, t in enumerate(self.tenants)]
+
+
+def _spec(cls: type[Any], value: Any, where: str) -> Any:
+    if isinstance(value, cls):
+        return value
+    if not isinstance(value, Mapping):
+        raise ValueError(f"{where}: expected a table of options, got {value!r}")
+    return from_mapping(cls, value, where)
+
+
+def load_router_config(
+    flags: Mapping[str, Any],
+    config_file: str | None = None,
+    environ: Mapping[str, str] | None = None,
+) -> RouterConfig:
+    """Merge the file, ``KVTIER_ROUTE_*`` and flags; check every engine and
+    tenant table (errors name the table and option)."""
+    file = read_toml(config_file, "--config") if config_file else {}
+    config = load(
+        RouterConfig,
+        file=file,
+        environ=environ,
+        flags=flags,
+        env_prefix=ENV_PREFIX,
+        where=f"--config {config_file}" if config_file else "kvtier route",
+        defaults=RouterConfig(),
+    )
+    engines = tuple(config.engine_specs())
+    if not engines:
+        raise ValueError(
+            "kvtier route needs engines: [[engines]] tables in --config, or --engine URL"
+        )
+    names = [e.name for e in engines]
+    if len(set(names)) != len(names):
+        raise ValueError(f"two engines share a name: {names}")
+    return dataclasses.replace(config, engines=engines, tenants=tuple(config.tenant_specs()))
+
+
+__all__ = ["EngineSpec", "RouterConfig", "load_router_config"]
