@@ -151,9 +151,11 @@ def test_a_failing_engine_is_taken_out_and_the_request_goes_elsewhere() -> None:
             assert len(broken.seen) == 1  # taken out after its failure
             nodes = service.router.status()["nodes"]
             assert nodes[0]["failures"] == {"http_503": 1}  # type: ignore[index]
-            async with aiohttp.ClientSession() as session:
-                async with session.get(url + "/metrics") as response:
-                    text = await response.text()
+            async with (
+                aiohttp.ClientSession() as session,
+                session.get(url + "/metrics") as response,
+            ):
+                text = await response.text()
             assert (
                 'kvtier_route_engine_failures_total{engine="broken",reason="http_503"} 1.0' in text
             )
