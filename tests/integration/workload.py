@@ -44,9 +44,9 @@ def client_config(address: str, **overrides: Any) -> ClientConfig:
     return ClientConfig(**options)
 
 
-def chunk_hashes(chunk_size: int, seed: int, n_chunks: int, num_ranks: int = 1) -> list[bytes]:
-    """The chunk hashes of a deterministic prompt of ``n_chunks`` full chunks."""
-    layout = KVLayout(
+def chunk_layout(chunk_size: int, num_ranks: int = 1) -> KVLayout:
+    """The layout the server builds from ``LAYOUT`` at HELLO."""
+    return KVLayout(
         LAYOUT.num_layers,
         LAYOUT.kv_heads,
         LAYOUT.head_dim,
@@ -54,6 +54,11 @@ def chunk_hashes(chunk_size: int, seed: int, n_chunks: int, num_ranks: int = 1) 
         chunk_size,
         num_ranks=num_ranks,
     )
+
+
+def chunk_hashes(chunk_size: int, seed: int, n_chunks: int, num_ranks: int = 1) -> list[bytes]:
+    """The chunk hashes of a deterministic prompt of ``n_chunks`` full chunks."""
+    layout = chunk_layout(chunk_size, num_ranks)
     namespace = Namespace(MODEL, kv_dtype=LAYOUT.dtype, layout=layout.digest())
     hashes = TokenHasher(namespace, chunk_size).chunk_hashes(
         prompt_tokens(seed, n_chunks, chunk_size)

@@ -55,7 +55,7 @@ class EventSubscriber:
         self.replay_endpoint = replay_endpoint
         self.name = name or endpoint
         self.counters = Counters()
-        self.last_message = 0.0  # time.monotonic() of the last message, 0: none yet
+        self.last_message = 0.0  # time.monotonic() of the last message (live or replayed)
         self._on_batch = on_batch
         self._topic = topic.encode()
         self._replay_timeout_s = replay_timeout_s
@@ -207,6 +207,7 @@ class EventSubscriber:
         self._replay.connect(self.replay_endpoint)
 
     def _on_replay(self, frames: list[bytes]) -> None:
+        self.last_message = time.monotonic()
         if self._replay_since is None:
             return  # left over from a request given up on
         if len(frames) != 4 or frames[0] != b"":

@@ -45,6 +45,7 @@ from kvtier.router.tokens import BadPrompt, EngineTokenizer, HFTokenizer, Tokeni
 
 log = logging.getLogger(__name__)
 ROUTES = {"/v1/completions": "completion", "/v1/chat/completions": "chat"}
+STARTUP_SYNC_S = 3.0  # how long start-up waits for the event streams to catch up
 
 
 class EngineFailed(Exception):
@@ -170,6 +171,9 @@ class RouterService:
                     spec.engine_events_replay,
                     self.router.blocks.apply,
                 )
+        deadline = time.monotonic() + STARTUP_SYNC_S  # caught up before the first request
+        while time.monotonic() < deadline and not all(s.synced for _, _, s in self.subscribers):
+            await asyncio.sleep(0.02)
         await self._poll_once()
         self._tasks.append(asyncio.create_task(self._poll_forever()))
 
