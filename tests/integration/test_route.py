@@ -47,15 +47,17 @@ def start_node(factory: ServerFactory) -> tuple[Server, dict[str, str]]:
 async def ask(url: str, tokens: list[int]) -> str:
     headers = {"Authorization": "Bearer key"}
     body = {"prompt": tokens, "max_tokens": 1}
-    async with aiohttp.ClientSession() as session:
-        async with session.post(url + "/v1/completions", json=body, headers=headers) as response:
-            assert response.status == 200, await response.text()
-            data = await response.json()
+    async with (
+        aiohttp.ClientSession() as session,
+        session.post(url + "/v1/completions", json=body, headers=headers) as response,
+    ):
+        assert response.status == 200, await response.text()
+        data = await response.json()
     return str(json.loads(data["choices"][0]["text"])["engine"])
 
 
 def test_events_steer_requests_and_a_disk_hit_is_prefetched(kvtier_server: ServerFactory) -> None:
-    (server0, feeds0), (server1, feeds1) = start_node(kvtier_server), start_node(kvtier_server)
+    (_, feeds0), (server1, feeds1) = start_node(kvtier_server), start_node(kvtier_server)
     tokens = w.prompt_tokens(11, CHUNKS, 256)
     hashes = tenant_hashes(tokens)
     client = CacheClient(w.client_config(server1.rpc, shm=True, salt=SALT))
