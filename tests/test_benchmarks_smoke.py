@@ -28,6 +28,7 @@ TINY = {
     "bench_fs_adapter.py": ["--objects", "2", "--object-mib", "1", "--repeats", "1"],
     "bench_fuzz_server.py": ["--messages", "2000", "--rounds", "2"],
     "bench_prefetch.py": ["--chunks", "4", "--object-kib", "64", "--rounds", "2"],
+    "bench_route_scoring.py": ["--chunks", "2000", "--nodes", "8", "--requests", "20"],
     "bench_vllm_ttft.py": [
         "--prefix",
         "256",

@@ -96,3 +96,29 @@ def gated(monkeypatch: pytest.MonkeyPatch) -> Iterator[Gated]:
         thread.join(10)
         core.close()
         storage.close()
+
+
+@pytest.fixture(scope="session")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A 2-layer Llama (hidden 256, 4 query / 2 KV heads of dim 64), random
+    weights, fp32, with a word-level tokenizer (``t0`` ... ``t1023``)."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from kvtier.models import word_tokenizer
+
+    directory = tmp_path_factory.mktemp("vllm-model")
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=1024,
+        hidden_size=256,
+        intermediate_size=512,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=4096,
+        tie_word_embeddings=False,
+    )
+    LlamaForCausalLM(config).save_pretrained(directory)
+    word_tokenizer(config.vocab_size).save_pretrained(directory)
+    return directory

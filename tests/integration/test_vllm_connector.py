@@ -1,7 +1,8 @@
 """The vLLM connector end to end on vLLM's CPU build (slow: each engine takes
 ~30-40 s to start on two cores).
 
-A tiny random-weight Llama (fp32, so equality is meaningful) is saved once;
+A tiny random-weight Llama (fp32, so equality is meaningful; the ``model_dir``
+fixture in conftest) is saved once;
 engines run as separate processes (``vllm_engine``) against one real
 ``kvtier serve``. Every output is compared with a no-connector engine's:
 identical greedy tokens and |Δlogprob| <= 1e-4 at every step.
@@ -42,32 +43,6 @@ PYTHON = sys.executable
 
 
 # ------------------------------------------------------------------ model
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A 2-layer Llama (hidden 256, 4 query / 2 KV heads of dim 64), random
-    weights, fp32, with a word-level tokenizer (``t0`` ... ``t1023``)."""
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    from kvtier.models import word_tokenizer
-
-    directory = tmp_path_factory.mktemp("vllm-model")
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=1024,
-        hidden_size=256,
-        intermediate_size=512,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=4096,
-        tie_word_embeddings=False,
-    )
-    LlamaForCausalLM(config).save_pretrained(directory)
-    word_tokenizer(config.vocab_size).save_pretrained(directory)
-    return directory
 
 
 def tokens(seed: int, n: int) -> list[int]:

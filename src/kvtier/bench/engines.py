@@ -45,6 +45,9 @@ class EngineOptions:
     prefix_caching: bool = True
     max_num_seqs: int = 4
     max_num_batched_tokens: int = 2048
+    # vLLM's --kv-events-config (its own KV events, for a router), e.g.
+    # {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": "tcp://*:5557"}
+    kv_events: dict[str, Any] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -113,6 +116,8 @@ def vllm_server(
         command.append("--no-enable-prefix-caching")
     if transfer is not None:
         command += ["--kv-transfer-config", json.dumps(transfer)]
+    if options.kv_events is not None:
+        command += ["--kv-events-config", json.dumps(options.kv_events)]
     env = clean_env(
         {
             "VLLM_CPU_NUM_OF_RESERVED_CPU": "1",
