@@ -18,7 +18,7 @@ trace):
   turn shares the previous prompt, not the model's own answer.
 
 A trace file is JSONL, one request per line: ``{"id", "arrival_s", "prompt"
-(token ids), "output_tokens", "label", "warm"}``.
+(token ids), "output_tokens", "label", "warm", "tenant"}``.
 """
 
 from __future__ import annotations
@@ -41,6 +41,7 @@ class TraceRequest:
     output_tokens: int  # tokens to generate (sent with ignore_eos)
     label: str = ""  # what it is made of, for people
     warm: bool = False  # sent before the measured replay, one at a time, not measured
+    tenant: str = ""  # whose request it is ("" the default tenant)
 
 
 def _check_span(flag: str, span: Span, least: int = 1) -> None:
@@ -223,6 +224,7 @@ def read_trace(path: Path) -> list[TraceRequest]:
                 output_tokens=int(row["output_tokens"]),
                 label=str(row.get("label", "")),
                 warm=bool(row.get("warm", False)),
+                tenant=str(row.get("tenant", "")),
             )
         except (ValueError, KeyError, TypeError) as exc:
             raise ValueError(f"--trace {path}:{number}: not a trace request ({exc!r})") from None

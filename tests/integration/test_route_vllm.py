@@ -119,15 +119,18 @@ def test_events_and_hashes_agree_with_vllm(
             first = complete(engine.url, tokens, "acme")
             assert first["usage"]["prompt_tokens"] == 600
 
-            # vLLM's own events: the engine holds the prompt's 37 full blocks, for acme only.
+            # vLLM's own events: the engine holds the prompt's full blocks, for acme only
+            # (vLLM-CPU's blocks are 128 tokens).
             array = np.array(tokens, dtype=np.uint32)
-            assert wait_for(lambda: blocks.prefix_tokens(array, "acme"), bool) == {0: 592}
-            assert blocks.prefix_tokens(array, "other") == {}
+            held = wait_for(lambda: blocks.prefix_tokens(array, "acme"), bool)
             stored = [e for b in engine_batches for e in b.events if isinstance(e, BlockStored)]
-            assert stored[0].medium == "GPU" and stored[0].block_size == 16
+            block = stored[0].block_size
+            assert stored[0].medium == "GPU" and stored[0].extra_keys[0] == ["acme"]
+            assert held == {0: 600 // block * block}
+            assert blocks.prefix_tokens(array, "other") == {}
             again = complete(engine.url, tokens, "acme")
             cached = again["usage"]["prompt_tokens_details"]["cached_tokens"]
-            assert cached == 592  # what the router predicted
+            assert cached == held[0]  # what the router predicted
 
             # The router hashes as the connector did: the chunks the server announced.
             status = wait_for(lambda: server.status(), lambda s: s["hash_namespaces"])

@@ -19,6 +19,10 @@ events), to ``on_batch`` in sequence order, on its own thread.
 
 ``resync()`` (any thread) does what a restart does; a router calls it when a
 node's boot id changes (a restart the sequence numbers could not show).
+
+vLLM binds its PUB socket only for a wildcard or ipc endpoint (``tcp://*:5557``)
+and otherwise *connects* it; ``bind=True`` is for that case: the subscriber
+binds the endpoint (say ``tcp://127.0.0.1:5557``) and the engine connects.
 """
 
 from __future__ import annotations
@@ -50,9 +54,11 @@ class EventSubscriber:
         topic: str = "",
         name: str = "",
         replay_timeout_s: float = 5.0,
+        bind: bool = False,
     ) -> None:
         self.endpoint = endpoint
         self.replay_endpoint = replay_endpoint
+        self.bind = bind
         self.name = name or endpoint
         self.counters = Counters()
         self.last_message = 0.0  # time.monotonic() of the last message (live or replayed)
@@ -103,7 +109,23 @@ class EventSubscriber:
         sub.setsockopt(zmq.LINGER, 0)
         sub.setsockopt(zmq.RCVHWM, 0)
         sub.setsockopt(zmq.SUBSCRIBE, self._topic)
-        sub.connect(self.endpoint)
+        try:
+            if self.bind:
+                sub.bind(self.endpoint)
+            else:
+                sub.connect(self.endpoint)
+        except zmq.ZMQError as exc:
+            log.error(
+                "events %s: cannot %s %s (%s)",
+                self.name,
+                "bind" if self.bind else "connect",
+                self.endpoint,
+                exc,
+            )
+            self.counters.add("errors", 1)
+            sub.close(linger=0)
+            self._ready.set()
+            return
         try:
             self._ask_replay(0)
             self._ready.set()

@@ -170,6 +170,7 @@ class RouterService:
                     spec.engine_events,
                     spec.engine_events_replay,
                     self.router.blocks.apply,
+                    bind=spec.engine_events_bind,
                 )
         deadline = time.monotonic() + STARTUP_SYNC_S  # caught up before the first request
         while time.monotonic() < deadline and not all(s.synced for _, _, s in self.subscribers):
@@ -178,13 +179,20 @@ class RouterService:
         self._tasks.append(asyncio.create_task(self._poll_forever()))
 
     def _subscribe(
-        self, node: int, kind: str, endpoint: str, replay: str, apply: Callable[[int, Any], None]
+        self,
+        node: int,
+        kind: str,
+        endpoint: str,
+        replay: str,
+        apply: Callable[[int, Any], None],
+        bind: bool = False,
     ) -> None:
         sub = EventSubscriber(
             endpoint,
             replay,
             lambda batch: apply(node, batch),
             name=f"{self.specs[node].name}-{kind}",
+            bind=bind,
         )
         sub.start()
         self.subscribers.append((node, kind, sub))

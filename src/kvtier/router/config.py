@@ -50,6 +50,9 @@ class EngineSpec:
     events_replay: str = ""
     engine_events: str = ""
     engine_events_replay: str = ""
+    # vLLM connects its PUB socket unless its endpoint is a wildcard (tcp://*:P):
+    # then the router binds engine_events and vLLM connects to it.
+    engine_events_bind: bool = False
 
     def __post_init__(self) -> None:
         if not self.url.startswith(("http://", "https://")):
