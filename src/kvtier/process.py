@@ -10,6 +10,7 @@ SIGKILLs; a shared-memory arena left by a killed server is removed. Used by
 
 from __future__ import annotations
 
+import json
 import os
 import queue
 import re
@@ -17,6 +18,7 @@ import signal
 import subprocess
 import sys
 import threading
+import urllib.request
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -137,6 +139,14 @@ class ServerProcess:
     @property
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")
+
+    def status_json(self, token: str = "") -> dict[str, Any]:
+        """The admin port's ``/status`` (a snapshot the server refreshes every tick)."""
+        headers = {"Authorization": f"Bearer {token}"} if token else {}
+        request = urllib.request.Request(self.http + "/status", headers=headers)
+        with urllib.request.urlopen(request, timeout=10) as response:
+            status: dict[str, Any] = json.loads(response.read())
+        return status
 
     def stop(self, sig: int = signal.SIGTERM, timeout_s: float = STOP_TIMEOUT_S) -> int:
         """Stop by PID; return the exit status. A killed server's arena is removed."""

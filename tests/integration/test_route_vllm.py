@@ -112,9 +112,9 @@ def test_events_and_hashes_agree_with_vllm(
         f"tcp://127.0.0.1:{engine_pub}", f"tcp://127.0.0.1:{engine_replay}", on_engine
     )
     try:
+        engine_sub.start()  # bound before vLLM connects to it
+        cache_sub.start()
         with vllm_server(options, kvtier_transfer(server.rpc), tmp_path / "vllm.log") as engine:
-            engine_sub.start()
-            cache_sub.start()
             tokens = prompt(3, 600)
             first = complete(engine.url, tokens, "acme")
             assert first["usage"]["prompt_tokens"] == 600

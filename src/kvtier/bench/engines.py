@@ -48,6 +48,7 @@ class EngineOptions:
     # vLLM's --kv-events-config (its own KV events, for a router), e.g.
     # {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": "tcp://*:5557"}
     kv_events: dict[str, Any] | None = None
+    cpus: str = ""  # VLLM_CPU_OMP_THREADS_BIND, e.g. "0" (one engine per core); "" vLLM's choice
 
 
 @dataclass(frozen=True, slots=True)
@@ -126,6 +127,8 @@ def vllm_server(
         }
     )
     env.pop("VLLM_CPU_KVCACHE_SPACE", None)
+    if options.cpus:
+        env["VLLM_CPU_OMP_THREADS_BIND"] = options.cpus
     with log.open("w") as out:
         proc = subprocess.Popen(
             command, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True

@@ -16,7 +16,7 @@ import asyncio
 import itertools
 import json
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import aiohttp
@@ -68,7 +68,12 @@ def _record_chunk(result: RequestResult, data: dict[str, object], at: float) -> 
 
 
 async def send(
-    session: aiohttp.ClientSession, url: str, model: str, request: TraceRequest, started: float
+    session: aiohttp.ClientSession,
+    url: str,
+    model: str,
+    request: TraceRequest,
+    started: float,
+    headers: Mapping[str, str] | None = None,
 ) -> RequestResult:
     """Send one request now; never raises (a failure is ``error``)."""
     result = RequestResult(request.id, request.arrival_s)
@@ -85,7 +90,7 @@ async def send(
     sent = time.perf_counter()
     result.sent_s = sent - started
     try:
-        async with session.post(f"{url}/v1/completions", json=body) as response:
+        async with session.post(f"{url}/v1/completions", json=body, headers=headers) as response:
             if response.status != 200:
                 text = (await response.text())[:300]
                 result.error = f"HTTP {response.status}: {text}"
@@ -115,6 +120,7 @@ async def replay(
     trace: Sequence[TraceRequest],
     on_result: Callable[[RequestResult], None] = lambda result: None,
     started: float | None = None,
+    headers_of: Callable[[TraceRequest], Mapping[str, str]] | None = None,
 ) -> list[RequestResult]:
     """Send every request at its arrival time (seconds after ``started``,
     default now); results in trace order."""
@@ -127,7 +133,8 @@ async def replay(
             delay = started + request.arrival_s - time.perf_counter()
             if delay > 0:
                 await asyncio.sleep(delay)
-            result = await send(session, url, model, request, started)
+            headers = headers_of(request) if headers_of is not None else None
+            result = await send(session, url, model, request, started, headers)
             on_result(result)
             return result
 

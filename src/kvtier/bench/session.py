@@ -94,12 +94,12 @@ def _round_up(n: int, to: int) -> int:
     return math.ceil(n / to) * to
 
 
-def _model(request: BenchRequest, longest: int) -> tuple[Path, int, int]:
+def bench_model(model_dir: Path | None, longest: int) -> tuple[Path, int, int]:
     """The bench model's directory, its vocabulary and its KV bytes per token."""
     from kvtier.models import DEMO_MODEL, demo_model
 
     positions = max(int(DEMO_MODEL["max_position_embeddings"]), 1 << math.ceil(math.log2(longest)))
-    model, path = demo_model(request.model_dir, max_position_embeddings=positions)
+    model, path = demo_model(model_dir, max_position_embeddings=positions)
     config = model.config
     head_dim = config.hidden_size // config.num_attention_heads
     kv_bytes = 2 * config.num_hidden_layers * config.num_key_value_heads * head_dim * 4  # fp32
@@ -138,7 +138,7 @@ def run_bench(request: BenchRequest, console: Console | None = None) -> dict[str
     console = console or Console(stderr=True)
     trace, described = build_trace(request)
     longest = max(len(r.prompt) + r.output_tokens for r in trace)
-    model, vocab_size, kv_bytes = _model(request, longest)
+    model, vocab_size, kv_bytes = bench_model(request.model_dir, longest)
     if max(max(r.prompt) for r in trace) >= vocab_size:
         raise ValueError(f"--trace: token ids must be below the model's vocabulary ({vocab_size})")
     chunks = working_set_chunks(trace)

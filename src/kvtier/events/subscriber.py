@@ -12,6 +12,9 @@ events), to ``on_batch`` in sequence order, on its own thread.
   back, replays from the first missing one, then goes on from the held ones.
 - A sequence number that goes backwards means the publisher restarted: the
   subscriber hands on an ``AllBlocksCleared`` and replays from 0.
+- After ``IDLE_REPLAY_S`` of silence it asks for a replay from the next
+  batch it expects: a lost *last* batch is found too (vLLM sends no
+  heartbeats, so no later batch would show the gap).
 - Without a replay endpoint, or when a replay does not end within
   ``replay_timeout_s``, the missing batches are counted as ``lost_batches``
   and it goes on: what they said stays unknown, which may cost a miss.
@@ -40,6 +43,7 @@ from kvtier.events.wire import END_SEQ, AllBlocksCleared, DecodedBatch, decode_b
 
 log = logging.getLogger(__name__)
 POLL_MS = 50
+IDLE_REPLAY_S = 2.0  # silent this long: ask for a replay from the next expected batch
 
 
 class EventSubscriber:
@@ -69,6 +73,7 @@ class EventSubscriber:
         self._replay_since: float | None = None  # when the replay in flight was asked for
         self._held: list[tuple[int, bytes]] = []  # live batches that came during a replay
         self._replay: zmq.Socket[bytes] | None = None  # the thread's; a new one per abandoned ask
+        self._asked = 0.0  # when the last replay was asked for
         self._resync = threading.Event()
         self._stop = threading.Event()
         self._ready = threading.Event()
@@ -159,11 +164,21 @@ class EventSubscriber:
                 except zmq.Again:
                     break
                 self._on_live(frames)
+        now = time.monotonic()
         since = self._replay_since
-        if since is not None and time.monotonic() - since > self._replay_timeout_s:
+        if since is not None and now - since > self._replay_timeout_s:
             self.counters.add("replay_timeouts", 1)
             log.warning("events %s: replay did not end; going on", self.name)
             self._end_replay(gave_up=True)
+        elif (
+            since is None
+            and self.replay_endpoint
+            and now - max(self.last_message, self._asked) > IDLE_REPLAY_S
+        ):
+            # Silence: ask whether anything was missed (vLLM sends no heartbeats, so a
+            # lost last batch would otherwise stay unknown until the next one).
+            self.counters.add("idle_replays", 1)
+            self._ask_replay(self._expected or 0)
 
     def _on_live(self, frames: list[bytes]) -> None:
         self.last_message = time.monotonic()
@@ -216,7 +231,7 @@ class EventSubscriber:
             self._new_replay_socket()  # answers to an abandoned request must not arrive
         assert self._replay is not None
         self._replay.send_multipart((b"", start.to_bytes(8, "big", signed=True)))
-        self._replay_since = time.monotonic()
+        self._replay_since = self._asked = time.monotonic()
         self._expected = start
         self.counters.add("replays", 1)
 
