@@ -122,3 +122,59 @@ def test_events_steer_requests_and_a_disk_hit_is_prefetched(kvtier_server: Serve
         assert status["nodes"][1]["routed"] == 2  # type: ignore[index]
     finally:
         client.close()
+
+
+def test_two_routers_side_by_side_agree(kvtier_server: ServerFactory) -> None:
+    """Stateless routers: each subscribes to every node; one started late
+    catches up by replay; both see the same index and route alike."""
+    (_, feeds0), (server1, feeds1) = start_node(kvtier_server), start_node(kvtier_server)
+    tokens = w.prompt_tokens(21, CHUNKS, 256)
+    hashes = tenant_hashes(tokens)
+    client = CacheClient(w.client_config(server1.rpc, shm=True, salt=SALT))
+    try:
+
+        async def scenario() -> None:
+            engines = [StandIn("e0"), StandIn("e1")]
+            for engine in engines:
+                await engine.start()
+            config = RouterConfig(
+                port=0,
+                engines=(
+                    {"name": "e0", "url": engines[0].url, **feeds0},
+                    {"name": "e1", "url": engines[1].url, **feeds1},
+                ),
+                tenants=({"name": "acme", "api_keys": ["key"], "salt": SALT},),
+            )
+            runners, services = [], []
+            try:
+                for replica in range(2):
+                    if replica == 1:  # the second router starts after the chunks were stored
+                        assert client.store("warm", hashes, w.payloads(21, CHUNKS, SIZE)) == CHUNKS
+                        await asyncio.to_thread(wait_written_back, client.status, CHUNKS)
+                    service = RouterService(config)
+                    runner = web.AppRunner(service.app())
+                    await runner.setup()
+                    await web.TCPSite(runner, "127.0.0.1", 0).start()
+                    runners.append(runner)
+                    services.append(service)
+                for _ in range(200):
+                    views = [s.router.chunks.view(hashes) for s in services]
+                    if all(len(v) == CHUNKS for v in views) and all(
+                        s.router.namespace for s in services
+                    ):
+                        break
+                    await asyncio.sleep(0.05)
+                first, second = (s.router for s in services)
+                assert first.chunks.view(hashes) == second.chunks.view(hashes)
+                assert len(first.chunks) == len(second.chunks)
+                urls = [f"http://127.0.0.1:{r.addresses[0][1]}" for r in runners]
+                assert [await ask(url, tokens.tolist()) for url in urls] == ["e1", "e1"]
+            finally:
+                for runner in runners:
+                    await runner.cleanup()
+                for engine in engines:
+                    await engine.stop()
+
+        asyncio.run(scenario())
+    finally:
+        client.close()
