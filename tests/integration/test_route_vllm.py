@@ -9,7 +9,8 @@ takes ~40 s to start on two cores).
 - the router hashes a prompt exactly as the vLLM connector does: the chunks
   the connector stored, announced by the cache server, are the chunks the
   router computes from the namespace in ``/status``;
-- ``kvtier route`` serves a streamed chat through the engine.
+- ``kvtier route`` streams a completion from the engine, and relays the
+  engine's refusal of a chat this model has no template for as a clear 400.
 """
 
 from __future__ import annotations
@@ -184,18 +185,23 @@ async def _chat_through_the_router(
     await web.TCPSite(runner, "127.0.0.1", 0).start()
     url = f"http://127.0.0.1:{runner.addresses[0][1]}"
     try:
-        body = {
-            "messages": [{"role": "user", "content": " ".join(f"t{t}" for t in prompt(4, 300))}],
-            "max_tokens": 3,
-            "stream": True,
-        }
+        text = " ".join(f"t{t}" for t in prompt(4, 300))
+        body = {"prompt": text, "max_tokens": 3, "stream": True}
         async with (
             aiohttp.ClientSession() as session,
-            session.post(url + "/v1/chat/completions", json=body) as response,
+            session.post(url + "/v1/completions", json=body) as response,
         ):
             assert response.status == 200, await response.text()
-            text = await response.text()
-        assert text.rstrip().endswith("data: [DONE]") and '"error"' not in text
+            streamed = await response.text()
+        assert streamed.rstrip().endswith("data: [DONE]") and '"error"' not in streamed
         assert service.router.status()["nodes"][0]["routed"] == 1  # type: ignore[index]
+        # This model has no chat template: the engine's refusal comes back as a clear 400.
+        chat = {"messages": [{"role": "user", "content": text}], "max_tokens": 3}
+        async with (
+            aiohttp.ClientSession() as session,
+            session.post(url + "/v1/chat/completions", json=chat) as response,
+        ):
+            assert response.status == 400
+            assert "chat template" in (await response.json())["error"]["message"]
     finally:
         await runner.cleanup()

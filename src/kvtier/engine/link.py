@@ -94,6 +94,7 @@ class ServerLink:
         config = ClientConfig(
             address=address,
             model=model_label(identity.model),
+            hash_model=identity.model,
             layouts=(p.LayoutSpec.of(layout),),
             revision=identity.revision,
             lora=identity.lora,

@@ -70,6 +70,7 @@ class ClientConfig:
     revision: str = ""
     lora: str = ""
     salt: str = ""
+    hash_model: str = ""  # Namespace.model of the client's hashes, when model is its label
     auth_token: str = ""
     shm: bool = True
     shm_dir: str = "/dev/shm"
@@ -646,6 +647,7 @@ class CacheClient:
             token=c.auth_token,
             shm=c.shm,
             rank=c.rank,
+            hash_model=c.hash_model,
         )
         self._registered.clear()
         self._hello = _Call(hello, (), c.request_timeout_s, self._on_welcome)

@@ -414,12 +414,13 @@ class CacheServer:
     def _remember_namespace(
         self, hello: p.Hello, layouts: dict[int, KVLayout], chunk_size: int
     ) -> None:
-        """The namespace of the client's chunk hashes, salt aside: its model,
-        revision and LoRA, and the dtype and digest of its first group's layout
-        (what ``ModelIdentity.namespace`` builds from the engine's layout)."""
+        """The namespace of the client's chunk hashes, salt aside: its model
+        (``hash_model``, else ``model``), revision and LoRA, and the dtype and
+        digest of its first group's layout (what ``ModelIdentity.namespace``
+        builds from the engine's layout)."""
         first = layouts[min(layouts)]
         entry: dict[str, object] = {
-            "model": hello.model,
+            "model": hello.hash_model or hello.model,
             "revision": hello.revision,
             "lora": hello.lora,
             "kv_dtype": first.dtype,

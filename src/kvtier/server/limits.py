@@ -86,6 +86,7 @@ def check_hello(hello: p.Hello) -> None:
     if not hello.model:
         raise RequestError("bad_request", "hello names no model: send its hub id or path")
     check_text("model", hello.model, MAX_MODEL_NAME_CHARS)
+    check_text("hash_model", hello.hash_model, MAX_MODEL_NAME_CHARS)
     for what, value in (
         ("client_id", hello.client_id),
         ("revision", hello.revision),

@@ -77,6 +77,9 @@ class Hello(Message, tag="hello"):
     token: str = ""
     shm: bool = True
     rank: int = -1  # -1: the client speaks for every rank; r: it stores and loads rank r only
+    # The model name in the client's chunk-hash namespace (docs/hashing.md) when
+    # ``model`` is its label: a router hashes prompts with it (/status).
+    hash_model: str = ""
 
 
 class Lookup(Message, tag="lookup"):

@@ -63,6 +63,7 @@ class ClientPool:
                 ClientConfig(
                     address=self.settings.address,
                     model=model_label(self.identity.model),
+                    hash_model=self.identity.model,
                     layouts=(self.spec,),
                     num_ranks=self.num_ranks,
                     rank=self.rank,
