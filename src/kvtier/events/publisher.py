@@ -113,6 +113,7 @@ class EventPublisher:
         )
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self._chunk_counts: dict[str, int] = {}  # tier -> chunks, as of the last batch
 
     def start(self) -> None:
         self._thread = threading.Thread(target=self._run, name="kvtier-events", daemon=True)
@@ -131,7 +132,7 @@ class EventPublisher:
             "next_seq": self._next_seq,
             "buffered": len(self._buffer),
             "pending_reports": self.residency.pending(),
-            "chunks": {t.name: self.residency.chunks(t) for t in list(self.residency.tiers())},
+            "chunks": self._chunk_counts,
             **self.counters.snapshot(),
         }
 
@@ -151,6 +152,10 @@ class EventPublisher:
                 if events or now - last >= self.config.heartbeat_s:
                     self._publish(events)
                     last = now
+                if events:  # the tables are this thread's: status() reads this copy
+                    self._chunk_counts = {
+                        t.name: self.residency.chunks(t) for t in self.residency.tiers()
+                    }
                 if stopping:
                     return
                 for _sock, _ in poller.poll(int(self.config.interval_s * 1000) or 1):

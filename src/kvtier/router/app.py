@@ -248,23 +248,24 @@ class RouterService:
             else:
                 self.router.chunks.approximate.discard(node)
         self.router.chunks.expire()
-        if not self.model:
+        if not self.model or not all(n.max_model_len for n in self.router.nodes):
             await self._learn_model()
 
     async def _learn_model(self) -> None:
+        """Each engine's context length, and the model name from the first that answers."""
         assert self.session is not None
         for node in self.router.nodes:
             try:
                 async with self.session.get(node.url + "/v1/models") as response:
                     data = await response.json(content_type=None)
                 entry = data["data"][0]
-            except (TimeoutError, aiohttp.ClientError, ValueError, KeyError, IndexError):
+            except (aiohttp.ClientError, TimeoutError, ValueError, KeyError, IndexError, TypeError):
                 continue
-            self.model = str(entry.get("id", ""))
             node.max_model_len = int(entry.get("max_model_len") or 0)
-            if isinstance(self.tokenizer, EngineTokenizer):
-                self.tokenizer._model = self.model
-            return
+            if not self.model:
+                self.model = str(entry.get("id", ""))
+                if isinstance(self.tokenizer, EngineTokenizer):
+                    self.tokenizer.model = self.model
 
     # ------------------------------------------------------------ handlers
 

@@ -96,19 +96,19 @@ class EngineTokenizer:
     def __init__(self, session: aiohttp.ClientSession, url: str, model: str) -> None:
         self._session = session
         self._url = url.rstrip("/") + "/tokenize"
-        self._model = model
+        self.model = model
 
     async def completion(self, prompt: Any) -> list[int]:
         checked = check_prompt(prompt)
         if isinstance(checked, list):
             return checked
-        return await self._ask({"model": self._model, "prompt": checked})
+        return await self._ask({"model": self.model, "prompt": checked})
 
     async def chat(self, body: dict[str, Any]) -> list[int]:
         messages = body.get("messages")
         if not isinstance(messages, list) or not messages:
             raise BadPrompt("'messages' must be a non-empty list")
-        ask = {"model": self._model, "messages": messages, "add_generation_prompt": True}
+        ask = {"model": self.model, "messages": messages, "add_generation_prompt": True}
         return await self._ask(ask)
 
     async def _ask(self, payload: dict[str, Any]) -> list[int]:

@@ -1,0 +1,88 @@
+"""``kvtier route``'s configuration: the TOML file, flags, and clear errors."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from kvtier.cli import main
+from kvtier.router.config import EngineSpec, load_router_config
+from kvtier.router.gateway import TenantSpec
+
+CONFIG = """
+policy = "longest_prefix"
+port = 0
+[cost]
+prefill_s_per_token = 0.0005
+tier_s_per_token = { L1 = 0.00002, redis = 0.0001 }
+[[engines]]
+name = "a"
+url = "http://127.0.0.1:8001"
+events = "tcp://127.0.0.1:5557"
+[[engines]]
+name = "b"
+url = "http://127.0.0.1:8002"
+[[tenants]]
+name = "acme"
+api_keys = ["k1"]
+requests_per_s = 5
+"""
+
+
+def write(tmp_path: Path, text: str) -> str:
+    path = tmp_path / "route.toml"
+    path.write_text(text)
+    return str(path)
+
+
+def test_the_file_flags_and_environment_make_one_config(tmp_path: Path) -> None:
+    path = write(tmp_path, CONFIG)
+    config = load_router_config({"policy": "kvtier"}, path, environ={"KVTIER_ROUTE_PORT": "9100"})
+    assert config.policy == "kvtier" and config.port == 9100  # flag > env > file
+    assert config.engines == (
+        EngineSpec(name="a", url="http://127.0.0.1:8001", events="tcp://127.0.0.1:5557"),
+        EngineSpec(name="b", url="http://127.0.0.1:8002"),
+    )
+    assert config.tenants == (TenantSpec(name="acme", api_keys=("k1",), requests_per_s=5.0),)
+    assert config.cost.tier_s_per_token == {"L1": 2e-5, "fs": 5e-5, "redis": 1e-4}  # merged
+    engines = [{"name": "x", "url": "http://h:1"}]
+    assert load_router_config({"engines": engines}).engines[0].name == "x"
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("policy = 'kvtier'", "needs engines"),
+        ("[[engines]]\nname = 'a'\nurl = 'ftp://x'", "http"),
+        (
+            "[[engines]]\nname = 'a'\nurl = 'http://x'\n[[engines]]\nname = 'a'\nurl = 'http://y'",
+            "share",
+        ),
+        ("[[engines]]\nname = 'a'\nurl = 'http://x'\ncolour = 1", "unknown option 'colour'"),
+        ("policy = 'random'\n[[engines]]\nname = 'a'\nurl = 'http://x'", "policy"),
+        (
+            "[[engines]]\nname = 'a'\nurl = 'http://x'\n"
+            "[[tenants]]\nname = 't'\nrequests_per_s = -1",
+            "requests_per_s",
+        ),
+        (
+            "[[engines]]\nname = 'a'\nurl = 'http://x'\n[[tenants]]\nname = 't'\napi_keys = ['k']\n"
+            "[[tenants]]\nname = 'u'\napi_keys = ['k']",
+            "two tenants",
+        ),
+    ],
+)
+def test_bad_configs_say_what_to_change(tmp_path: Path, text: str, message: str) -> None:
+    from kvtier.router.gateway import Gateway
+
+    with pytest.raises(ValueError, match=message):
+        config = load_router_config({}, write(tmp_path, text))
+        Gateway(config.tenant_specs())
+
+
+def test_the_command_line_reports_a_bad_config(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["route", "--config", write(tmp_path, "port = 0")]) != 0
+    assert "needs engines" in capsys.readouterr().err
