@@ -3,50 +3,18 @@ L2, out of L1 on a wipe, and after a restart only what the disk kept."""
 
 from __future__ import annotations
 
-import socket
-import threading
 from typing import Any
 
+from kvtier.bench.stores import free_port
 from kvtier.events.subscriber import EventSubscriber
-from kvtier.events.wire import AllBlocksCleared, BlockStored, DecodedBatch
 from kvtier.keys import Namespace, TokenHasher
 from kvtier.server.client import CacheClient
 from tests.integration import workload as w
 from tests.integration.harness import ServerFactory, wait_for, wait_written_back
+from tests.unit.events.mirror import Mirror
 
 CHUNKS = 6
 SIZE = w.object_bytes(256)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-class Mirror:
-    """tier -> chunks, from the events; with what every event said."""
-
-    def __init__(self) -> None:
-        self.tiers: dict[str, set[bytes | int]] = {}
-        self.lock = threading.Lock()
-        self.stored_events: list[BlockStored] = []
-
-    def apply(self, batch: DecodedBatch) -> None:
-        with self.lock:
-            for event in batch.events:
-                if isinstance(event, AllBlocksCleared):
-                    self.tiers.clear()
-                elif isinstance(event, BlockStored):
-                    self.stored_events.append(event)
-                    self.tiers.setdefault(event.ownership or "", set()).update(event.block_hashes)
-                else:
-                    chunks = self.tiers.get(event.ownership or "", set())
-                    chunks.difference_update(event.block_hashes)
-
-    def view(self) -> dict[str, set[bytes | int]]:
-        with self.lock:
-            return {k: set(v) for k, v in self.tiers.items() if v}
 
 
 def events_flags(pub: int, replay: int) -> list[str]:

@@ -14,13 +14,14 @@ import aiohttp
 import numpy as np
 from aiohttp import web
 
+from kvtier.bench.stores import free_port
 from kvtier.keys import Namespace, TokenHasher
 from kvtier.router.app import RouterService
 from kvtier.router.config import RouterConfig
 from kvtier.server.client import CacheClient
 from tests.integration import workload as w
 from tests.integration.harness import Server, ServerFactory, wait_for, wait_written_back
-from tests.integration.test_events import events_flags, free_port
+from tests.integration.test_events import events_flags
 from tests.unit.router.standin import StandIn
 
 CHUNKS = 4

@@ -28,12 +28,13 @@ import pytest
 import zmq
 
 from kvtier.bench.engines import EngineOptions, kvtier_transfer, vllm_server
+from kvtier.bench.stores import free_port
 from kvtier.events.subscriber import EventSubscriber
 from kvtier.events.wire import BlockStored, DecodedBatch, decode_batch
 from kvtier.router.blocks import BlockIndex
 from kvtier.router.core import Node, Router
 from tests.integration.harness import ServerFactory, wait_for
-from tests.integration.test_events import events_flags, free_port
+from tests.integration.test_events import events_flags
 
 pytest.importorskip("vllm")
 pytestmark = pytest.mark.slow

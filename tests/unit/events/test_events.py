@@ -4,7 +4,6 @@ restarts and a buffer too small for the history."""
 
 from __future__ import annotations
 
-import threading
 import time
 
 import msgspec
@@ -18,12 +17,12 @@ from kvtier.events.wire import (
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,
-    DecodedBatch,
     EventBatch,
     decode_batch,
     encode_batch,
 )
 from kvtier.keys import ObjectKey
+from tests.unit.events.mirror import Mirror
 
 SHARED_TIER = Tier("redis", shared=True)
 
@@ -116,30 +115,6 @@ def test_events_keep_their_order_and_split_at_the_event_size() -> None:
 
 
 # ------------------------------------------------- publisher and subscriber
-
-
-class Mirror:
-    """What a subscriber believes a node holds: tier -> chunks."""
-
-    def __init__(self) -> None:
-        self.tiers: dict[str, set[bytes | int]] = {}
-        self.lock = threading.Lock()
-
-    def apply(self, batch: DecodedBatch) -> None:
-        with self.lock:
-            for event in batch.events:
-                if isinstance(event, AllBlocksCleared):
-                    self.tiers.clear()
-                elif isinstance(event, BlockStored):
-                    self.tiers.setdefault(event.ownership or "", set()).update(event.block_hashes)
-                else:
-                    self.tiers.get(event.ownership or "", set()).difference_update(
-                        event.block_hashes
-                    )
-
-    def view(self) -> dict[str, set[bytes | int]]:
-        with self.lock:
-            return {k: set(v) for k, v in self.tiers.items() if v}
 
 
 def truth(residency: Residency) -> dict[str, set[bytes | int]]:
