@@ -15,8 +15,8 @@ rest, whatever the router planned.
 The router is the real one: the same ``ChunkIndex``, fed with the events a
 real cache server would send (stored on completion, removed on eviction),
 the same ``score`` and policies, and a ``CostModel`` that learns from the
-simulated TTFTs as it would from real ones. Queues are exact (the router
-sees every node's prefill tokens in flight).
+simulated TTFTs as it would from real ones. Queues are as the real router
+keeps them: the plans of the requests it sent that have not finished prefill.
 """
 
 from __future__ import annotations
@@ -85,7 +85,8 @@ class _Node:
         self.engine: OrderedDict[bytes, None] = OrderedDict()
         self.l1: OrderedDict[bytes, None] = OrderedDict()
         self.busy_until = 0.0
-        self.inflight = 0
+        self.inflight = 0  # prefill tokens routed here, not yet done
+        self.inflight_s = 0.0  # the router's plans for them, in seconds
 
 
 def _prefix(cache: OrderedDict[bytes, None], hashes: Sequence[bytes]) -> int:
@@ -154,6 +155,7 @@ class _Simulation:
             prompt,
             size,
             [n.inflight for n in self.nodes],
+            [max(n.inflight_s, 0.0) for n in self.nodes],
             [_prefix(n.engine, hashes) * size for n in self.nodes],
             self.index.view(hashes),
             {0: "L1"},
@@ -168,7 +170,8 @@ class _Simulation:
         service = costs.overhead_s + prefill * costs.prefill_s_per_token
         service += sum(tokens * costs.tier_cost(tier) for tier, tokens in loaded.items())
         node.busy_until = max(now, node.busy_until) + service
-        node.inflight += prefill
+        node.inflight += plan.prefill_tokens
+        node.inflight_s += plan.expected_ttft_s - plan.queue_s
         ttft = node.busy_until - now
         result = self.result
         result.ttft_s.append(ttft)
@@ -197,7 +200,8 @@ class _Simulation:
 
     def done(self, done: _Done) -> None:
         node = self.nodes[done.node]
-        node.inflight -= done.prefill
+        node.inflight -= done.plan.prefill_tokens
+        node.inflight_s -= done.plan.expected_ttft_s - done.plan.queue_s
         self.insert(done.node, node.engine, done.hashes, self.config.engine_chunks, None)
         self.insert(done.node, node.l1, done.hashes, self.config.l1_chunks, "L1")
         fresh = [h for h in done.hashes if h not in self.shared]
@@ -208,9 +212,7 @@ class _Simulation:
             )
         plan = done.plan
         self.cost.observe(
-            Observation(
-                done.node, done.ttft_s, plan.prefill_tokens + plan.queue_tokens, dict(plan.loaded)
-            )
+            Observation(done.node, done.ttft_s, plan.queue_s, plan.prefill_tokens, plan.loaded)
         )
 
     def insert(

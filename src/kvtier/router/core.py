@@ -49,6 +49,7 @@ class Node:
     cache_url: str = ""  # the cache server's admin HTTP ("" none)
     max_model_len: int = 0  # 0: unknown (the engine's /v1/models tells)
     inflight_tokens: int = 0
+    inflight_s: float = 0.0  # the plans of requests sent here without a first token yet
     inflight_requests: int = 0
     down_until: float = 0.0
     failures: dict[str, int] = field(default_factory=dict)
@@ -136,6 +137,7 @@ class Router:
                 raise NoEngine("no engine is up (all failed lately, or excluded)")
             indices = [n.index for n in live]
             queue = [n.inflight_tokens for n in live]
+            queue_s = [max(n.inflight_s, 0.0) for n in live]
         slots = {v: k for k, v in self.chunks.slot_names().items()}
         stores = {v: k for k, v in self.chunks.store_names().items()}
         candidates = score(
@@ -143,6 +145,7 @@ class Router:
             len(tokens),
             max(chunk_size, 1),
             queue,
+            queue_s,
             [engine.get(i, 0) for i in indices],
             view,
             slots,
@@ -159,6 +162,7 @@ class Router:
         with self._lock:
             node = self.nodes[decision.node]
             node.inflight_tokens += decision.prefill_tokens
+            node.inflight_s += decision.expected_ttft_s - decision.queue_s
             node.inflight_requests += 1
             node.routed += 1
         if decision.node in self.chunks.approximate:
@@ -168,13 +172,12 @@ class Router:
         """The prefill is over: out of the queue, and a lesson for the cost model."""
         decision = routed.decision
         with self._lock:
-            self.nodes[decision.node].inflight_tokens -= decision.prefill_tokens
+            node = self.nodes[decision.node]
+            node.inflight_tokens -= decision.prefill_tokens
+            node.inflight_s -= decision.expected_ttft_s - decision.queue_s
         self.cost.observe(
             Observation(
-                decision.node,
-                ttft_s,
-                decision.prefill_tokens + decision.queue_tokens,
-                {k: v for k, v in decision.loaded.items()},
+                decision.node, ttft_s, decision.queue_s, decision.prefill_tokens, decision.loaded
             )
         )
 
@@ -184,6 +187,7 @@ class Router:
             node.inflight_requests -= 1
             if not prefilled:
                 node.inflight_tokens -= routed.decision.prefill_tokens
+                node.inflight_s -= routed.decision.expected_ttft_s - routed.decision.queue_s
 
     def failed(self, node_index: int, reason: str) -> None:
         """Take the engine out for ``down_s``; count why."""
@@ -201,6 +205,7 @@ class Router:
                     "url": n.url,
                     "live": n.live(now),
                     "inflight_tokens": n.inflight_tokens,
+                    "inflight_s": round(n.inflight_s, 4),
                     "inflight_requests": n.inflight_requests,
                     "routed": n.routed,
                     "failures": dict(n.failures),

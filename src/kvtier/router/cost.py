@@ -8,7 +8,8 @@ Two kinds of number, both in seconds per token:
 
 They start from ``CostConfig`` (what ``kvtier bench`` calibrates, or a guess)
 and follow what the router sees: after each streamed request, the time to
-its first token against what it predicted. A request that mostly prefilled
+its first token, less the wait it predicted for the work ahead of it,
+against the work it predicted. A request that mostly prefilled
 updates its engine's rate; one that mostly loaded from one tier updates that
 tier's cost. Each is an exponentially weighted mean (``ewma``), clamped to
 ``[floor, ceiling]`` so one outlier (a stalled engine) cannot poison the next
@@ -48,7 +49,8 @@ class Observation:
 
     node: int
     ttft_s: float
-    prefill_tokens: int  # the router's prediction, queue included
+    queue_s: float  # the wait the router predicted
+    prefill_tokens: int  # the tokens it predicted the engine computes
     loaded: Mapping[str, int]  # tier -> tokens predicted to load
 
 
@@ -84,14 +86,15 @@ class CostModel:
             total = seen.prefill_tokens + sum(seen.loaded.values())
             if total <= 0:
                 return
+            service = max(seen.ttft_s - seen.queue_s, 0.0)
             if seen.prefill_tokens >= self.config.dominant_fraction * total:
-                sample = max(seen.ttft_s - load_s, 0.0) / seen.prefill_tokens
+                sample = max(service - load_s, 0.0) / seen.prefill_tokens
                 self._rates[seen.node] = self._mix(rate, sample, self.config.prefill_s_per_token)
                 return
             for tier, tokens in seen.loaded.items():
                 if tier != ENGINE and tokens >= self.config.dominant_fraction * total:
                     others = load_s - tokens * self.tier_cost(tier)
-                    sample = max(seen.ttft_s - seen.prefill_tokens * rate - others, 0.0) / tokens
+                    sample = max(service - seen.prefill_tokens * rate - others, 0.0) / tokens
                     self._tiers[tier] = self._mix(self.tier_cost(tier), sample, rate)
 
     def status(self) -> dict[str, object]:

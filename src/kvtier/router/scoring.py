@@ -10,12 +10,14 @@ Policies (a registry, ``POLICIES``):
 
 - ``kvtier``: the engine with the least expected time to first token::
 
-      (queue + prompt - covered(j)) x rate(engine) + sum of load(chunk i < j)
+      queue + (prompt - covered(j)) x rate(engine) + sum of load(chunk i < j)
 
   minimised over how many kvtier chunks ``j`` to load (up to the prefix the
   node has): a chunk counts only where loading it from its tier beats
   recomputing it, ``covered(j)`` is the larger of the engine's own prefix and
-  ``j`` chunks, and the last prompt token is always computed.
+  ``j`` chunks, and the last prompt token is always computed. ``queue`` is
+  the engine's work in flight in seconds: the sum of the plans (prefill and
+  loads) of the requests routed there that have not had a first token yet.
 - ``longest_prefix``: llm-d's default scorers: 3 x the matched fraction of the
   prompt (fixed tier weights: engine 1, L1 0.8, node-local L2 0.5, shared
   0.3) + 2 x (1 - queue / longest queue).
@@ -58,6 +60,7 @@ class Decision:
     expected_ttft_s: float  # the kvtier policy's estimate (whoever picks, for the logs)
     prefill_tokens: int  # queue excluded
     queue_tokens: int
+    queue_s: float  # expected wait for the work ahead of it
     loaded: dict[str, int]  # tier -> tokens to load
     load_chunks: int  # kvtier chunks the plan loads (from the first)
 
@@ -102,6 +105,7 @@ class Candidates:
     prompt_tokens: int
     chunk_size: int
     queue_tokens: list[int]  # prefill tokens in flight
+    queue_s: list[float]  # the expected work in flight, in seconds (its plans' own times)
     engine_tokens: list[int]  # its own prefix cache's hit
     ttft: list[float]  # the kvtier plan's expected time to first token
     chunks: list[int]  # kvtier chunks the plan loads
@@ -128,6 +132,7 @@ class Candidates:
             self.ttft[j],
             self.prompt_tokens - covered,
             self.queue_tokens[j],
+            self.queue_s[j],
             loaded,
             chunks,
         )
@@ -144,6 +149,7 @@ def score(
     prompt_tokens: int,
     chunk_size: int,
     queue_tokens: Sequence[int],
+    queue_s: Sequence[float],
     engine_tokens: Sequence[int],
     masks: Sequence[int],
     slot_names: dict[int, str],
@@ -233,7 +239,7 @@ def score(
     for j, node in enumerate(nodes):
         rate = rates.get(node, default_rate)
         engine = min(engine_tokens[j], last)
-        base = queue_tokens[j] + prompt_tokens
+        base = prompt_tokens
         best, best_j = (base - engine) * rate, 0
         mine = path_of.get(node)
         weighted = engine * PREFIX_WEIGHTS["engine"]
@@ -247,7 +253,7 @@ def score(
                 best, best_j, weighted = _exact(
                     mine, tiers, weights, rate, base, engine, size, last
                 )
-        ttft.append(best)
+        ttft.append(queue_s[j] + best)
         chunks.append(best_j)
         matched.append(weighted)
         node_paths.append(mine)
@@ -256,6 +262,7 @@ def score(
         prompt_tokens,
         chunk_size,
         list(queue_tokens),
+        list(queue_s),
         list(engine_tokens),
         ttft,
         chunks,

@@ -137,6 +137,7 @@ def test_streaming_passes_through_with_the_engine_named() -> None:
             assert first["cache_salt"] == "acme-salt"
             assert service.router.nodes[0].inflight_requests == 0
             assert service.router.nodes[0].inflight_tokens == 0
+            assert abs(service.router.nodes[0].inflight_s) < 1e-9
 
     run(test)
 

@@ -116,7 +116,7 @@ def reference(r: Router, tokens: np.ndarray, salt: str) -> list[tuple[float, int
     for node in r.nodes:
         rate = r.cost.rate(node.index)
         e = min(engine.get(node.index, 0), last)
-        base = node.inflight_tokens + prompt
+        base = prompt
         best, best_j, load = (base - e) * rate, 0, 0.0
         for i, chunk in enumerate(hashes):
             costs = [r.cost.tier_cost(t) for t, _ in TIERS if r.chunks.holds(node.index, chunk, t)]
@@ -126,7 +126,7 @@ def reference(r: Router, tokens: np.ndarray, salt: str) -> list[tuple[float, int
             value = (base - min(max(e, (i + 1) * size), last)) * rate + load
             if value < best:
                 best, best_j = value, i + 1
-        out.append((best, best_j))
+        out.append((node.inflight_s + best, best_j))
     return out
 
 
@@ -140,6 +140,7 @@ def test_the_plan_matches_the_reference(seed: int) -> None:
     hashes, _ = r.chunk_hashes(tokens, "t")
     for node in range(n):
         r.nodes[node].inflight_tokens = int(rng.integers(0, 300))
+        r.nodes[node].inflight_s = float(rng.uniform(0, 0.3))
         for tier, locality in TIERS:
             if rng.random() < 0.5 and hashes:
                 held = hashes[: int(rng.integers(0, len(hashes) + 1))]
@@ -188,7 +189,7 @@ def test_the_queue_outweighs_a_small_hit() -> None:
     hashes, _ = r.chunk_hashes(tokens, "t")
     r.chunks.apply(0, batch(stored(hashes[:2], "L1")))
     assert r.route(tokens, "t").decision.node == 0
-    r.nodes[0].inflight_tokens = 1000
+    r.nodes[0].inflight_s = 1.0  # a second of work ahead
     assert r.route(tokens, "t").decision.node == 1
 
 
