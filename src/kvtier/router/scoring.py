@@ -224,39 +224,40 @@ def score(
             break
     ended += paths
 
-    path_of: dict[int, _Path] = {}
+    # Every candidate's plan without kvtier chunks (its own engine hit only), then
+    # the candidates on a path: only they can do better.
+    rates, default_rate = cost.rate_table()
+    rate_of = [rates.get(node, default_rate) for node in nodes]
+    engine_of = [min(e, last) for e in engine_tokens]
+    ttft = [
+        q + (prompt_tokens - e) * r for q, e, r in zip(queue_s, engine_of, rate_of, strict=True)
+    ]
+    chunks = [0] * len(nodes)
+    engine_weight = PREFIX_WEIGHTS["engine"]
+    matched = [e * engine_weight for e in engine_of]
+    node_paths: list[_Path | None] = [None] * len(nodes)
+    position = {node: j for j, node in enumerate(nodes)}
     for done in ended:
+        if not done.length:
+            continue
+        covered = min(done.length * size, last)
         bits = done.mask
         while bits:
             low = bits & -bits
-            path_of[low.bit_length() - 1] = done
             bits ^= low
-    ttft: list[float] = []
-    chunks: list[int] = []
-    matched: list[float] = []
-    node_paths: list[_Path | None] = []
-    rates, default_rate = cost.rate_table()
-    for j, node in enumerate(nodes):
-        rate = rates.get(node, default_rate)
-        engine = min(engine_tokens[j], last)
-        base = prompt_tokens
-        best, best_j = (base - engine) * rate, 0
-        mine = path_of.get(node)
-        weighted = engine * PREFIX_WEIGHTS["engine"]
-        if mine is not None and mine.length:
-            if engine == 0 and mine.cost_max < rate:  # every chunk pays: load them all
-                whole = (base - min(mine.length * size, last)) * rate + mine.load_s
-                if whole < best:
-                    best, best_j = whole, mine.length
-                weighted = mine.weighted
+            j = position[low.bit_length() - 1]
+            node_paths[j] = done
+            rate, engine = rate_of[j], engine_of[j]
+            if engine == 0 and done.cost_max < rate:  # every chunk pays: load them all
+                whole = queue_s[j] + (prompt_tokens - covered) * rate + done.load_s
+                if whole < ttft[j]:
+                    ttft[j], chunks[j] = whole, done.length
+                matched[j] = done.weighted
             else:
-                best, best_j, weighted = _exact(
-                    mine, tiers, weights, rate, base, engine, size, last
+                best, chunks[j], matched[j] = _exact(
+                    done, tiers, weights, rate, prompt_tokens, engine, size, last
                 )
-        ttft.append(queue_s[j] + best)
-        chunks.append(best_j)
-        matched.append(weighted)
-        node_paths.append(mine)
+                ttft[j] = queue_s[j] + best
     return Candidates(
         list(nodes),
         prompt_tokens,
