@@ -316,6 +316,12 @@ class RouterService:
             return self._bad(tenant.name, "bad_json", "the body is not JSON")
         if not isinstance(body, dict):
             return self._bad(tenant.name, "bad_json", "the body must be a JSON object")
+        asked = body.get("model")
+        if asked and self.model and asked != self.model:
+            self.bad_requests["unknown_model"] = self.bad_requests.get("unknown_model", 0) + 1
+            self.metrics.requests.labels(tenant.name, "unknown_model").inc()
+            message = f"model {asked!r} is not served here; /v1/models lists {self.model!r}"
+            return error(404, message, "model_not_found")
         kind = ROUTES[request.path]
         assert self.tokenizer is not None
         try:

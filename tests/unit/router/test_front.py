@@ -96,8 +96,16 @@ def test_bad_keys_and_bad_requests_get_clear_errors() -> None:
             assert status == 400 and b"context is 64 tokens" in data
             status, _, data = await post(url + "/v1/chat/completions", {"messages": []})
             assert status == 400 and b"messages" in data
+            status, _, data = await post(completions, {"prompt": "x", "model": "other"})
+            assert status == 404 and b"standin-model" in data
             counted = service.bad_requests
-            assert counted == {"unauthorized": 2, "bad_json": 1, "bad_prompt": 2, "too_long": 1}
+            assert counted == {
+                "unauthorized": 2,
+                "bad_json": 1,
+                "bad_prompt": 2,
+                "too_long": 1,
+                "unknown_model": 1,
+            }
 
     run(test)
 
