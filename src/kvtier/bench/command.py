@@ -71,6 +71,7 @@ class BenchOptions:
     turns: Span | None = None
     tenants: int | None = None
     policies: str = "kvtier,longest_prefix,least_loaded,round_robin"
+    rounds: int = 3
     vllm_kv_tokens: int | None = None
     l1_size_bytes: int = 1 << 30
     small_l1_size_bytes: int | None = None
@@ -106,6 +107,7 @@ HELP: dict[str, tuple[str, str]] = {
     "turns": ("chat turns per session MIN:MAX (3:6)", "trace"),
     "tenants": ("route: tenants in the trace (4)", "trace"),
     "policies": ("route: comma-separated routing policies, in run order", "run"),
+    "rounds": ("route: runs of every policy, in rotated order (3)", "run"),
     "vllm_kv_tokens": (
         "vLLM's KV space in tokens (default: a little more than the longest request)",
         "servers",
@@ -252,6 +254,7 @@ def _run_route(o: BenchOptions, command: str) -> int:
         out=Path(o.out),
         policies=tuple(p.strip() for p in o.policies.split(",") if p.strip()),
         l1_size_bytes=o.small_l1_size_bytes or 32 << 20,
+        rounds=o.rounds,
         command=command,
     )
     results = run_route_bench(request)

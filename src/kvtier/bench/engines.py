@@ -49,6 +49,7 @@ class EngineOptions:
     # {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": "tcp://*:5557"}
     kv_events: dict[str, Any] | None = None
     cpus: str = ""  # VLLM_CPU_OMP_THREADS_BIND, e.g. "0" (one engine per core); "" vLLM's choice
+    dev_mode: bool = False  # VLLM_SERVER_DEV_MODE: POST /reset_prefix_cache, between runs
 
 
 @dataclass(frozen=True, slots=True)
@@ -129,6 +130,8 @@ def vllm_server(
     env.pop("VLLM_CPU_KVCACHE_SPACE", None)
     if options.cpus:
         env["VLLM_CPU_OMP_THREADS_BIND"] = options.cpus
+    if options.dev_mode:
+        env["VLLM_SERVER_DEV_MODE"] = "1"
     with log.open("w") as out:
         proc = subprocess.Popen(
             command, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True

