@@ -29,6 +29,8 @@ TINY = {
     "bench_fuzz_server.py": ["--messages", "2000", "--rounds", "2"],
     "bench_prefetch.py": ["--chunks", "4", "--object-kib", "64", "--rounds", "2"],
     "bench_route_scoring.py": ["--chunks", "2000", "--nodes", "8", "--requests", "20"],
+    "bench_route_sim.py": ["--nodes", "2,4", "--requests-per-node", "5"],
+    "bench_route_index.py": ["--chunks", "2000", "--requests", "20"],
     "bench_vllm_ttft.py": [
         "--prefix",
         "256",

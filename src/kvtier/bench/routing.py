@@ -301,6 +301,11 @@ def summarize(
             if n["failures"]
         ],
         "learned_costs": runs[-1]["router"]["router"]["cost"],
+        "index_at_end": {  # the last run's: what the events told the router
+            "chunks": runs[-1]["router"]["router"]["chunks"],
+            "blocks": runs[-1]["router"]["router"]["blocks"],
+            "events": runs[-1]["router"]["events"],
+        },
         "wall_s": sum(run["wall_s"] for run in runs),
     }
 
