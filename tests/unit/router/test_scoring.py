@@ -124,18 +124,22 @@ def reference(r: Router, tokens: np.ndarray, salt: str) -> list[tuple[float, int
                 break
             load += max(0, min((i + 1) * size, last) - max(i * size, e)) * min(costs)
             value = (base - min(max(e, (i + 1) * size), last)) * rate + load
-            if value < best:
+            if value < best or r.cost.config.engine_loads_whole_prefix:
                 best, best_j = value, i + 1
         out.append((node.inflight_s + best, best_j))
     return out
 
 
+@pytest.mark.parametrize("loads_all", [True, False])
 @pytest.mark.parametrize("seed", range(30))
-def test_the_plan_matches_the_reference(seed: int) -> None:
+def test_the_plan_matches_the_reference(seed: int, loads_all: bool) -> None:
     rng = np.random.default_rng(seed)
     n = int(rng.integers(1, 9))
     tiers = {"L1": 2e-5, "fs": float(rng.choice([5e-5, 3e-3])), "redis": 1e-4}  # fs may lose
-    r = router(n, cost=CostModel(CostConfig(prefill_s_per_token=1e-3, tier_s_per_token=tiers)))
+    config = CostConfig(
+        prefill_s_per_token=1e-3, tier_s_per_token=tiers, engine_loads_whole_prefix=loads_all
+    )
+    r = router(n, cost=CostModel(config))
     tokens = rng.integers(0, 1000, int(rng.integers(16, 200)), dtype=np.uint32)
     hashes, _ = r.chunk_hashes(tokens, "t")
     for node in range(n):
@@ -171,8 +175,10 @@ def test_the_plan_matches_the_reference(seed: int) -> None:
 
 
 def test_loading_counts_only_where_it_beats_recomputing() -> None:
-    slow_disk = CostModel(CostConfig(prefill_s_per_token=1e-3, tier_s_per_token={"fs": 5e-3}))
-    r = router(2, cost=slow_disk)
+    slow_disk = CostConfig(
+        prefill_s_per_token=1e-3, tier_s_per_token={"fs": 5e-3}, engine_loads_whole_prefix=False
+    )
+    r = router(2, cost=CostModel(slow_disk))
     tokens = np.arange(160, dtype=np.uint32)
     hashes, _ = r.chunk_hashes(tokens, "t")
     r.chunks.apply(1, batch(stored(hashes, "fs")))
@@ -181,6 +187,17 @@ def test_loading_counts_only_where_it_beats_recomputing() -> None:
     r.chunks.apply(1, batch(stored(hashes[:4], "L1")))
     decision = r.route(tokens, "t").decision
     assert (decision.node, decision.load_chunks, decision.loaded) == (1, 4, {"L1": 64})
+
+
+def test_an_engine_that_loads_whatever_it_finds_is_priced_so() -> None:
+    slow_disk = CostConfig(prefill_s_per_token=1e-3, tier_s_per_token={"fs": 5e-3})
+    r = router(2, cost=CostModel(slow_disk))
+    tokens = np.arange(160, dtype=np.uint32)
+    hashes, _ = r.chunk_hashes(tokens, "t")
+    r.chunks.apply(1, batch(stored(hashes, "fs")))
+    decision = r.route(tokens, "t").decision
+    assert decision.node == 0  # node 1 would load the slow copy: node 0 recomputes sooner
+    assert decision.loaded == {}
 
 
 def test_the_queue_outweighs_a_small_hit() -> None:
