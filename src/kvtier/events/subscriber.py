@@ -182,13 +182,8 @@ class EventSubscriber:
 
     def _on_live(self, frames: list[bytes]) -> None:
         self.last_message = time.monotonic()
-        if len(frames) != 3:
-            self.counters.add("malformed", 1)
-            return
-        try:
-            seq = seq_of(frames[1])
-        except ValueError:
-            self.counters.add("malformed", 1)
+        seq = self._sequence(frames, 3, 1)
+        if seq is None:
             return
         if self._replay_since is not None:
             self._held.append((seq, frames[2]))
@@ -247,13 +242,10 @@ class EventSubscriber:
         self.last_message = time.monotonic()
         if self._replay_since is None:
             return  # left over from a request given up on
-        if len(frames) != 4 or frames[0] != b"":
-            self.counters.add("malformed", 1)
-            return
-        try:
-            seq = seq_of(frames[2])
-        except ValueError:
-            self.counters.add("malformed", 1)
+        seq = self._sequence(frames, 4, 2) if frames[0] == b"" else None
+        if seq is None:
+            if frames[0] != b"":
+                self.counters.add("malformed", 1)
             return
         if seq == END_SEQ:
             self._end_replay(gave_up=False)
@@ -280,6 +272,17 @@ class EventSubscriber:
             if self._replay_since is not None:  # another gap: hold the rest again
                 self._held.extend(held[index + 1 :])
                 break
+
+    def _sequence(self, frames: list[bytes], count: int, at: int) -> int | None:
+        """The sequence number of a message of ``count`` frames; None (counted
+        as malformed) for any other shape."""
+        try:
+            if len(frames) != count:
+                raise ValueError(f"{len(frames)} frames")
+            return seq_of(frames[at])
+        except ValueError:
+            self.counters.add("malformed", 1)
+            return None
 
     def _apply(self, seq: int, payload: bytes) -> None:
         self._expected = seq + 1
