@@ -109,7 +109,8 @@ def main() -> None:
         ("index", f"{args.chunks:,} chunks over 64 nodes, {args.event_chunks} chunks per event"),
         (
             "in-memory: apply",
-            f"{results['apply_events_per_s']:,} events/s ({results['apply_chunks_per_s']:,} chunks/s), "
+            f"{results['apply_events_per_s']:,} events/s "
+            f"({results['apply_chunks_per_s']:,} chunks/s), "
             f"{results['index_bytes_per_chunk']} bytes per chunk",
         ),
         (

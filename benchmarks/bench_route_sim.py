@@ -7,8 +7,9 @@ runs at the same load per node. Service times are measured ones, passed in
 them in the real run, BENCHMARKS.md "Routing"); each node's L1 and the
 engine's own cache hold fewer chunks than the tenants' working set.
 ``--shared-s-per-token`` above the prefill rate plays a slow shared store (S3
-across a WAN), where the engines' connectors still load what they find. Baseline in the same run: round-robin and least-loaded
-over the same trace and nodes.
+across a WAN), where the engines' connectors still load what they find.
+Baseline in the same run: round-robin and least-loaded over the same trace
+and nodes.
 
     python benchmarks/bench_route_sim.py [--nodes 8,16,32,64] [--requests-per-node 60]
 """
