@@ -11,7 +11,7 @@ across a WAN), where the engines' connectors still load what they find.
 Baseline in the same run: round-robin and least-loaded over the same trace
 and nodes.
 
-    python benchmarks/bench_route_sim.py [--nodes 8,16,32,64] [--requests-per-node 60]
+    python benchmarks/bench_route_sim.py [--nodes 8,16,32,64] [--shared-s-per-token 2e-3]
 """
 
 from __future__ import annotations
