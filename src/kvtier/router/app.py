@@ -254,16 +254,25 @@ class RouterService:
         }
         return web.json_response(body, dumps=lambda o: json.dumps(o, default=str))
 
-    def _bad(self, tenant: str, reason: str, message: str, status: int = 400) -> web.Response:
+    def _bad(
+        self,
+        tenant: str,
+        reason: str,
+        message: str,
+        status: int = 400,
+        kind: str = "invalid_request_error",
+    ) -> web.Response:
+        """A refused request, counted by reason (``/status``, ``/metrics``)."""
         self.bad_requests[reason] = self.bad_requests.get(reason, 0) + 1
         self.metrics.requests.labels(tenant, reason).inc()
-        kind = "invalid_request_error" if status == 400 else "authentication_error"
         return error(status, message, kind)
 
     async def _generate(self, request: web.Request) -> web.StreamResponse:
         tenant = self.gateway.authenticate(request.headers.get("Authorization"))
         if tenant is None:
-            return self._bad("-", "unauthorized", "missing or unknown API key", 401)
+            return self._bad(
+                "-", "unauthorized", "missing or unknown API key", 401, "authentication_error"
+            )
         try:
             body = await request.json()
         except (ValueError, UnicodeDecodeError):
@@ -272,10 +281,8 @@ class RouterService:
             return self._bad(tenant.name, "bad_json", "the body must be a JSON object")
         asked = body.get("model")
         if asked and self.model and asked != self.model:
-            self.bad_requests["unknown_model"] = self.bad_requests.get("unknown_model", 0) + 1
-            self.metrics.requests.labels(tenant.name, "unknown_model").inc()
             message = f"model {asked!r} is not served here; /v1/models lists {self.model!r}"
-            return error(404, message, "model_not_found")
+            return self._bad(tenant.name, "unknown_model", message, 404, "model_not_found")
         kind = ROUTES[request.path]
         assert self.tokenizer is not None
         try:
