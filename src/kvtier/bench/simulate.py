@@ -87,6 +87,7 @@ class _Node:
         self.busy_until = 0.0
         self.inflight = 0  # prefill tokens routed here, not yet done
         self.inflight_s = 0.0  # the router's plans for them, in seconds
+        self.requests = 0  # requests routed here and not done (the simulation has no decode)
 
 
 def _prefix(cache: OrderedDict[bytes, None], hashes: Sequence[bytes]) -> int:
@@ -156,6 +157,7 @@ class _Simulation:
             size,
             [n.inflight for n in self.nodes],
             [max(n.inflight_s, 0.0) for n in self.nodes],
+            [n.requests for n in self.nodes],
             [_prefix(n.engine, hashes) * size for n in self.nodes],
             self.index.view(hashes),
             {0: "L1"},
@@ -172,6 +174,7 @@ class _Simulation:
         node.busy_until = max(now, node.busy_until) + service
         node.inflight += plan.prefill_tokens
         node.inflight_s += plan.expected_ttft_s - plan.queue_s
+        node.requests += 1
         ttft = node.busy_until - now
         result = self.result
         result.ttft_s.append(ttft)
@@ -202,6 +205,7 @@ class _Simulation:
         node = self.nodes[done.node]
         node.inflight -= done.plan.prefill_tokens
         node.inflight_s -= done.plan.expected_ttft_s - done.plan.queue_s
+        node.requests -= 1
         self.insert(done.node, node.engine, done.hashes, self.config.engine_chunks, None)
         self.insert(done.node, node.l1, done.hashes, self.config.l1_chunks, "L1")
         fresh = [h for h in done.hashes if h not in self.shared]

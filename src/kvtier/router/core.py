@@ -138,6 +138,7 @@ class Router:
             indices = [n.index for n in live]
             queue = [n.inflight_tokens for n in live]
             queue_s = [max(n.inflight_s, 0.0) for n in live]
+            requests = [n.inflight_requests for n in live]
         slots = {v: k for k, v in self.chunks.slot_names().items()}
         stores = {v: k for k, v in self.chunks.store_names().items()}
         candidates = score(
@@ -146,6 +147,7 @@ class Router:
             max(chunk_size, 1),
             queue,
             queue_s,
+            requests,
             [engine.get(i, 0) for i in indices],
             view,
             slots,

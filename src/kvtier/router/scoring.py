@@ -28,7 +28,9 @@ Policies (a registry, ``POLICIES``):
 - ``least_loaded``: the fewest prefill tokens in flight.
 - ``round_robin``.
 
-Ties go to the engine with less in flight, then the lower index.
+Ties go to the engine with less in flight, then the lower index (the kvtier
+policy counts estimates within ``NEAR`` of the best as ties and gives those
+to the engine with the fewest requests in flight).
 
 How it stays fast (``benchmarks/bench_route_scoring.py``): nodes are bits of
 Python ints. Walking the chunks, nodes that found every chunk so far in the
@@ -48,6 +50,7 @@ from kvtier.router.chunks import L1_SLOT, LOCAL_SLOTS
 from kvtier.router.cost import ENGINE, CostModel
 
 PREFIX_WEIGHTS = {"engine": 1.0, "L1": 0.8, "local": 0.5, "shared": 0.3}
+NEAR = 0.1  # the kvtier policy: expected TTFTs this close are a tie
 _FIELD = (1 << 64) - 1
 
 
@@ -110,6 +113,7 @@ class Candidates:
     chunk_size: int
     queue_tokens: list[int]  # prefill tokens in flight
     queue_s: list[float]  # the expected work in flight, in seconds (its plans' own times)
+    requests: list[int]  # requests in flight (prefilling or decoding)
     engine_tokens: list[int]  # its own prefix cache's hit
     ttft: list[float]  # the kvtier plan's expected time to first token
     chunks: list[int]  # kvtier chunks the plan loads
@@ -154,6 +158,7 @@ def score(
     chunk_size: int,
     queue_tokens: Sequence[int],
     queue_s: Sequence[float],
+    requests: Sequence[int],
     engine_tokens: Sequence[int],
     masks: Sequence[int],
     slot_names: dict[int, str],
@@ -269,6 +274,7 @@ def score(
         chunk_size,
         list(queue_tokens),
         list(queue_s),
+        list(requests),
         list(engine_tokens),
         ttft,
         chunks,
@@ -317,7 +323,13 @@ def _least(values: Sequence[float], candidates: Candidates) -> int:
 
 
 def expected_ttft(candidates: Candidates) -> int:
-    return _least(candidates.ttft, candidates)
+    """The least expected TTFT; estimates within ``NEAR`` of it count as equal,
+    and of those the engine with the fewest requests in flight wins (their
+    decode steps slow a prefill down, and the estimates are noisy)."""
+    ttft = candidates.ttft
+    limit = min(ttft) * (1 + NEAR)
+    near = [j for j, t in enumerate(ttft) if t <= limit]
+    return min(near, key=lambda j: (candidates.requests[j], ttft[j], j))
 
 
 def least_loaded(candidates: Candidates) -> int:
