@@ -71,7 +71,7 @@ class BenchOptions:
     turns: Span | None = None
     tenants: int | None = None
     policies: str = "kvtier,longest_prefix,least_loaded,round_robin"
-    rounds: int = 3
+    rounds: int = 4
     vllm_kv_tokens: int | None = None
     l1_size_bytes: int = 1 << 30
     small_l1_size_bytes: int | None = None
@@ -107,7 +107,7 @@ HELP: dict[str, tuple[str, str]] = {
     "turns": ("chat turns per session MIN:MAX (3:6)", "trace"),
     "tenants": ("route: tenants in the trace (4)", "trace"),
     "policies": ("route: comma-separated routing policies, in run order", "run"),
-    "rounds": ("route: runs of every policy, in rotated order (3)", "run"),
+    "rounds": ("route: runs of every policy, in rotated order (4)", "run"),
     "vllm_kv_tokens": (
         "vLLM's KV space in tokens (default: a little more than the longest request)",
         "servers",
