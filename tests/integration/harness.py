@@ -71,10 +71,7 @@ class Server(ServerProcess):
             return exc.code, exc.read()
 
     def status(self) -> dict[str, Any]:
-        code, body = self.http_get("/status")
-        assert code == 200, (code, body)
-        result: dict[str, Any] = json.loads(body)
-        return result
+        return self.status_json(self.token)
 
     def metrics(self) -> str:
         code, body = self.http_get("/metrics")

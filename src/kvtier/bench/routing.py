@@ -34,12 +34,12 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 from aiohttp import web
 
 from kvtier.bench.engines import EngineOptions, kvtier_transfer, vllm_server
 from kvtier.bench.replay import RequestResult, replay
 from kvtier.bench.stores import RedisProcess, free_port, redis_binary
+from kvtier.bench.summary import mismatches, percentiles
 from kvtier.bench.tenants import TenancySpec, tenant_name, tenant_trace
 from kvtier.process import ServerProcess
 from kvtier.router.app import RouterService
@@ -200,12 +200,6 @@ def _post(url: str, body: dict[str, Any] | None) -> None:
         response.read()
 
 
-def _percentiles(values: list[float]) -> dict[str, float]:
-    if not values:
-        return {}
-    return {f"p{q}": round(float(np.percentile(values, q)), 4) for q in (50, 95, 99)}
-
-
 def _hits(status: dict[str, Any]) -> dict[str, int]:
     server = status.get("server", {})
     return {k.split(".", 1)[1]: int(v) for k, v in server.items() if k.startswith("hit_tokens.")}
@@ -267,7 +261,7 @@ def summarize(
     results: list[RequestResult] = [r for run in runs for r in run["results"]]
     ok = [r for r in results if r.ok]
     failed = [r for r in results if not r.ok]
-    diffs = sum(1 for r in ok if r.id in reference and reference[r.id] != r.tokens)
+    diffs = len(mismatches(ok, reference))
     prompt = sum(r.prompt_tokens for r in ok)
     cached = sum(r.cached_tokens or 0 for r in ok)
     hits: dict[str, int] = {}
@@ -279,7 +273,7 @@ def summarize(
         for node in run["router"]["router"]["nodes"]:
             routed[node["name"]] = routed.get(node["name"], 0) + node["routed"]
     rounds = [
-        _percentiles([r.ttft_s for r in run["results"] if r.ok and r.ttft_s is not None])
+        percentiles([r.ttft_s for r in run["results"] if r.ok and r.ttft_s is not None], "ttft")
         for run in runs
     ]
     return {
@@ -288,7 +282,7 @@ def summarize(
         "failed": len(failed),
         "failures": [r.error for r in failed][:5],
         "output_differences": diffs,
-        "ttft_s": _percentiles([r.ttft_s for r in ok if r.ttft_s is not None]),
+        "ttft_s": percentiles([r.ttft_s for r in ok if r.ttft_s is not None], "ttft"),
         "ttft_s_by_round": rounds,
         "prompt_tokens": prompt,
         "cached_tokens": cached,
@@ -329,7 +323,7 @@ def run_route_bench(request: RouteBenchRequest) -> dict[str, Any]:
                 runs[policy].append(run)
                 if reference is None:
                     reference = {r.id: r.tokens for r in run["results"] if r.ok}
-                ttft = _percentiles([r.ttft_s for r in run["results"] if r.ok and r.ttft_s])
+                ttft = percentiles([r.ttft_s for r in run["results"] if r.ok and r.ttft_s], "ttft")
                 print(f"route bench: round {round_index} {policy}: {json.dumps(ttft)}", flush=True)
     assert reference is not None
     summaries = {p: summarize(p, runs[p], reference) for p in request.policies}
@@ -339,7 +333,9 @@ def run_route_bench(request: RouteBenchRequest) -> dict[str, Any]:
         for baseline in request.policies:
             if baseline != "kvtier" and summaries[baseline]["ttft_s"]:
                 b = summaries[baseline]["ttft_s"]
-                comparison[baseline] = {q: round(b[q] / k[q], 2) for q in ("p50", "p95", "p99")}
+                comparison[baseline] = {
+                    q: round(b[f"ttft_{q}_s"] / k[f"ttft_{q}_s"], 2) for q in ("p50", "p95", "p99")
+                }
     results = {
         "command": request.command,
         "trace": asdict(request.spec),

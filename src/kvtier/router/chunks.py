@@ -128,16 +128,18 @@ class ChunkIndex:
                 found.append(mask)
         return found
 
-    def local_slot(self, name: str) -> int | None:
-        return self._local_slots.get(name)
-
-    def store_names(self) -> dict[str, int]:
+    def store_names(self) -> dict[int, str]:
+        """Shared store bit -> its name."""
         with self._lock:
-            return dict(self._stores)
+            return {bit: name for name, bit in self._stores.items()}
 
-    def slot_names(self) -> dict[str, int]:
+    def slot_names(self) -> dict[int, str]:
+        """Local slot -> its tier's name (the first name, where names share the last slot)."""
         with self._lock:
-            return dict(self._local_slots)
+            out: dict[int, str] = {}
+            for name, slot in self._local_slots.items():
+                out.setdefault(slot, name)
+            return out
 
     def __len__(self) -> int:
         return len(self._chunks)

@@ -139,8 +139,8 @@ class Router:
             queue = [n.inflight_tokens for n in live]
             queue_s = [max(n.inflight_s, 0.0) for n in live]
             requests = [n.inflight_requests for n in live]
-        slots = {v: k for k, v in self.chunks.slot_names().items()}
-        stores = {v: k for k, v in self.chunks.store_names().items()}
+        slots = self.chunks.slot_names()
+        stores = self.chunks.store_names()
         candidates = score(
             indices,
             len(tokens),
