@@ -7,6 +7,13 @@ prompt only, and stores the prompt's new full chunks. A full hit still runs
 the last prompt token, so there are logits. ``generate`` decodes greedily
 from there. Anything the cache does wrong is a miss: the prompt is computed.
 
+Given ``segments`` (the token spans of a prompt's reusable parts: a system
+prompt, RAG documents), ``prefill`` blends instead (CacheBlend,
+``kvtier.engine.segments``): each segment's KV as computed on its own is
+loaded from kvtier (or computed alone and stored), moved to its place in the
+prompt, and a selected share of its tokens is recomputed (``BlendConfig``).
+Blended KV is approximate and is never stored as prefix chunks.
+
 Object bytes (the same for every engine, so engines can share KV): one chunk
 of one rank, ``[num_layers][K, V][kv_heads][tokens_per_chunk][head_dim]`` in
 the model's dtype, C order. ``kv_layout`` is the one place a model's KV
@@ -23,38 +30,30 @@ with a ValueError.
 
 from __future__ import annotations
 
-import inspect
 import math
 import time
-import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 import numpy.typing as npt
 import torch
 from transformers import DynamicCache, PreTrainedModel
-from transformers.cache_utils import DynamicLayer
 
-from kvtier.engine.identity import (
-    ModelIdentity,
-    checkpoint_names,
-    fingerprint,
-    hub_commit,
-    state_tensors,
-)
-from kvtier.engine.identity import model_identity as identity_of
+from kvtier.blend import BlendConfig, RopeShift
+from kvtier.blend.forward import cache_keyword
+from kvtier.engine.hf_identity import model_identity
 from kvtier.engine.link import CacheLink, LocalLink, ServerLink, new_request_id
+from kvtier.engine.segments import BlendStats, SegmentStore, Span, blend_prefill, check_segments
 from kvtier.engine.shadow import ShadowCheck
-from kvtier.keys import TokenHasher
+from kvtier.engine.tensors import cache_layers, dynamic_cache, object_tensor, read_chunks
+from kvtier.keys import SegmentHasher, TokenHasher
 from kvtier.layout import KVLayout
 from kvtier.server.client import Fill
 from kvtier.storage import StorageManager
 
 ATTENTION_LAYERS = frozenset({"full_attention", "sliding_attention"})
-CACHE_ARGUMENTS = ("cache", "past_key_values")  # transformers >= 5.24, then 5.19-5.23
 
 
 def kv_layout(model: PreTrainedModel, chunk_size: int) -> KVLayout:
@@ -88,57 +87,7 @@ def kv_layout(model: PreTrainedModel, chunk_size: int) -> KVLayout:
 def cache_argument(model: PreTrainedModel) -> str:
     """The name ``model.forward`` takes its cache by: ``cache`` (transformers
     5.24 and later) or ``past_key_values`` (before)."""
-    parameters = inspect.signature(model.forward).parameters
-    for name in CACHE_ARGUMENTS:
-        if name in parameters:
-            return name
-    raise TypeError(
-        f"{type(model).__name__}.forward takes neither of {CACHE_ARGUMENTS}; install a "
-        "transformers release in the range kvtier's pyproject.toml pins"
-    )
-
-
-def weights_fingerprint(model: PreTrainedModel) -> str:
-    """A loaded model's weights fingerprint (``identity.fingerprint``): the
-    revision of weights that have none. Pass a real revision (a commit hash,
-    a checksum) to ``KVTierModel`` to be exact."""
-    return fingerprint(state_tensors(model.state_dict()))
-
-
-def model_identity(
-    model: PreTrainedModel, name: str | None = None, revision: str | None = None, salt: str = ""
-) -> ModelIdentity:
-    """``identity.model_identity`` for a transformers model: its name is
-    ``name``, else its ``name_or_path``, else its type. The revision comes
-    from what was loaded, never from ``name`` (a display name must not borrow
-    the hub cache's commit of another model): the hub commit, else the
-    weights' fingerprint, taken from memory (weights changed after loading
-    fingerprint differently) over the tensors of the safetensors files it was
-    loaded from, when there are some (so it equals the vLLM connector's,
-    which reads the files)."""
-    config = model.config
-    source = getattr(config, "name_or_path", "") or ""
-    revision = revision or getattr(config, "_commit_hash", None)  # the hub commit
-    if revision is None and name and name != source:
-        revision = (hub_commit(str(Path(source).resolve())) if source else None) or _weights(
-            model, source
-        )
-    return identity_of(
-        name or source or config.model_type,
-        config.to_dict(),
-        revision=revision,
-        weights=lambda: _weights(model, source),
-        salt=salt,
-    )
-
-
-def _weights(model: PreTrainedModel, source: str) -> str:
-    state = model.state_dict()
-    files = sorted(Path(source).glob("*.safetensors")) if source and Path(source).is_dir() else []
-    names = checkpoint_names(files)
-    if names and names <= state.keys():
-        return fingerprint(state_tensors({k: v for k, v in state.items() if k in names}))
-    return weights_fingerprint(model)
+    return cache_keyword(model.forward, type(model).__name__)
 
 
 @dataclass(slots=True)
@@ -169,6 +118,7 @@ class Prefill:
     load_failed: bool = False  # the hit could not be read; the prompt was computed
     miss_reason: str = ""  # why the hit ends where it does (``Hit.miss_reason``)
     shadow_error: float | None = None  # the shadow check's error, if this prompt was sampled
+    blend: BlendStats | None = None  # a blended prefill's (segments given)
     timings: Timings = field(default_factory=Timings)
 
 
@@ -214,6 +164,9 @@ class KVTierModel:
         self._cache_argument = cache_argument(model)
         self._vocab = int(model.config.get_text_config(decoder=True).vocab_size)
         self._hashers: dict[int, tuple[KVLayout, TokenHasher]] = {}
+        self._chunk_size = chunk_size
+        self._shift: RopeShift | None = None
+        self._segment_store: SegmentStore | None = None
         self.link: CacheLink | None = None
         if server is not None:
             self.link = ServerLink(
@@ -232,9 +185,20 @@ class KVTierModel:
     # ------------------------------------------------------------ requests
 
     @torch.inference_mode()
-    def prefill(self, input_ids: Sequence[int] | torch.Tensor) -> Prefill:
-        """Prefill one prompt through kvtier; see the module docstring."""
+    def prefill(
+        self,
+        input_ids: Sequence[int] | torch.Tensor,
+        *,
+        segments: Sequence[Span] | None = None,
+        blend: BlendConfig | None = None,
+    ) -> Prefill:
+        """Prefill one prompt through kvtier; see the module docstring.
+        ``segments``: blend, recomputing what ``blend`` selects (default
+        ``BlendConfig()``); ValueError for bad spans or a model whose K
+        cannot move (``RopeShift.of``)."""
         ids = self._token_ids(input_ids)
+        if segments is not None:
+            return self._blend(ids, check_segments(segments, len(ids)), blend or BlendConfig())
         started = time.perf_counter()
         timings = Timings()
         chunk_size = self.link.chunk_size if self.link is not None else None
@@ -259,11 +223,23 @@ class KVTierModel:
         input_ids: Sequence[int] | torch.Tensor,
         max_new_tokens: int = 16,
         eos_token_id: int | None = None,
+        *,
+        segments: Sequence[Span] | None = None,
+        blend: BlendConfig | None = None,
     ) -> Generation:
         """Greedy decoding after ``prefill``; stops at ``eos_token_id``."""
         if max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
-        prefill = self.prefill(input_ids)
+        prefill = self.prefill(input_ids, segments=segments, blend=blend)
+        return self.decode(prefill, max_new_tokens, eos_token_id)
+
+    @torch.inference_mode()
+    def decode(
+        self, prefill: Prefill, max_new_tokens: int = 16, eos_token_id: int | None = None
+    ) -> Generation:
+        """Greedy decoding from a prefill (its cache grows); stops at ``eos_token_id``."""
+        if max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
         started = time.perf_counter()
         logits = [prefill.logits]
         tokens = [int(prefill.logits.argmax())]
@@ -301,11 +277,17 @@ class KVTierModel:
         timings.lookup_s, mark = now - started, now
 
         use = min(hit_chunks * chunk_size, len(ids) - 1)  # a full hit recomputes the last token
-        cache = DynamicCache()
-        loaded = self._load(link, request_id, hit_chunks, use, layout, cache) if use else True
-        if not loaded:
+        kv = (
+            read_chunks(link, request_id, hit_chunks, use, layout, self.model.dtype)
+            if use
+            else None
+        )
+        loaded = kv is not None or not use
+        if kv is None:
             use = 0
             cache = DynamicCache()
+        else:
+            cache = dynamic_cache(list(kv[:, 0]), list(kv[:, 1]))
         now = time.perf_counter()
         timings.load_s, mark = now - mark, now
 
@@ -346,42 +328,6 @@ class KVTierModel:
             timings=timings,
         )
 
-    def _load(
-        self,
-        link: CacheLink,
-        request_id: str,
-        chunks: int,
-        tokens: int,
-        layout: KVLayout,
-        cache: DynamicCache,
-    ) -> bool:
-        """Copy the first ``tokens`` tokens of hit chunks [0, chunks) into ``cache``."""
-        c = layout.tokens_per_chunk
-        dtype = self.model.dtype
-        kv = torch.empty(
-            (layout.num_layers, 2, 1, layout.kv_heads, tokens, layout.head_dim), dtype=dtype
-        )
-
-        def consume(i: int, view: npt.NDArray[np.uint8]) -> None:
-            end = min(tokens, (i + 1) * c)
-            chunk = _as_chunk(view, layout, dtype)
-            kv[:, :, 0, :, i * c : end].copy_(chunk[:, :, :, : end - i * c])
-
-        try:
-            if not link.load(request_id, 0, chunks, consume):
-                return False
-        except ValueError:  # an object of the wrong size: a miss, never wrong KV
-            return False
-        for n in range(layout.num_layers):
-            keys, values = kv[n, 0], kv[n, 1]
-            cache.update(keys[:, :, :0], values[:, :, :0], n)  # creates the layer, copies nothing
-            layer = cache.layers[n]
-            if isinstance(layer, DynamicLayer):  # adopt the loaded tensors: no second copy
-                layer.keys, layer.values = keys, values
-            else:
-                cache.update(keys, values, n)
-        return True
-
     def _shadow(
         self, link: CacheLink, ids: list[int], cache: DynamicCache, chunk: int, layout: KVLayout
     ) -> float:
@@ -390,11 +336,11 @@ class KVTierModel:
         assert self.shadow is not None
         start, end = chunk * layout.tokens_per_chunk, (chunk + 1) * layout.tokens_per_chunk
         context = DynamicCache()
-        for n, (keys, values) in enumerate(_layers(cache, layout)):
+        for n, (keys, values) in enumerate(cache_layers(cache, layout)):
             context.update(keys[:, :, :start], values[:, :, :start], n)
         self._forward(ids[start:end], context)
         served, computed = (
-            torch.stack([t[0, :, start:end] for pair in _layers(c, layout) for t in pair])
+            torch.stack([t[0, :, start:end] for pair in cache_layers(c, layout) for t in pair])
             for c in (cache, context)
         )  # [layers x (K, V), kv_heads, tokens, head_dim]
         what = f"chunk {chunk} of a {len(ids)}-token prompt"
@@ -406,11 +352,11 @@ class KVTierModel:
         """A ``Fill`` writing chunk ``first + i`` of ``cache`` into an object."""
         c = layout.tokens_per_chunk
         dtype = self.model.dtype
-        layers = _layers(cache, layout)
+        layers = cache_layers(cache, layout)
 
         def fill(i: int, view: npt.NDArray[np.uint8]) -> None:
             start = (first + i) * c
-            chunk = _as_chunk(view, layout, dtype)
+            chunk = object_tensor(view, layout, dtype)
             for n, (keys, values) in enumerate(layers):
                 chunk[n, 0].copy_(keys[0, :, start : start + c])
                 chunk[n, 1].copy_(values[0, :, start : start + c])
@@ -427,6 +373,54 @@ class KVTierModel:
         )
         logits: torch.Tensor = out.logits[0, -1].float()
         return logits
+
+    def _blend(self, ids: list[int], spans: list[Span], config: BlendConfig) -> Prefill:
+        started = time.perf_counter()
+        if self._shift is None:
+            self._shift = RopeShift.of(self.model)
+        blended = blend_prefill(
+            self.model, ids, spans, config, self._segments(), self._shift, self._alone
+        )
+        t, stats = blended.timings, blended.stats
+        object_bytes = self._segments().layout.object_bytes()
+        return Prefill(
+            blended.logits,
+            blended.cache,
+            len(ids),
+            hit_tokens=sum(blended.tiers.values()),
+            computed_tokens=stats.layer_tokens[-1],
+            stored_tokens=stats.computed_alone_tokens if blended.stored_pieces else 0,
+            tokens_by_tier=blended.tiers,
+            bytes_loaded=blended.loaded_pieces * object_bytes,
+            bytes_stored=blended.stored_pieces * object_bytes,
+            blend=stats,
+            timings=Timings(
+                lookup_s=t.lookup_s,
+                load_s=t.load_s,
+                prefill_s=t.compute_s + t.blend_s,
+                store_s=t.store_s,
+                ttft_s=time.perf_counter() - started,
+            ),
+        )
+
+    def _segments(self) -> SegmentStore:
+        """Where segments live: the link's, at its chunk size (none while the
+        cache is away: every segment is computed, nothing stored)."""
+        chunk_size = self.link.chunk_size if self.link is not None else None
+        link = self.link if chunk_size is not None else None
+        size = chunk_size or self._chunk_size
+        if self._segment_store is None or self._segment_store.hasher.chunk_size != size:
+            layout = kv_layout(self.model, size)
+            hasher = SegmentHasher(self.identity.namespace(layout), size)
+            self._segment_store = SegmentStore(link, layout, hasher, self.model.dtype)
+        self._segment_store.link = link
+        return self._segment_store
+
+    def _alone(self, tokens: Sequence[int]) -> DynamicCache:
+        """A segment's KV computed on its own (positions 0 .. n-1)."""
+        cache = DynamicCache()
+        self._forward(tokens, cache)
+        return cache
 
     def _hasher(self, chunk_size: int) -> tuple[KVLayout, TokenHasher]:
         if chunk_size not in self._hashers:
@@ -460,36 +454,3 @@ class KVTierModel:
         if bad.size:
             raise ValueError(f"token id {bad[0]} is outside the vocabulary [0, {self._vocab})")
         return [int(t) for t in ids.tolist()]
-
-
-def _layers(cache: DynamicCache, layout: KVLayout) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Each layer's K and V, ``[1, kv_heads, tokens, head_dim]``; ValueError
-    for a cache that does not hold them so."""
-    expected = (1, layout.kv_heads, layout.head_dim)
-    layers: list[tuple[torch.Tensor, torch.Tensor]] = []
-    for layer in cache.layers:
-        keys, values = getattr(layer, "keys", None), getattr(layer, "values", None)
-        if not isinstance(keys, torch.Tensor) or not isinstance(values, torch.Tensor):
-            raise ValueError(f"a cache layer ({type(layer).__name__}) holds no K/V tensors")
-        shape = tuple(keys.shape)
-        if (shape[0], shape[1], shape[3]) != expected or values.shape != keys.shape:
-            raise ValueError(
-                f"the model's cache holds K {shape} / V {tuple(values.shape)}; "
-                f"kv_layout expected [1, {layout.kv_heads}, tokens, {layout.head_dim}]"
-            )
-        layers.append((keys, values))
-    return layers
-
-
-def _as_chunk(view: npt.NDArray[np.uint8], layout: KVLayout, dtype: torch.dtype) -> torch.Tensor:
-    """An object's bytes as ``[layers, 2, kv_heads, tokens_per_chunk, head_dim]``."""
-    if view.nbytes != layout.object_bytes():
-        raise ValueError(
-            f"an object has {view.nbytes} bytes; the layout says {layout.object_bytes()}"
-        )
-    with warnings.catch_warnings():  # frames from the wire are read-only: only read them
-        warnings.simplefilter("ignore", UserWarning)
-        data = torch.from_numpy(view)
-    return data.view(dtype).view(
-        layout.num_layers, 2, layout.kv_heads, layout.tokens_per_chunk, layout.head_dim
-    )

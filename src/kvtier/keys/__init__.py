@@ -9,12 +9,14 @@ from kvtier.keys.hasher import (
 )
 from kvtier.keys.namespace import Namespace
 from kvtier.keys.object_key import ObjectKey, chunk_keys, model_label, salt_label
+from kvtier.keys.segments import SegmentHasher
 
 __all__ = [
     "HASH_BYTES",
     "ChunkHashStream",
     "Namespace",
     "ObjectKey",
+    "SegmentHasher",
     "TokenHasher",
     "chunk_keys",
     "model_label",

@@ -17,13 +17,8 @@ import torch
 import transformers
 from transformers import DeepseekV3Config, PretrainedConfig, Qwen3NextConfig
 
-from kvtier.engine.hf import (
-    KVTierModel,
-    cache_argument,
-    kv_layout,
-    model_identity,
-    weights_fingerprint,
-)
+from kvtier.engine.hf import KVTierModel, cache_argument, kv_layout
+from kvtier.engine.hf_identity import model_identity, weights_fingerprint
 from kvtier.engine.identity import config_fingerprint
 from kvtier.engine.link import LocalLink
 from kvtier.keys import TokenHasher

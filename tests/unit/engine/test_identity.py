@@ -13,7 +13,7 @@ import torch
 import transformers
 
 from kvtier.engine.hf import KVTierModel, kv_layout
-from kvtier.engine.hf import model_identity as hf_identity
+from kvtier.engine.hf_identity import model_identity as hf_identity
 from kvtier.engine.identity import (
     checkpoint_fingerprint,
     config_fingerprint,

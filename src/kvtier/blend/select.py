@@ -1,0 +1,148 @@
+"""Which tokens a blend recomputes, layer by layer (``BlendConfig``, ``Selector``).
+
+Positions of a blended prompt are of three kinds:
+
+- *computed*: in no reusable segment (the question, glue between segments)
+  and always the last prompt token: every layer computes them;
+- *exact*: in a segment that starts at position 0; alone or in the prompt,
+  those tokens see the same context, so their stored KV is exact;
+- *candidates*: in a segment placed anywhere else; their stored KV lacks
+  the context before the segment, and a share ``ratio`` of them is
+  recomputed.
+
+Two selections (``BlendConfig.selection``):
+
+- ``deviation`` (CacheBlend's): layers ``0 .. check_layer`` run every
+  position; after layer ``l >= check_layer`` the candidates whose freshly
+  computed K and V differ most from the stored ones stay selected, a share
+  of all candidates that starts at ``ratio * (1 + spread)`` after the check
+  layer and narrows linearly to ``ratio`` over ``filter_layers`` layers (or
+  by the last layer but one, in a shallow model): gradual filtering, each
+  set taken from the one before.
+- ``static``: the first ``ceil(ratio * n)`` tokens of each candidate segment,
+  at every layer from layer 0 (no full layers, no check).
+
+``ratio`` 0 recomputes no candidate (plain concatenation: only the computed
+positions run); ``ratio`` 1 recomputes every one at every layer (full
+prefill, the same numbers).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+SELECTIONS = ("deviation", "static")
+MASKS = ("exact", "bottom_right")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class BlendConfig:
+    """How a blend picks what to recompute (see the module docstring).
+
+    ``mask``: ``exact`` (a recomputed token attends to every position at or
+    before its own) or ``bottom_right`` (the causal mask aligned to the last
+    key, as peers run selected tokens through a prefill kernel; for
+    comparison only: it lets a token in the middle see keys after it).
+    """
+
+    ratio: float = 0.15
+    selection: str = "deviation"
+    check_layer: int = 1
+    spread: float = 1.0
+    filter_layers: int = 3
+    mask: str = "exact"
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.ratio <= 1.0:
+            raise ValueError(f"BlendConfig.ratio must be in [0, 1], got {self.ratio}")
+        if self.selection not in SELECTIONS:
+            raise ValueError(
+                f"BlendConfig.selection must be one of {SELECTIONS}, got {self.selection!r}"
+            )
+        if self.mask not in MASKS:
+            raise ValueError(f"BlendConfig.mask must be one of {MASKS}, got {self.mask!r}")
+        if self.check_layer < 1:
+            raise ValueError(
+                "BlendConfig.check_layer must be >= 1: layer 0's stored K and V are exact "
+                f"(they depend on the token and its position only), got {self.check_layer}"
+            )
+        if self.spread < 0 or self.filter_layers < 0:
+            raise ValueError("BlendConfig.spread and filter_layers must be >= 0")
+
+
+class Selector:
+    """The positions each layer runs, for one prompt.
+
+    ``computed`` and ``candidates`` are ``[tokens]`` boolean masks (see the
+    module docstring); ``spans`` the candidate segments' ``(start, end)``.
+    """
+
+    def __init__(
+        self,
+        config: BlendConfig,
+        num_layers: int,
+        computed: torch.Tensor,
+        candidates: torch.Tensor,
+        spans: Sequence[tuple[int, int]],
+    ) -> None:
+        self.config = config
+        self.num_layers = num_layers
+        self.computed = computed
+        self.candidates = candidates
+        self.spans = list(spans)
+        self.total = int(candidates.sum())
+        # the last layer that narrows: filter_layers after the check layer, and
+        # never the model's last (nothing runs after it)
+        self.last_filter = min(config.check_layer + config.filter_layers, num_layers - 2)
+
+    def initial(self) -> torch.Tensor:
+        """Sorted positions layer 0 runs."""
+        config = self.config
+        if self.total == 0 or config.ratio == 0.0:
+            chosen = self.computed
+        elif config.selection == "static":
+            chosen = self.computed.clone()
+            for start, end in self.spans:
+                chosen[start : start + math.ceil(config.ratio * (end - start))] = True
+        else:
+            chosen = torch.ones_like(self.computed)  # layers 0 .. check_layer: everything
+        return torch.nonzero(chosen).flatten()
+
+    def narrows_after(self, layer: int) -> bool:
+        """Whether ``after`` picks a new set at the end of ``layer``."""
+        config = self.config
+        return (
+            config.selection == "deviation"
+            and 0.0 < config.ratio < 1.0
+            and self.total > 0
+            and config.check_layer <= layer <= self.last_filter
+        )
+
+    def share(self, layer: int) -> float:
+        """The share of all candidates selected after ``layer``: from
+        ``ratio * (1 + spread)`` after the check layer down to ``ratio`` after
+        the last filtering layer."""
+        config = self.config
+        steps = self.last_filter - config.check_layer
+        left = (self.last_filter - layer) / steps if steps > 0 else 0.0
+        return min(1.0, config.ratio * (1.0 + config.spread * left))
+
+    def after(self, layer: int, positions: torch.Tensor, deviation: torch.Tensor) -> torch.Tensor:
+        """Of ``positions`` (this layer's, sorted), the indices into it that
+        the next layer runs: every computed one and the candidates of highest
+        ``deviation``, a share ``share(layer)`` of all candidates."""
+        keep = self.computed[positions]
+        pool = torch.nonzero(self.candidates[positions] & ~keep).flatten()
+        count = min(round(self.share(layer) * self.total), pool.numel())
+        if count:
+            top = torch.topk(deviation[pool], count).indices
+            keep = keep.clone()
+            keep[pool[top]] = True
+        return torch.nonzero(keep).flatten()
+
+
+__all__ = ["MASKS", "SELECTIONS", "BlendConfig", "Selector"]

@@ -1,0 +1,248 @@
+"""Segments on the transformers side: reuse a document's KV wherever it is
+placed in a prompt (CacheBlend, ``kvtier.blend``).
+
+A prompt comes with ``segments``, the ``(start, end)`` token spans of its
+reusable parts (a system prompt, RAG documents); tokens outside them (the
+question, glue) are always computed. ``SegmentStore.fetch`` gets one
+segment's KV as computed *on its own* (positions ``0 .. n-1``): from kvtier
+(every piece found: ``kvtier.keys.segments``), else computed now and stored
+for next time. ``blend_prefill`` then moves each segment's K to its place
+(``RopeShift``), runs the blended forward pass (``blend_forward``, the
+``Selector`` deciding what to recompute) and returns an ordinary ``Prefill``
+whose cache generation continues from.
+
+Blended KV is approximate: it is never stored under prefix-chunk keys (it
+would be served as exact KV), only the segments computed alone are stored,
+under segment keys.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+import numpy.typing as npt
+import torch
+from transformers import DynamicCache
+
+from kvtier.blend import BlendConfig, RopeShift, Selector, blend_forward
+from kvtier.engine.link import CacheLink, new_request_id
+from kvtier.engine.tensors import cache_layers, dynamic_cache, object_tensor, read_chunks
+from kvtier.keys import SegmentHasher
+from kvtier.layout import KVLayout
+
+Span = tuple[int, int]
+Compute = Callable[[Sequence[int]], DynamicCache]  # a segment alone -> its cache
+
+
+def check_segments(segments: Sequence[Span], prompt_tokens: int) -> list[Span]:
+    """``segments`` as sorted ``(start, end)`` spans of a ``prompt_tokens``-token
+    prompt; ValueError naming the bad one when a span is empty, out of
+    range, unsorted or overlapping."""
+    spans: list[Span] = []
+    for i, span in enumerate(segments):
+        try:
+            start, end = (int(x) for x in span)
+        except (TypeError, ValueError):
+            message = f"segments[{i}] is {span!r}; give (start, end) token offsets"
+            raise ValueError(message) from None
+        if not 0 <= start < end <= prompt_tokens:
+            raise ValueError(
+                f"segments[{i}] is ({start}, {end}); a segment must satisfy "
+                f"0 <= start < end <= {prompt_tokens} (the prompt's length)"
+            )
+        if spans and start < spans[-1][1]:
+            raise ValueError(
+                f"segments[{i}] ({start}, {end}) starts before segments[{i - 1}] ends "
+                f"({spans[-1][1]}); give segments in order, without overlaps"
+            )
+        spans.append((start, end))
+    return spans
+
+
+@dataclass(slots=True)
+class BlendStats:
+    """What one blended prefill reused and recomputed."""
+
+    config: BlendConfig
+    segments: int
+    segments_found: int  # loaded from kvtier; the others were computed alone now
+    reused_tokens: int  # prompt tokens whose stored segment KV went in
+    exact_tokens: int  # of those, in a segment at position 0 (exact as stored)
+    candidate_tokens: int  # the others: a share is recomputed
+    recomputed_tokens: int  # candidates the last layer ran
+    layer_tokens: list[int] = field(default_factory=list)  # positions each layer ran
+    work: float = 0.0  # token-layers run / (layers x prompt tokens); full prefill: 1.0
+    computed_alone_tokens: int = 0  # tokens of segments computed alone by this call
+
+
+@dataclass(slots=True)
+class Fetched:
+    kv: torch.Tensor  # [layers, 2, 1, kv_heads, tokens, head_dim]
+    tiers: dict[str, int]  # pieces found per tier (empty: computed now)
+    stored_pieces: int = 0
+
+
+class SegmentStore:
+    """One model's segments through a ``CacheLink`` (None: compute them every time)."""
+
+    def __init__(
+        self, link: CacheLink | None, layout: KVLayout, hasher: SegmentHasher, dtype: torch.dtype
+    ) -> None:
+        self.link = link
+        self.layout = layout
+        self.hasher = hasher
+        self.dtype = dtype
+
+    def fetch(self, tokens: Sequence[int], compute: Compute, timings: SegmentTimings) -> Fetched:
+        """The segment's KV as computed alone; see the module docstring."""
+        link = self.link
+        if link is None:
+            return Fetched(self._computed(tokens, compute, timings), {})
+        hashes = self.hasher.piece_hashes(tokens)
+        request_id = new_request_id("seg")
+        try:
+            started = time.perf_counter()
+            hit = link.lookup(request_id, hashes)
+            timings.lookup_s += time.perf_counter() - started
+            if hit.chunks == len(hashes):
+                started = time.perf_counter()
+                kv = read_chunks(link, request_id, hit.chunks, len(tokens), self.layout, self.dtype)
+                timings.load_s += time.perf_counter() - started
+                if kv is not None:
+                    return Fetched(kv, dict(hit.chunks_by_tier))
+            elif hit.chunks:
+                link.release(request_id, 0, hit.chunks)
+            kv = self._computed(tokens, compute, timings)
+            started = time.perf_counter()
+            first = hit.chunks if hit.chunks < len(hashes) else 0
+            stored = link.store(
+                request_id, hashes[first:], self.layout.object_bytes(), self._fill(kv, first)
+            )
+            timings.store_s += time.perf_counter() - started
+            return Fetched(kv, {}, stored)
+        finally:
+            link.end(request_id)
+
+    def _computed(
+        self, tokens: Sequence[int], compute: Compute, timings: SegmentTimings
+    ) -> torch.Tensor:
+        started = time.perf_counter()
+        layers = cache_layers(compute(tokens), self.layout)
+        kv = torch.stack([torch.stack(pair) for pair in layers])  # [layers, 2, 1, kvh, n, d]
+        timings.compute_s += time.perf_counter() - started
+        return kv
+
+    def _fill(self, kv: torch.Tensor, first: int) -> Callable[[int, npt.NDArray[np.uint8]], None]:
+        """Writes piece ``first + i`` of ``kv`` into an object (zeros past the end)."""
+        c = self.layout.tokens_per_chunk
+        tokens = kv.shape[4]
+
+        def fill(i: int, view: npt.NDArray[np.uint8]) -> None:
+            start = (first + i) * c
+            end = min(start + c, tokens)
+            piece = object_tensor(view, self.layout, self.dtype)
+            piece[:, :, :, : end - start].copy_(kv[:, :, 0, :, start:end])
+            if end - start < c:
+                piece[:, :, :, end - start :].zero_()
+
+        return fill
+
+
+@dataclass(slots=True)
+class SegmentTimings:
+    lookup_s: float = 0.0
+    load_s: float = 0.0  # reading found segments (L1 copy) and moving them into place
+    compute_s: float = 0.0  # computing missing segments alone
+    store_s: float = 0.0
+    blend_s: float = 0.0  # the blended forward pass
+
+
+@dataclass(slots=True)
+class Blended:
+    logits: torch.Tensor  # [vocab], float32
+    cache: DynamicCache
+    stats: BlendStats
+    tiers: dict[str, int]  # tokens found per tier
+    stored_pieces: int
+    loaded_pieces: int
+    timings: SegmentTimings
+
+
+def blend_prefill(
+    model: torch.nn.Module,
+    ids: Sequence[int],
+    spans: Sequence[Span],
+    config: BlendConfig,
+    store: SegmentStore,
+    shift: RopeShift,
+    compute: Compute,
+) -> Blended:
+    """Blend one prompt whose reusable segments are ``spans`` (checked)."""
+    layout = store.layout
+    total = len(ids)
+    timings = SegmentTimings()
+    shape = (layout.num_layers, 1, layout.kv_heads, total, layout.head_dim)
+    keys = torch.zeros(shape, dtype=store.dtype)
+    values = torch.zeros(shape, dtype=store.dtype)
+    computed = torch.ones(total, dtype=torch.bool)
+    candidates = torch.zeros(total, dtype=torch.bool)
+    moved: list[Span] = []
+    tiers: dict[str, int] = {}
+    found = stored = loaded = alone = 0
+    for start, end in spans:
+        fetched = store.fetch(ids[start:end], compute, timings)
+        started = time.perf_counter()
+        keys[:, :, :, start:end] = shift.rotate(fetched.kv[:, 0], start)
+        values[:, :, :, start:end] = fetched.kv[:, 1]
+        timings.load_s += time.perf_counter() - started
+        computed[start:end] = False
+        if start > 0:
+            candidates[start:end] = True
+            moved.append((start, end))
+        pieces = sum(fetched.tiers.values())
+        if pieces:
+            found += 1
+            loaded += pieces
+            for tier, count in fetched.tiers.items():
+                tiers[tier] = tiers.get(tier, 0) + count * layout.tokens_per_chunk
+        else:
+            alone += end - start
+        stored += fetched.stored_pieces
+    computed[-1] = True  # the last token gives the logits
+    candidates[-1] = False
+    selector = Selector(config, layout.num_layers, computed, candidates, moved)
+    started = time.perf_counter()
+    out = blend_forward(
+        model, torch.tensor(list(ids)), list(keys), list(values), selector, config.mask
+    )
+    timings.blend_s = time.perf_counter() - started
+    reused = total - int(computed.sum())
+    last = out.layer_tokens[-1]
+    stats = BlendStats(
+        config=config,
+        segments=len(spans),
+        segments_found=found,
+        reused_tokens=reused,
+        exact_tokens=reused - selector.total,
+        candidate_tokens=selector.total,
+        recomputed_tokens=last - (total - reused),
+        layer_tokens=out.layer_tokens,
+        work=sum(out.layer_tokens) / (layout.num_layers * total),
+        computed_alone_tokens=alone,
+    )
+    cache = dynamic_cache(out.keys, out.values)
+    return Blended(out.logits, cache, stats, tiers, stored, loaded, timings)
+
+
+__all__ = [
+    "BlendStats",
+    "Blended",
+    "SegmentStore",
+    "SegmentTimings",
+    "Span",
+    "blend_prefill",
+    "check_segments",
+]

@@ -1,0 +1,70 @@
+"""Segment keys: the identity of a reusable piece of a prompt on its own.
+
+A *segment* (a RAG document, a system prompt) is computed alone, at
+positions ``0 .. n-1``, wherever it later appears; its KV is stored as
+``ceil(n / C)`` pieces of ``C`` tokens (the last one padded), each an
+ordinary object of the layout's size. Specification (version 1; golden
+vectors in ``tests/unit/keys/test_segments.py``, prose in
+``docs/hashing.md``)::
+
+    root    = blake3(b"kvtier-seg-v1\\x00" + canonical_json(namespace)
+                     + b"\\x00" + position_rule).digest()
+    segment = blake3(root + LE32(n) + LE32(t_0) + ... + LE32(t_{n-1})).digest()
+    piece_i = blake3(segment + LE32(i)).digest()
+
+The domain string differs from the prefix chain's (``kvtier-ns-v1``), so a
+segment's pieces and a prompt's chunks never share a key, even for the same
+tokens at position 0. The namespace (model, revision, LoRA, KV dtype, layout
+digest, tenant salt) and the position rule (how the stored K was rotated)
+are both under the root: a segment never loads into another model, layout,
+tenant or position convention.
+"""
+
+from __future__ import annotations
+
+import math
+
+from blake3 import blake3
+
+from kvtier.keys.hasher import ChunkHash, Tokens, token_array
+from kvtier.keys.namespace import Namespace
+
+SEGMENT_DOMAIN = b"kvtier-seg-v1\x00"
+# K rotated by RoPE for positions 0..n-1 of the segment alone (kvtier.blend.rope).
+ROPE_FROM_ZERO = "rope-from-0"
+
+
+class SegmentHasher:
+    """Piece hashes of segments for one namespace, position rule and piece size."""
+
+    def __init__(
+        self, namespace: Namespace, chunk_size: int, position_rule: str = ROPE_FROM_ZERO
+    ) -> None:
+        if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size <= 0:
+            raise ValueError(f"chunk_size must be a positive int, got {chunk_size!r}")
+        if not position_rule:
+            raise ValueError("position_rule must name how the stored K was positioned")
+        self.namespace = namespace
+        self.chunk_size = chunk_size
+        self.position_rule = position_rule
+        self.root = blake3(
+            SEGMENT_DOMAIN + namespace.canonical_json() + b"\x00" + position_rule.encode()
+        ).digest()
+
+    def piece_hashes(self, tokens: Tokens) -> list[ChunkHash]:
+        """One 32-byte hash per piece of the segment, in order; ValueError for
+        an empty segment."""
+        data = token_array(tokens)
+        if len(data) == 0:
+            raise ValueError("a segment must hold at least one token")
+        segment = (
+            blake3(self.root)
+            .update(len(data).to_bytes(4, "little"))
+            .update(memoryview(data.data).cast("B"))
+            .digest()
+        )
+        count = math.ceil(len(data) / self.chunk_size)
+        return [blake3(segment + i.to_bytes(4, "little")).digest() for i in range(count)]
+
+
+__all__ = ["ROPE_FROM_ZERO", "SEGMENT_DOMAIN", "SegmentHasher"]

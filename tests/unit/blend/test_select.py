@@ -1,0 +1,76 @@
+"""``BlendConfig`` and ``Selector``: the positions each layer runs, exactly."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvtier.blend import BlendConfig, Selector
+
+
+def masks(
+    total: int, computed: list[int], spans: list[tuple[int, int]]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    c = torch.zeros(total, dtype=torch.bool)
+    c[computed] = True
+    candidates = torch.zeros(total, dtype=torch.bool)
+    for start, end in spans:
+        candidates[start:end] = True
+    return c, candidates
+
+
+def test_deviation_runs_everything_to_the_check_layer_then_keeps_the_most_deviating() -> None:
+    # positions 0-9: an exact segment, 10-29 and 30-49: candidates, 50-54: the question
+    computed, candidates = masks(55, list(range(50, 55)), [(10, 30), (30, 50)])
+    config = BlendConfig(ratio=0.25, check_layer=1, spread=1.0, filter_layers=2)
+    selector = Selector(config, 8, computed, candidates, [(10, 30), (30, 50)])
+    assert selector.initial().tolist() == list(range(55))
+    assert [selector.narrows_after(n) for n in range(8)] == [False, True, True, True] + [False] * 4
+    # after the check layer: 0.25 x 2 = half of the 40 candidates, the 20 most deviating
+    positions = torch.arange(55)
+    deviation = torch.zeros(55)
+    deviation[torch.arange(10, 50)] = torch.arange(40, dtype=torch.float)  # later = more
+    keep = selector.after(1, positions, deviation)
+    assert positions[keep].tolist() == list(range(30, 55))
+    # one layer on: 0.25 x 1.5 = 15 of them, from the 20 kept
+    positions = positions[keep]
+    keep = selector.after(2, positions, deviation[positions])
+    assert positions[keep].tolist() == list(range(35, 55))
+    # the last filtering layer: 0.25 = 10 candidates
+    positions = positions[keep]
+    keep = selector.after(3, positions, deviation[positions])
+    assert positions[keep].tolist() == list(range(40, 55))
+
+
+def test_static_recomputes_the_first_tokens_of_each_moved_segment_from_layer_zero() -> None:
+    computed, candidates = masks(40, [38, 39], [(10, 20), (20, 38)])
+    selector = Selector(BlendConfig(ratio=0.2, selection="static"), 4, computed, candidates,
+                        [(10, 20), (20, 38)])  # fmt: skip
+    assert selector.initial().tolist() == [10, 11, 20, 21, 22, 23, 38, 39]
+    assert not any(selector.narrows_after(n) for n in range(4))
+
+
+@pytest.mark.parametrize("selection", ["deviation", "static"])
+def test_ratio_zero_runs_only_the_computed_positions_and_one_runs_all(selection: str) -> None:
+    computed, candidates = masks(30, [29], [(5, 29)])
+    zero = Selector(BlendConfig(ratio=0.0, selection=selection), 4, computed, candidates, [(5, 29)])
+    assert zero.initial().tolist() == [29]
+    one = Selector(BlendConfig(ratio=1.0, selection=selection), 4, computed, candidates, [(5, 29)])
+    expected = list(range(30)) if selection == "deviation" else list(range(5, 30))
+    assert one.initial().tolist() == expected
+    assert not any(one.narrows_after(n) or zero.narrows_after(n) for n in range(4))
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "says"),
+    [
+        ({"ratio": 1.5}, "ratio"),
+        ({"selection": "random"}, "selection"),
+        ({"mask": "causal"}, "mask"),
+        ({"check_layer": 0}, "layer 0"),
+        ({"spread": -1.0}, "spread"),
+    ],
+)
+def test_bad_configs_name_the_field(kwargs: dict[str, object], says: str) -> None:
+    with pytest.raises(ValueError, match=says):
+        BlendConfig(**kwargs)  # type: ignore[arg-type]
