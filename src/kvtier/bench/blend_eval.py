@@ -1,0 +1,318 @@
+"""``kvtier blend-eval``: the quality and latency of blended prefills, measured
+on a real model against full prefill, in one run.
+
+The model is SmolLM2-135M-Instruct (``kvtier.models.smollm2``, fp32); a real
+``kvtier serve`` child holds the segments in L1; the task is the retrieval
+task (``kvtier.bench.retrieval``). Every prompt goes through:
+
+- *full prefill* (no cache): the reference, its greedy answer up to
+  ``generated`` tokens (stopping after the end-of-turn token);
+- *prefix-only reuse* through the same server (kvtier's exact prefix chunks;
+  every document was seen once right after the system prompt beforehand);
+- one *blend* per configuration (``configurations``): CacheBlend's deviation
+  selection at each recompute ratio, the static option, the bottom-right mask.
+
+Per blend, against full prefill: teacher-forced top-1 agreement over full
+prefill's generated tokens (the blend's argmax at each position, the
+previous tokens being full prefill's), the mean KL(full || blend) of the
+next-token distributions there, greedy-output equality (every position
+agrees: greedy decoding would give the same text), whether its answer is
+right (its own greedy output, decoded only where it differs from full
+prefill's), its TTFT and its prefill work (token-layers run / full
+prefill's). Summaries are over all prompts, and *retention* over the
+prompts full prefill answers right: the share each blend still answers
+right. A latency set (4 documents, 1.5-3 K tokens) times full prefill,
+prefix-only reuse and the blends on the same prompts, documents warm in L1.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from kvtier.bench.retrieval import (
+    SYSTEM,
+    Document,
+    Prompt,
+    RetrievalSpec,
+    document_pool,
+    retrieval_prompts,
+)
+from kvtier.blend import BlendConfig
+from kvtier.engine.hf import KVTierModel, Prefill, cache_argument
+from kvtier.process import ServerProcess
+
+END_OF_TURN = "<|im_end|>"
+
+
+def configurations(ratios: Sequence[float], static: Sequence[float]) -> dict[str, BlendConfig]:
+    """The blends compared: deviation selection at every ratio, static at
+    ``static``, and the bottom-right mask at 0.15."""
+    out = {f"blend {r:g}": BlendConfig(ratio=r) for r in ratios}
+    out |= {f"static {r:g}": BlendConfig(ratio=r, selection="static") for r in static}
+    out["bottom-right 0.15"] = BlendConfig(ratio=0.15, mask="bottom_right")
+    return out
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class BlendEvalRequest:
+    spec: RetrievalSpec = field(default_factory=RetrievalSpec)
+    latency_prompts: int = 24
+    ratios: tuple[float, ...] = (0.0, 0.05, 0.15, 0.3, 0.5, 0.7, 1.0)
+    static: tuple[float, ...] = (0.15, 0.3)
+    generated: int = 32
+    l1_size: str = "8GiB"
+    out: Path = Path("kvtier-blend-eval")
+    command: str = ""
+
+
+@dataclass(slots=True)
+class Measured:
+    """One configuration on one prompt."""
+
+    ttft_s: float
+    work: float = 1.0
+    agreement: float = 1.0
+    kl: float = 0.0
+    equal: bool = True
+    correct: bool = False
+    hit_tokens: int = 0
+    computed_alone_tokens: int = 0  # a blend's segments not found (computed alone)
+
+
+class _Runner:
+    def __init__(self, model: Any, tokenizer: Any, server: ServerProcess, generated: int) -> None:
+        self.model = model
+        self.tokenizer = tokenizer
+        self.reference = KVTierModel(model)
+        self.engine = KVTierModel(model, server=server.rpc, name="SmolLM2-135M-Instruct")
+        self.eos = int(tokenizer.convert_tokens_to_ids(END_OF_TURN))
+        self.generated = generated
+        self._cache_argument = cache_argument(model)
+
+    def close(self) -> None:
+        self.engine.close()
+
+    def tokens(self, prompt: Prompt) -> tuple[list[int], list[tuple[int, int]]]:
+        """The prompt's ids and the spans of its segments (all parts but the question)."""
+        ids: list[int] = []
+        spans = []
+        for i, part in enumerate(prompt.parts):
+            encoded = self.tokenizer(part, add_special_tokens=False).input_ids
+            if i < len(prompt.parts) - 1:
+                spans.append((len(ids), len(ids) + len(encoded)))
+            ids += encoded
+        return ids, spans
+
+    def warm(self, pool: list[Document]) -> None:
+        """Every document once: as a segment, and right after the system prompt
+        (the prefix chunks prefix-only reuse can find)."""
+        for document in pool:
+            ids, spans = self.tokens(Prompt((SYSTEM, document.text, END_OF_TURN), (), 0, ""))
+            self.engine.prefill(ids, segments=spans, blend=BlendConfig(ratio=0.0))
+            self.engine.prefill(ids[: spans[-1][1]])
+
+    def full(self, ids: list[int]) -> tuple[list[int], torch.Tensor, float]:
+        """Full prefill's greedy answer, the logits each token came from, its TTFT."""
+        generation = self.reference.generate(ids, self.generated, self.eos)
+        return generation.tokens, generation.logits, generation.prefill.timings.ttft_s
+
+    def prefix_only(self, ids: list[int]) -> Measured:
+        prefill = self.engine.prefill(ids)
+        work = prefill.computed_tokens / len(ids)
+        return Measured(prefill.timings.ttft_s, work=work, hit_tokens=prefill.hit_tokens)
+
+    def blend(
+        self,
+        prompt: Prompt,
+        ids: list[int],
+        spans: list[tuple[int, int]],
+        config: BlendConfig,
+        answer: list[int],
+        reference: torch.Tensor,
+        full_correct: bool,
+    ) -> Measured:
+        prefill = self.engine.prefill(ids, segments=spans, blend=config)
+        assert prefill.blend is not None
+        logits = self._teacher_forced(prefill, answer)
+        agree = logits.argmax(-1) == torch.tensor(answer)
+        kl = torch.nn.functional.kl_div(
+            logits.log_softmax(-1), reference.log_softmax(-1), log_target=True, reduction="none"
+        ).sum(-1)
+        equal = bool(agree.all())
+        if equal:
+            correct = full_correct
+        else:
+            output = self.engine.decode(prefill, self.generated, self.eos).tokens
+            correct = prompt.correct(self.tokenizer.decode(output))
+        return Measured(
+            prefill.timings.ttft_s,
+            work=prefill.blend.work,
+            agreement=float(agree.float().mean()),
+            kl=float(kl.mean()),
+            equal=equal,
+            correct=correct,
+            hit_tokens=prefill.hit_tokens,
+            computed_alone_tokens=prefill.blend.computed_alone_tokens,
+        )
+
+    @torch.inference_mode()
+    def _teacher_forced(self, prefill: Prefill, answer: list[int]) -> torch.Tensor:
+        """Logits at every answer position, the tokens before each being the
+        answer's; the prefill's cache is cropped back afterwards."""
+        length = prefill.cache.get_seq_length()
+        rows = [prefill.logits[None]]
+        if len(answer) > 1:
+            out = self.model(
+                input_ids=torch.tensor([answer[:-1]]),
+                use_cache=True,
+                **{self._cache_argument: prefill.cache},
+            )
+            rows.append(out.logits[0].float())
+        prefill.cache.crop(length)
+        return torch.cat(rows)
+
+
+def summarize(rows: list[dict[str, Any]], names: Sequence[str]) -> dict[str, Any]:
+    """Means over prompts, and retention over those full prefill gets right."""
+    right = [r for r in rows if r["full"]["correct"]]
+    summary: dict[str, Any] = {
+        "prompts": len(rows),
+        "full_prefill_accuracy": round(len(right) / max(len(rows), 1), 3),
+        "full_prefill_correct": len(right),
+    }
+    for name in ["prefix-only", *names]:
+        got = [r[name] for r in rows]
+        entry = {
+            "ttft_p50_s": round(statistics.median(m["ttft_s"] for m in got), 4),
+            "work": round(statistics.fmean(m["work"] for m in got), 4),
+        }
+        if name != "prefix-only":
+            entry |= {
+                "top1_agreement": round(statistics.fmean(m["agreement"] for m in got), 4),
+                "kl": round(statistics.fmean(m["kl"] for m in got), 4),
+                "greedy_equal": round(statistics.fmean(m["equal"] for m in got), 3),
+                "accuracy": round(statistics.fmean(m["correct"] for m in got), 3),
+                "retention": round(sum(r[name]["correct"] for r in right) / max(len(right), 1), 3),
+            }
+        summary[name] = entry
+    full = statistics.median(r["full"]["ttft_s"] for r in rows)
+    summary["full"] = {"ttft_p50_s": round(full, 4), "work": 1.0}
+    return summary
+
+
+def latency(rows: list[dict[str, Any]], names: Sequence[str]) -> dict[str, Any]:
+    """TTFT p50 per configuration and its ratio to full prefill and prefix-only."""
+    full = statistics.median(r["full_ttft_s"] for r in rows)
+    prefix = statistics.median(r["prefix-only"] for r in rows)
+    out: dict[str, Any] = {
+        "prompts": len(rows),
+        "prompt_tokens_p50": statistics.median(r["tokens"] for r in rows),
+        "prompt_tokens_range": [min(r["tokens"] for r in rows), max(r["tokens"] for r in rows)],
+        "full": {"ttft_p50_s": round(full, 4)},
+        "prefix-only": {"ttft_p50_s": round(prefix, 4), "speedup_vs_full": round(full / prefix, 2)},
+    }
+    for name in names:
+        if name not in rows[0]:
+            continue
+        p50 = statistics.median(r[name] for r in rows)
+        out[name] = {
+            "ttft_p50_s": round(p50, 4),
+            "speedup_vs_full": round(full / p50, 2),
+            "speedup_vs_prefix_only": round(prefix / p50, 2),
+        }
+    return out
+
+
+def run_blend_eval(
+    request: BlendEvalRequest, progress: Callable[[str], None] = lambda _: None
+) -> dict[str, Any]:
+    from kvtier.models import smollm2
+
+    torch.set_grad_enabled(False)
+    request.out.mkdir(parents=True, exist_ok=True)
+    model, tokenizer = smollm2()
+    names = configurations(request.ratios, request.static)
+    pool = document_pool(request.spec)
+    prompts = retrieval_prompts(request.spec, pool)
+    latency_spec = RetrievalSpec(
+        prompts=request.latency_prompts,
+        pool=request.spec.pool,
+        documents=(4, 4),
+        words=(300, 450),
+        seed=request.spec.seed + 7,
+    )
+    latency_pool = document_pool(latency_spec)
+    args = ["--port", "0", "--http-port", "-1", "--l1-size", request.l1_size]
+    args += ["--cache-dir", "none"]
+    started = time.perf_counter()
+    rows: list[dict[str, Any]] = []
+    timed: list[dict[str, Any]] = []
+    with ServerProcess.start(args, request.out / "kvtier-serve.log") as server:
+        runner = _Runner(model, tokenizer, server, request.generated)
+        try:
+            runner.warm(pool)
+            progress(f"warmed {len(pool)} documents")
+            for i, prompt in enumerate(prompts):
+                rows.append(_quality_row(runner, prompt, names))
+                progress(f"prompt {i + 1}/{len(prompts)}")
+            runner.warm(latency_pool)
+            for prompt in retrieval_prompts(latency_spec, latency_pool):
+                timed.append(_latency_row(runner, prompt, names))
+            progress("latency set done")
+        finally:
+            runner.close()
+    results = {
+        "command": request.command,
+        "model": "SmolLM2-135M-Instruct (fp32, dequantized from Q4_1)",
+        "spec": asdict(request.spec),
+        "configurations": {n: asdict(c) for n, c in names.items()},
+        "quality": summarize(rows, list(names)),
+        "latency": latency(timed, list(names)),
+        "wall_s": round(time.perf_counter() - started, 1),
+    }
+    with (request.out / "prompts.jsonl").open("w") as out:
+        for row in rows:
+            out.write(json.dumps(row) + "\n")
+    (request.out / "blend-eval.json").write_text(json.dumps(results, indent=1))
+    return results
+
+
+def _quality_row(runner: _Runner, prompt: Prompt, names: dict[str, BlendConfig]) -> dict[str, Any]:
+    ids, spans = runner.tokens(prompt)
+    answer, reference, ttft = runner.full(ids)
+    full_correct = prompt.correct(runner.tokenizer.decode(answer))
+    row: dict[str, Any] = {
+        "tokens": len(ids),
+        "documents": len(prompt.documents),
+        "answer": runner.tokenizer.decode(answer),
+        "full": asdict(Measured(ttft, correct=full_correct)),
+        "prefix-only": asdict(runner.prefix_only(ids)),
+    }
+    for name, config in names.items():
+        measured = runner.blend(prompt, ids, spans, config, answer, reference, full_correct)
+        row[name] = asdict(measured)
+    return row
+
+
+def _latency_row(runner: _Runner, prompt: Prompt, names: dict[str, BlendConfig]) -> dict[str, Any]:
+    ids, spans = runner.tokens(prompt)
+    row: dict[str, Any] = {
+        "tokens": len(ids),
+        "full_ttft_s": runner.reference.prefill(ids).timings.ttft_s,
+        "prefix-only": runner.prefix_only(ids).ttft_s,
+    }
+    for name, config in names.items():
+        if config.ratio < 1.0:  # ratio 1 is full prefill's work
+            row[name] = runner.engine.prefill(ids, segments=spans, blend=config).timings.ttft_s
+    return row
+
+
+__all__ = ["BlendEvalRequest", "configurations", "run_blend_eval", "summarize"]

@@ -1,0 +1,109 @@
+"""``kvtier blend-eval``'s readable report and its plot of quality against
+the recompute ratio (matplotlib, no display needed)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from matplotlib.figure import Figure
+from rich.table import Table
+
+
+def quality_table(results: dict[str, Any]) -> Table:
+    quality = results["quality"]
+    table = Table(
+        title=(
+            f"Fidelity to full prefill over {quality['prompts']} prompts "
+            f"(full prefill answers {quality['full_prefill_correct']} right: "
+            f"accuracy {quality['full_prefill_accuracy']:.3f})"
+        )
+    )
+    for column in ("configuration", "top-1 agreement", "greedy equal", "retention",
+                   "accuracy", "KL", "work", "TTFT p50"):  # fmt: skip
+        table.add_column(column, justify="left" if column == "configuration" else "right")
+    table.add_row("full prefill", "1", "1", "1", f"{quality['full_prefill_accuracy']:.3f}", "0",
+                  "1", f"{quality['full']['ttft_p50_s'] * 1e3:,.0f} ms")  # fmt: skip
+    prefix = quality["prefix-only"]
+    accuracy = f"{quality['full_prefill_accuracy']:.3f}"
+    table.add_row("prefix-only reuse", "1", "1", "1", accuracy, "0", f"{prefix['work']:.3f}",
+                  f"{prefix['ttft_p50_s'] * 1e3:,.0f} ms")  # fmt: skip
+    for name in results["configurations"]:
+        q = quality[name]
+        table.add_row(
+            name,
+            f"{q['top1_agreement']:.3f}",
+            f"{q['greedy_equal']:.3f}",
+            f"{q['retention']:.3f}",
+            f"{q['accuracy']:.3f}",
+            f"{q['kl']:.4f}",
+            f"{q['work']:.3f}",
+            f"{q['ttft_p50_s'] * 1e3:,.0f} ms",
+        )
+    return table
+
+
+def latency_table(results: dict[str, Any]) -> Table:
+    latency = results["latency"]
+    table = Table(
+        title=(
+            f"TTFT on {latency['prompts']} prompts of 4 documents "
+            f"(p50 {latency['prompt_tokens_p50']:,.0f} tokens), documents warm in L1"
+        )
+    )
+    for column in ("configuration", "TTFT p50", "vs full prefill", "vs prefix-only"):
+        table.add_column(column, justify="left" if column == "configuration" else "right")
+    table.add_row("full prefill", f"{latency['full']['ttft_p50_s'] * 1e3:,.0f} ms", "1", "")
+    for name, entry in latency.items():
+        if not isinstance(entry, dict) or name == "full":
+            continue
+        table.add_row(
+            name,
+            f"{entry['ttft_p50_s'] * 1e3:,.0f} ms",
+            f"{entry['speedup_vs_full']:.2f}x",
+            f"{entry['speedup_vs_prefix_only']:.2f}x" if "speedup_vs_prefix_only" in entry else "1",
+        )
+    return table
+
+
+def quality_plot(results: dict[str, Any], path: Path) -> None:
+    """Top-1 agreement and retention against the recompute ratio, per selection."""
+    quality = results["quality"]
+    configurations = results["configurations"]
+    figure = Figure(figsize=(7, 4.5))
+    axes = figure.subplots()
+    for selection, style in (("deviation", "o-"), ("static", "s--")):
+        points = sorted(
+            (c["ratio"], quality[name])
+            for name, c in configurations.items()
+            if c["selection"] == selection and c["mask"] == "exact"
+        )
+        if selection == "static":  # ratio 0 and 1 select the same with either
+            ends = [(r, q) for r, q in _deviation(results) if r in (0.0, 1.0)]
+            points = sorted(points + ends)
+        ratios = [r for r, _ in points]
+        for metric, color in (("top1_agreement", "tab:blue"), ("retention", "tab:orange")):
+            axes.plot(ratios, [q[metric] for _, q in points], style, color=color,
+                      label=f"{metric.replace('_', ' ')}, {selection}")  # fmt: skip
+    for name, c in configurations.items():
+        if c["mask"] == "bottom_right":
+            axes.plot([c["ratio"]], [quality[name]["top1_agreement"]], "x", color="tab:red",
+                      markersize=9, label=f"top1 agreement, {name}")  # fmt: skip
+    axes.set_xlabel("recompute ratio")
+    axes.set_ylabel("against full prefill")
+    axes.set_title(f"SmolLM2-135M, {quality['prompts']} prompts: quality vs recompute ratio")
+    axes.grid(True, alpha=0.3)
+    axes.legend(fontsize=8)
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+
+
+def _deviation(results: dict[str, Any]) -> list[tuple[float, dict[str, Any]]]:
+    return [
+        (c["ratio"], results["quality"][name])
+        for name, c in results["configurations"].items()
+        if c["selection"] == "deviation" and c["mask"] == "exact"
+    ]
+
+
+__all__ = ["latency_table", "quality_plot", "quality_table"]
