@@ -201,6 +201,9 @@ def summarize(rows: list[dict[str, Any]], names: Sequence[str]) -> dict[str, Any
                 "greedy_equal": round(statistics.fmean(m["equal"] for m in got), 3),
                 "accuracy": round(statistics.fmean(m["correct"] for m in got), 3),
                 "retention": round(sum(r[name]["correct"] for r in right) / max(len(right), 1), 3),
+                "segments_all_found": round(
+                    statistics.fmean(m["computed_alone_tokens"] == 0 for m in got), 3
+                ),
             }
         summary[name] = entry
     full = statistics.median(r["full"]["ttft_s"] for r in rows)
