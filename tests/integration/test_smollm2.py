@@ -39,7 +39,8 @@ def test_the_loader_gives_smollm2_and_its_cached_copy_is_the_same(
     model, tokenizer = loaded
     config = model.config
     assert isinstance(model, LlamaForCausalLM) and model.dtype == torch.float32
-    assert (config.num_hidden_layers, config.num_key_value_heads, config.hidden_size) == (30, 3, 576)
+    shape = (config.num_hidden_layers, config.num_key_value_heads, config.hidden_size)
+    assert shape == (30, 3, 576)
     again, _ = smollm2()  # from the dequantized copy
     ids = torch.tensor([tokenizer("The capital of France is").input_ids])  # type: ignore[operator]
     with torch.inference_mode():

@@ -167,7 +167,6 @@ class _Runner:
     def _teacher_forced(self, prefill: Prefill, answer: list[int]) -> torch.Tensor:
         """Logits at every answer position, the tokens before each being the
         answer's; the prefill's cache is cropped back afterwards."""
-        length = prefill.cache.get_seq_length()
         rows = [prefill.logits[None]]
         if len(answer) > 1:
             out = self.model(
@@ -176,7 +175,7 @@ class _Runner:
                 **{self._cache_argument: prefill.cache},
             )
             rows.append(out.logits[0].float())
-        prefill.cache.crop(length)
+            prefill.cache.crop(1 - len(answer))  # drop what was appended
         return torch.cat(rows)
 
 

@@ -95,8 +95,10 @@ def test_tables_and_plot(tmp_path: Path) -> None:
     results = {
         "configurations": {n: asdict(c) for n, c in names.items()},
         "quality": summarize(table_rows, list(names)),
-        "latency": latency([{"tokens": 2000, "full_ttft_s": 6.0, "prefix-only": 5.0,
-                             "blend 0.15": 2.0}], list(names)),  # fmt: skip
+        "latency": latency(
+            [{"tokens": 2000, "full_ttft_s": 6.0, "prefix-only": 5.0, "blend 0.15": 2.0}],
+            list(names),
+        ),
     }
     console = Console(record=True, width=160)
     console.print(quality_table(results))

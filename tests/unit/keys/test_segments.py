@@ -36,8 +36,9 @@ def test_segments_never_share_keys_with_prefix_chunks_or_other_domains() -> None
     assert not set(pieces) & set(TokenHasher(NS, 4).chunk_hashes(tokens))
     for other in (
         SegmentHasher(Namespace(model="m", revision="r", kv_dtype="bfloat16", layout="abc"), 4),
-        SegmentHasher(Namespace(model="m2", revision="r", kv_dtype="bfloat16", layout="abc",
-                                salt="s"), 4),  # fmt: skip
+        SegmentHasher(
+            Namespace(model="m2", revision="r", kv_dtype="bfloat16", layout="abc", salt="s"), 4
+        ),
         SegmentHasher(NS, 4, position_rule="unrotated"),
     ):
         assert not set(pieces) & set(other.piece_hashes(tokens))
