@@ -48,6 +48,7 @@ def _serve(args: argparse.Namespace) -> int:
         "cache_dir": args.cache_dir,
         "chunk_size": args.chunk_size,
         "auth_token_file": args.auth_token_file,
+        "tenants_file": args.tenants_file,
         "l1.shm_dir": args.shm_dir,
         "l1.eviction_policy": args.eviction_policy,
         "store.policy": args.store_policy,
@@ -221,6 +222,10 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--chunk-size", type=int, help="minimum chunk size in tokens (default 256)")
     srv.add_argument(
         "--auth-token-file", help="a file holding the token clients and admin HTTP must give"
+    )
+    srv.add_argument(
+        "--tenants-file",
+        help="tenants the server enforces (TOML: token digests, salts, quotas, admin role)",
     )
     srv.add_argument("--shm-dir", help="tmpfs directory for the L1 arena (default /dev/shm)")
     srv.add_argument("--eviction-policy", help="L1 eviction: lru (default) or gdsf")

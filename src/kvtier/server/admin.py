@@ -3,15 +3,16 @@
 ``GET /healthz`` (open, for liveness probes), ``GET /status`` (JSON),
 ``GET /metrics`` (Prometheus text), ``POST /clear`` (drops every unlocked
 object from L1), ``POST /prefetch`` (a router's routing-time prefetch,
-``kvtier.server.warmup``). With an auth token configured, everything but ``/healthz``
-needs ``Authorization: Bearer <token>``. Status and metrics come from the
+``kvtier.server.warmup``). When the server has tokens (an auth token, or a
+tenants file), everything but ``/healthz`` needs ``Authorization: Bearer
+<token>`` of an admin tenant: 401 without a known token, 403 for a tenant
+without the admin role. Status and metrics come from the
 snapshot the server loop refreshes every tick, so this thread never touches
 the loop's tables.
 """
 
 from __future__ import annotations
 
-import hmac
 import json
 import threading
 from collections.abc import Iterator
@@ -66,8 +67,9 @@ def _clean(name: str) -> str:
 class AdminHTTP:
     """Serves the admin endpoints on a daemon thread until ``close()``."""
 
-    def __init__(self, transport: ServerTransport, host: str, port: int, token: str = "") -> None:
+    def __init__(self, transport: ServerTransport, host: str, port: int) -> None:
         registry = transport.core.metrics.registry
+        tenants = transport.core.tenants
         registry.register(SnapshotCollector(transport))
         storage = transport.core.storage
         warmup = transport.core.warmup
@@ -77,7 +79,7 @@ class AdminHTTP:
                 if self.path == "/healthz":
                     self._send(200, b"ok\n", "text/plain")
                 elif not self._authorized():
-                    self._send(401, b"unauthorized\n", "text/plain")
+                    return
                 elif self.path == "/status":
                     body = json.dumps(transport.snapshot, default=str, indent=1).encode()
                     self._send(200, body, "application/json")
@@ -88,7 +90,7 @@ class AdminHTTP:
 
             def do_POST(self) -> None:
                 if not self._authorized():
-                    self._send(401, b"unauthorized\n", "text/plain")
+                    return
                 elif self.path == "/clear":
                     cleared = storage.l1.clear()
                     self._send(200, json.dumps({"cleared": cleared}).encode(), "application/json")
@@ -118,10 +120,17 @@ class AdminHTTP:
                     self._send(200, json.dumps({"chunks": asked}).encode(), "application/json")
 
             def _authorized(self) -> bool:
-                if not token:
+                """Whether an admin tenant asks; if not, the refusal is sent."""
+                if tenants.open:
                     return True
                 given = self.headers.get("Authorization", "")
-                return hmac.compare_digest(given, f"Bearer {token}")
+                scheme, _, token = given.partition(" ")
+                tenant = tenants.authenticate(token) if scheme == "Bearer" else None
+                if tenant is None:
+                    self._send(401, b"unauthorized\n", "text/plain")
+                elif not tenant.admin:
+                    self._send(403, b"forbidden: this tenant has no admin role\n", "text/plain")
+                return tenant is not None and tenant.admin
 
             def _send(self, code: int, body: bytes, kind: str) -> None:
                 self.send_response(code)

@@ -63,6 +63,9 @@ class ServerConfig:
     chunk_size: int = 256
     auth_token: str = ""  # secret: from KVTIER_AUTH_TOKEN, auth_token_file or the file
     auth_token_file: str = ""
+    # Tenants the server enforces (kvtier.server.tenants): token digests, salts,
+    # quotas, roles. Without it the auth token (if any) is one admin tenant.
+    tenants_file: str = ""
     l1: L1Config = field(default_factory=lambda: L1Config(size_bytes=default_l1_bytes()))
     store: StoreConfig = field(default_factory=StoreConfig)
     prefetch: PrefetchConfig = field(default_factory=PrefetchConfig)
@@ -126,6 +129,11 @@ def load_config(
     if config.auth_token_file:
         token = secret(config.auth_token_file, "--auth-token-file", ENV_PREFIX + "AUTH_TOKEN")
         config = dataclasses.replace(config, auth_token=token)
+    if config.tenants_file and config.auth_token:
+        raise ValueError(
+            "give --tenants-file or an auth token, not both: the tenants file holds every "
+            "tenant's token digests (the single token is one admin tenant)"
+        )
     return config
 
 

@@ -26,7 +26,6 @@ into L1 runs on the transport's pool, off the loop thread.
 from __future__ import annotations
 
 import dataclasses
-import hmac
 import json
 import logging
 import secrets
@@ -48,6 +47,7 @@ from kvtier.server.limits import RequestError, ServerLimits, check_hello, check_
 from kvtier.server.metrics import ServerMetrics
 from kvtier.server.negotiation import ChunkSizeNegotiator
 from kvtier.server.sessions import Client, Reservation, Session, SessionTable, shown
+from kvtier.server.tenants import TenantTable
 from kvtier.server.warmup import Warmup
 from kvtier.storage import StorageManager
 
@@ -81,7 +81,7 @@ class CacheServer:
         self,
         storage: StorageManager,
         chunk_size: int = 256,
-        auth_token: str = "",
+        tenants: TenantTable | None = None,
         limits: ServerLimits | None = None,
         clock: Callable[[], float] = time.monotonic,
         offload_bytes: int = 0,  # 0: every bytes store is copied inline
@@ -92,7 +92,7 @@ class CacheServer:
         self.limits = limits or ServerLimits()
         self.sessions = SessionTable(storage, self.limits, clock)
         self.offload_bytes = offload_bytes
-        self._token = auth_token
+        self.tenants = tenants or TenantTable.single()
         self._clock = clock  # time-to-live and uptime; latencies use perf_counter
         self.metrics = ServerMetrics()
         self.counters = Counters()  # client errors, faults and work done (any thread)
@@ -159,10 +159,18 @@ class CacheServer:
             raise RequestError(
                 "version", f"protocol {hello.version} is not {p.PROTOCOL_VERSION}; upgrade kvtier"
             )
-        # Bytes: compare_digest refuses a str with non-ASCII characters.
-        if self._token and not hmac.compare_digest(hello.token.encode(), self._token.encode()):
+        tenant = self.tenants.authenticate(hello.token)
+        if tenant is None:
             raise RequestError("unauthorized", "wrong or missing auth token")
         check_hello(hello)
+        access = self.tenants.access(tenant, hello.salt)
+        if access is None:
+            raise RequestError(
+                "forbidden",
+                f"tenant {tenant.name!r} may not use salt {shown(hello.salt)}: it owns "
+                f"{', '.join(repr(s) for s in tenant.salts)} and may read "
+                f"{', '.join(repr(s) for s in tenant.read) or 'nothing else'}",
+            )
         try:
             chunk_size = self.chunks.propose(hello.block_alignment)
         except ValueError as exc:  # an alignment that does not fit the frozen size
@@ -171,7 +179,7 @@ class CacheServer:
         check_layouts(layouts, chunk_size, self.storage.l1.capacity)
         label = model_label(hello.model)
         try:
-            ObjectKey(bytes(HASH_BYTES), label, 0, 0, hello.salt)  # validates model and salt
+            ObjectKey(bytes(HASH_BYTES), label, 0, 0, access.salt)  # validates model and salt
         except (ValueError, TypeError) as exc:
             raise RequestError("bad_request", str(exc)) from None
         client = Client(
@@ -179,20 +187,24 @@ class CacheServer:
             connection,
             hello.client_id,
             label,
-            hello.salt,
+            access.salt,
             layouts,
             hello.num_ranks,
             hello.shm,
             hello.rank,
+            tenant=tenant.name,
+            writable=access.writable,
         )
         self.sessions.register(client)
         self.chunks.freeze(chunk_size)  # only a hello that is accepted fixes it
         self._remember_layouts(client)
         self._remember_namespace(hello, layouts, chunk_size)
-        self.warmup.register(label, hello.salt, layouts, hello.num_ranks)
+        self.warmup.register(label, access.salt, layouts, hello.num_ranks)
         self.counters.add("hellos")
         arena = self.storage.l1.arena_name if hello.shm else None
-        return p.Welcome(chunk_size, self.boot_id, arena)
+        return p.Welcome(
+            chunk_size, self.boot_id, arena, salt=access.salt, writable=access.writable
+        )
 
     def _lookup(self, client: Client, req: p.Lookup, frames: Sequence[Buffer]) -> Outcome:
         layout = self._layout(client, req.group)
@@ -290,6 +302,7 @@ class CacheServer:
     def _store_reserve(
         self, client: Client, req: p.StoreReserve, frames: Sequence[Buffer]
     ) -> Outcome:
+        self._check_writable(client)
         layout = self._layout(client, req.group)
         keys = [k for chunk in self._keys(client, req.hashes, req.group) for k in chunk]
         self.sessions.room_for_reservation(client)
@@ -323,6 +336,7 @@ class CacheServer:
         return p.Ack(), []
 
     def _store(self, client: Client, req: p.Store, frames: Sequence[Buffer]) -> Outcome:
+        self._check_writable(client)
         layout = self._layout(client, req.group)
         keys = [k for chunk in self._keys(client, req.hashes, req.group) for k in chunk]
         if len(frames) != len(keys):
@@ -358,6 +372,9 @@ class CacheServer:
         return p.Ack(), []
 
     def _status(self, client: Client, req: p.Status, frames: Sequence[Buffer]) -> Outcome:
+        tenant = self.tenants.tenants.get(client.tenant)
+        if tenant is None or not tenant.admin:  # it names every tenant's namespaces
+            raise RequestError("forbidden", "STATUS is for admin tenants (tenants file: admin)")
         return p.StatusReply(self.status()), []
 
     # ------------------------------------------------------------- upkeep
@@ -432,6 +449,14 @@ class CacheServer:
         self._hash_namespaces[name] = entry
         while len(self._hash_namespaces) > LAYOUTS_SEEN:
             self._hash_namespaces.popitem(last=False)
+
+    @staticmethod
+    def _check_writable(client: Client) -> None:
+        if not client.writable:
+            raise RequestError(
+                "read_only",
+                f"tenant {client.tenant!r} may read namespace {client.salt!r} but not store in it",
+            )
 
     def _layout(self, client: Client, group: int) -> KVLayout:
         layout = client.layouts.get(group)

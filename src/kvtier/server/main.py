@@ -14,6 +14,7 @@ from kvtier.l2.registry import parse_spec
 from kvtier.server.admin import AdminHTTP
 from kvtier.server.config import ServerConfig
 from kvtier.server.core import CacheServer
+from kvtier.server.tenants import TenantTable
 from kvtier.server.transport import ServerTransport
 from kvtier.storage import StorageConfig, StorageManager
 from kvtier.units import format_size
@@ -30,6 +31,13 @@ def storage_config(config: ServerConfig) -> StorageConfig:
     return StorageConfig(l1=l1, l2=l2, store=config.store, prefetch=config.prefetch)
 
 
+def tenant_table(config: ServerConfig) -> TenantTable:
+    """The tenants file's, else the single ``--auth-token`` as one tenant."""
+    if config.tenants_file:
+        return TenantTable.from_file(config.tenants_file)
+    return TenantTable.single(config.auth_token)
+
+
 def serve(config: ServerConfig, stop: threading.Event | None = None) -> None:
     """Run until ``stop`` is set, SIGTERM or SIGINT; release everything on the way out."""
     stop = stop or threading.Event()
@@ -43,7 +51,7 @@ def serve(config: ServerConfig, stop: threading.Event | None = None) -> None:
     residency = Residency(config.chunk_size) if config.events.enabled else None
     storage = StorageManager(storage_config(config), residency)
     core = CacheServer(
-        storage, config.chunk_size, config.auth_token, config.limits, offload_bytes=OFFLOAD_BYTES
+        storage, config.chunk_size, tenant_table(config), config.limits, offload_bytes=OFFLOAD_BYTES
     )
     admin = None
     publisher = None
@@ -54,7 +62,7 @@ def serve(config: ServerConfig, stop: threading.Event | None = None) -> None:
             publisher.start()
         transport = ServerTransport(core, f"tcp://{config.host}:{config.port}")
         if config.http_port >= 0:
-            admin = AdminHTTP(transport, config.host, config.http_port, config.auth_token)
+            admin = AdminHTTP(transport, config.host, config.http_port)
         http = f"http://{config.host}:{admin.port}" if admin else "off"
         l2 = config.l2_dir or "none"
         events = "off"

@@ -181,6 +181,8 @@ class Welcome(Message, tag="welcome"):
     arena: str | None
     hash_algorithm: str = HASH_ALGORITHM
     version: int = PROTOCOL_VERSION
+    salt: str = ""  # the salt label the client's keys carry (its tenant's first, if it named none)
+    writable: bool = True  # False: the tenant may read this namespace, not store in it
 
 
 class Ack(Message, tag="ack"):

@@ -72,6 +72,8 @@ class Client:
     num_ranks: int
     shm: bool
     rank: int = -1  # -1: every rank's objects; r: rank r's only
+    tenant: str = ""  # whose token said hello (kvtier.server.tenants)
+    writable: bool = True  # False: a namespace the tenant may only read
     sessions: dict[str, Session] = field(default_factory=dict)
     objects: int = 0  # objects named by its sessions
     reservations: int = 0

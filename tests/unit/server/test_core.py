@@ -13,6 +13,7 @@ from kvtier.l1 import L1Config, L1Result
 from kvtier.server import protocol as p
 from kvtier.server.core import CacheServer
 from kvtier.server.limits import ServerLimits
+from kvtier.server.tenants import TenantTable
 from kvtier.storage import StorageConfig, StorageManager
 from tests.conftest import FakeClock
 from tests.ledger import assert_clean
@@ -157,7 +158,7 @@ def test_hello_errors(server: CacheServer, storage: StorageManager) -> None:
 
 
 def test_auth_token(storage: StorageManager, clock: FakeClock) -> None:
-    server = CacheServer(storage, 16, auth_token="s3cret", clock=clock)
+    server = CacheServer(storage, 16, TenantTable.single("s3cret"), clock=clock)
     assert isinstance(hello(server), p.Error)
     assert isinstance(hello(server, token="wrong"), p.Error)
     assert isinstance(hello(server, token="s3cret"), p.Welcome)
@@ -278,7 +279,7 @@ def test_hello_bounds_the_rest(server: CacheServer, changes: dict[str, object]) 
 
 
 def test_a_non_ascii_token_is_refused_not_a_crash(storage: StorageManager) -> None:
-    server = CacheServer(storage, 16, auth_token="s3cret")
+    server = CacheServer(storage, 16, TenantTable.single("s3cret"))
     err = hello(server, token="sécret")
     assert isinstance(err, p.Error) and err.code == "unauthorized"
 
