@@ -11,7 +11,7 @@ from kvtier.server import protocol as p
 from kvtier.server.client import CacheClient
 from kvtier.server.tenants import token_digest
 from tests.integration import workload as w
-from tests.integration.harness import ServerFactory, wait_written_back
+from tests.integration.harness import ServerFactory, wait_for, wait_written_back
 
 TENANTS = f"""
 [[tenant]]
@@ -121,3 +121,65 @@ def test_the_admin_endpoints_need_an_admin_tenant(
     with w.raw_dealer(server.rpc) as socket:
         reply, _ = w.call(socket, w.hello(token="acme-token", salt="globex"))
         assert isinstance(reply, p.Error) and reply.code == "forbidden"
+
+
+QUOTAS = f"""
+[[tenant]]
+name = "acme"
+token_sha256 = ["{token_digest("acme-token")}"]
+salts = ["acme"]
+[tenant.quota]
+l1_bytes = {{l1}}
+pin_bytes = {{pins}}
+
+[[tenant]]
+name = "globex"
+token_sha256 = ["{token_digest("globex-token")}"]
+salts = ["globex"]
+[tenant.quota]
+l1_hard_bytes = {{hard}}
+
+[[tenant]]
+name = "ops"
+token_sha256 = ["{token_digest("ops-token")}"]
+salts = ["ops"]
+admin = true
+"""
+
+
+def test_quotas_evict_the_tenants_own_objects_and_refuse_past_a_hard_cap(
+    kvtier_server: ServerFactory, tmp_path: Path
+) -> None:
+    size = w.object_bytes(256)  # a page multiple: what L1 reserves per object
+    path = tmp_path / "tenants.toml"
+    path.write_text(QUOTAS.format(l1=4 * size, pins=2 * size, hard=3 * size))
+    server = kvtier_server.start("--tenants-file", str(path), "--cache-dir", "none")
+    acme, globex, ops = (client(server.rpc, t) for t in ("acme-token", "globex-token", "ops-token"))
+    try:
+        old = w.chunk_hashes(256, 20, 4)
+        assert acme.store("a1", old, w.payloads(20, 4, size)) == 4
+        assert globex.store("g1", w.chunk_hashes(256, 21, 5), w.payloads(21, 5, size)) == 3
+        pin = acme.pin(old[:3], ttl_s=600)  # two fit the pin cap
+        assert pin is not None and (pin.pinned, pin.refused) == (2, 1)
+        new = w.chunk_hashes(256, 22, 2)
+        assert acme.store("a2", new, w.payloads(22, 2, size)) == 2  # passes its soft quota
+        # its own unpinned old objects went, its pinned ones and globex's stayed
+        assert hits(acme, old[:2], "p") == 2 and hits(acme, new, "n") == 2
+        assert hits(acme, old[2:], "o") == 0
+        assert hits(globex, w.chunk_hashes(256, 21, 3), "g") == 3
+        status = ops.status()
+        assert status is not None
+        l1 = status["storage"]["l1"]
+        assert l1["tenant_bytes.acme"] == 4 * size and l1["tenant_bytes.globex"] == 3 * size
+        # refused: globex's 2 objects past its hard cap, and acme's third pin
+        assert l1["tenant_pinned_bytes.acme"] == 2 * size and l1["over_quota"] == 3
+        assert status["server"]["pins_refused"] == 1 and l1["quota_evictions"] == 2
+        line = f'kvtier_storage_l1_tenant_bytes{{key="acme"}} {4 * size}.0'
+        metrics = wait_for(  # /metrics shows the snapshot the server loop takes each tick
+            lambda: server.http_get("/metrics", token="ops-token")[1].decode(),
+            lambda text: line in text,
+        )
+        assert line in metrics
+    finally:
+        for c in (acme, globex, ops):
+            c.close()

@@ -248,6 +248,17 @@ class KVTierModel:
             tokens.append(int(logits[-1].argmax()))
         return Generation(tokens, torch.stack(logits), prefill, time.perf_counter() - started)
 
+    def pin(self, input_ids: Sequence[int] | torch.Tensor, ttl_s: float = 3600.0) -> int:
+        """Keep the prompt's stored full chunks in L1 for ``ttl_s`` seconds
+        (a system prompt, say; within the tenant's pin cap; 0 unpins); the
+        prompt tokens pinned."""
+        chunk_size = self.link.chunk_size if self.link is not None else None
+        if self.link is None or chunk_size is None:
+            return 0
+        _, hasher = self._hasher(chunk_size)
+        hashes = hasher.chunk_hashes(self._token_ids(input_ids))
+        return self.link.pin(hashes, ttl_s) * chunk_size if hashes else 0
+
     def close(self) -> None:
         if self.link is not None:
             self.link.close()

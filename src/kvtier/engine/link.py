@@ -67,6 +67,10 @@ class CacheLink(Protocol):
         """Shadow-check results (``kvtier.engine.shadow``), for the cache's metrics."""
         ...
 
+    def pin(self, hashes: Sequence[bytes], ttl_s: float) -> int:
+        """Keep these chunks in L1 for ``ttl_s`` (0: unpin); chunks pinned."""
+        ...
+
     def close(self) -> None: ...
 
 
@@ -135,6 +139,10 @@ class ServerLink:
     def report_shadow(self, checked: int, mismatched: int) -> None:
         self.client.report_shadow(checked, mismatched)
 
+    def pin(self, hashes: Sequence[bytes], ttl_s: float) -> int:
+        reply = self.client.pin(hashes, ttl_s)
+        return reply.pinned if reply is not None else 0
+
     def close(self) -> None:
         self.client.close()
 
@@ -192,6 +200,10 @@ class LocalLink:
 
     def report_shadow(self, checked: int, mismatched: int) -> None:
         return None  # no server to tell: the caller's ShadowCheck holds the counts
+
+    def pin(self, hashes: Sequence[bytes], ttl_s: float) -> int:
+        results = self.storage.l1.pin(self._keys(hashes), ttl_s)
+        return sum(r is L1Result.SUCCESS for r in results)
 
     def close(self) -> None:
         for request_id in list(self._locked):

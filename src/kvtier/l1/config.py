@@ -29,6 +29,7 @@ class L1Config:
     low_watermark: float = 0.6
     write_lease_s: float = 600.0
     read_lease_s: float = 300.0
+    max_pinned_fraction: float = 0.5  # of the arena, all owners' pins together
 
     def __post_init__(self) -> None:
         if isinstance(self.size_bytes, bool) or not isinstance(self.size_bytes, int):
@@ -44,6 +45,10 @@ class L1Config:
             raise ValueError(
                 "L1Config watermarks must satisfy 0 < low_watermark < high_watermark <= 1, "
                 f"got low={self.low_watermark}, high={self.high_watermark}"
+            )
+        if not 0.0 <= self.max_pinned_fraction <= 1.0:
+            raise ValueError(
+                f"L1Config.max_pinned_fraction must be in [0, 1], got {self.max_pinned_fraction}"
             )
         for name in ("write_lease_s", "read_lease_s"):
             if not getattr(self, name) > 0:

@@ -43,6 +43,14 @@ Rules:
   costs only that eviction round.
 - An object larger than the whole arena is OUT_OF_MEMORY (counted as
   ``too_large``), like any batch that cannot fit.
+- Owners (``set_owners``: the tenant of each key's salt, ``QuotaBook``): a
+  write that would take its owner past a hard limit is OVER_QUOTA (counted
+  as ``over_quota``); after an admission takes an owner past its soft limit,
+  that owner's own least recently used objects are evicted down to it
+  (``quota_evictions``). ``pin`` keeps resident objects from eviction until
+  a deadline, within the owner's pin limit and ``max_pinned_fraction`` of
+  the arena (OVER_QUOTA past either); a pin protects from eviction only:
+  ``delete`` still frees a pinned object.
 
 Every method takes a batch and returns one result per key; caller mistakes
 (mismatched lengths, bad sizes, a key twice in one write transition) raise
@@ -55,19 +63,12 @@ arena's bookkeeping is in-memory arithmetic).
 from __future__ import annotations
 
 import logging
-import threading
-import time
 from collections.abc import Callable, Sequence
 
 import numpy as np
 import numpy.typing as npt
 
-from kvtier.counters import Counters
 from kvtier.keys import ObjectKey
-from kvtier.l1.arena import Arena
-from kvtier.l1.config import L1Config
-from kvtier.l1.eviction import make_policy
-from kvtier.l1.leases import LeaseHeap
 from kvtier.l1.objects import (
     IOFence,
     L1Object,
@@ -76,21 +77,10 @@ from kvtier.l1.objects import (
     Placement,
     WriterTag,
 )
+from kvtier.l1.quotas import OwnerLimit, QuotaBook
+from kvtier.l1.tables import L1Tables
 
 log = logging.getLogger(__name__)
-
-Clock = Callable[[], float]
-COUNTERS = (
-    "evictions",
-    "evicted_bytes",
-    "eviction_failures",
-    "expired_write_leases",
-    "expired_read_leases",
-    "out_of_memory",
-    "too_large",
-    "watermark_unreachable",
-    "duplicate_writes",
-)
 
 
 def _distinct(keys: Sequence[ObjectKey], method: str) -> None:
@@ -98,33 +88,8 @@ def _distinct(keys: Sequence[ObjectKey], method: str) -> None:
         raise ValueError(f"{method}: keys must be distinct within one call")
 
 
-class L1Manager:
+class L1Manager(L1Tables):
     """The L1 state machine over one shared-memory arena; see the module docstring."""
-
-    def __init__(self, config: L1Config | None = None, *, clock: Clock = time.monotonic) -> None:
-        self.config = config or L1Config()
-        self._clock = clock
-        self._lock = threading.Lock()
-        self._arena = Arena(
-            self.config.size_bytes,
-            shm_dir=self.config.shm_dir,
-            populate=self.config.populate,
-            reaper=self.config.reaper,
-        )
-        self._policy = make_policy(self.config.eviction_policy)
-        self._resident: dict[ObjectKey, L1Object] = {}
-        self._staging: dict[tuple[ObjectKey, WriterTag], L1Object] = {}
-        self._zombies: set[L1Object] = set()  # expired while fenced, memory not yet freed
-        self._leases = LeaseHeap()
-        self._staging_bytes = 0
-        self._locked_bytes = 0
-        self._locked_objects = 0  # resident objects with read_locks > 0
-        self._fenced_objects = 0  # objects (any table) with io_fences > 0
-        self._counters = Counters()
-        self._counters.set(**dict.fromkeys(COUNTERS, 0))
-        # Told of every object that becomes resident (True) or stops being
-        # resident (False), under the lock: it must only record (KV events).
-        self.on_residency: Callable[[bool, Sequence[ObjectKey]], None] | None = None
 
     # ----------------------------------------------------------------- arena
 
@@ -179,12 +144,20 @@ class L1Manager:
             self._reap(self._clock())
             results: list[Placement | None] = [None] * len(keys)
             wanted: list[int] = []
+            asked: dict[str, int] = {}  # owner -> bytes this call would add
             for i, key in enumerate(keys):
                 if key in self._resident:
                     results[i] = Placement(L1Result.NOT_WRITABLE)
                 elif (key, tag) in self._staging:
                     results[i] = Placement(L1Result.WRONG_STATE)
                 else:
+                    owner = self._quotas.owner(key)
+                    size = self._arena.reserved_bytes(sizes[i])
+                    if self._quotas.would_pass_hard(owner, asked.get(owner, 0) + size):
+                        results[i] = Placement(L1Result.OVER_QUOTA)
+                        self._counters.add("over_quota", 1)
+                        continue
+                    asked[owner] = asked.get(owner, 0) + size
                     wanted.append(i)
             offsets = self._allocate([sizes[i] for i in wanted]) if wanted else []
             if offsets is None:
@@ -208,6 +181,7 @@ class L1Manager:
                     )
                     self._staging[(keys[i], tag)] = obj
                     self._staging_bytes += obj.reserved
+                    self._quotas.stage(self._quotas.owner(obj.key), obj.reserved)
                     self._leases.start(obj, expiry)
                     results[i] = Placement(L1Result.SUCCESS, offset, sizes[i])
             return [r for r in results if r is not None]
@@ -236,7 +210,7 @@ class L1Manager:
                 if obj is None:
                     results.append(L1Result.NOT_FOUND)
                     continue
-                self._staging_bytes -= obj.reserved
+                self._unstage(obj)
                 self._leases.end(obj)
                 self._release_memory(obj)
                 results.append(L1Result.SUCCESS)
@@ -330,6 +304,7 @@ class L1Manager:
                 L1Result.SUCCESS if key in self._resident else L1Result.NOT_FOUND for key in keys
             ]
             self._policy.touch(reversed(keys))
+            self._quotas.touch(reversed(keys))
             return results
 
     def delete(self, keys: Sequence[ObjectKey]) -> list[L1Result]:
@@ -341,7 +316,7 @@ class L1Manager:
                 obj = self._resident.get(key)
                 if obj is None:
                     results.append(L1Result.NOT_FOUND)
-                elif not self._evictable(key):
+                elif obj.read_locks or obj.io_fences:
                     results.append(L1Result.LOCKED)
                 else:
                     self._policy.remove(key)
@@ -358,6 +333,81 @@ class L1Manager:
                 self._policy.remove(key)
                 self._drop_resident(self._resident[key])
             return len(victims)
+
+    def set_owners(
+        self, owner_of: Callable[[str], str], limits: dict[str, OwnerLimit] | None = None
+    ) -> None:
+        """Who owns each salt's objects, and the owners' limits (``QuotaBook``);
+        what is resident now is re-counted, staging writes are counted as
+        before (one owner)."""
+        with self._lock:
+            if self._staging:
+                raise ValueError("set_owners: call it before writes start")
+            book = QuotaBook(owner_of, limits)
+            for obj in self._resident.values():  # admission order, oldest first
+                book.admit(obj.key, obj.reserved)
+            self._quotas = book
+
+    def set_limit(self, owner: str, limit: OwnerLimit) -> int:
+        """Change an owner's limits; evict its objects down to a lower soft
+        limit now (returns the bytes freed)."""
+        with self._lock:
+            self._quotas.limits[owner] = limit
+            return self._evict_own(owner, set(), self._clock())
+
+    def pin(self, keys: Sequence[ObjectKey], ttl_s: float) -> list[L1Result]:
+        """Keep resident objects from eviction for ``ttl_s`` (a pin again
+        renews it; 0 unpins, as ``unpin``). NOT_FOUND if not resident;
+        OVER_QUOTA past the owner's pin limit or ``max_pinned_fraction`` of
+        the arena."""
+        if ttl_s == 0:
+            return self.unpin(keys)
+        if not ttl_s > 0:
+            raise ValueError(f"pin: ttl_s must be >= 0, got {ttl_s!r}")
+        with self._lock:
+            now = self._clock()
+            total_cap = self.config.max_pinned_fraction * self._arena.capacity
+            results = []
+            for key in keys:
+                obj = self._resident.get(key)
+                if obj is None:
+                    results.append(L1Result.NOT_FOUND)
+                    continue
+                if not self._quotas.pinned(key, now):
+                    owner = self._quotas.owner(key)
+                    cap = self._quotas.limit(owner).pins
+                    mine = self._quotas.pinned_bytes(owner, now) + obj.reserved
+                    everyone = self._quotas.pinned_bytes(None, now) + obj.reserved
+                    if (cap is not None and mine > cap) or everyone > total_cap:
+                        self._counters.add("over_quota", 1)
+                        results.append(L1Result.OVER_QUOTA)
+                        continue
+                self._quotas.pin(key, obj.reserved, now + ttl_s)
+                results.append(L1Result.SUCCESS)
+            return results
+
+    def unpin(self, keys: Sequence[ObjectKey]) -> list[L1Result]:
+        with self._lock:
+            return [L1Result.SUCCESS if self._quotas.unpin(k) else L1Result.NOT_FOUND for k in keys]
+
+    def _owner_status(self) -> dict[str, int]:
+        """Per named owner (tenant), for /metrics: resident + staging and pinned bytes."""
+        now = self._clock()
+        out: dict[str, int] = {}
+        for owner, used in self._quotas.usage().items():
+            if owner:
+                out[f"tenant_bytes.{owner}"] = used
+                out[f"tenant_pinned_bytes.{owner}"] = self._quotas.pinned_bytes(owner, now)
+        return out
+
+    def owner_usage(self) -> dict[str, dict[str, int]]:
+        """Per owner: resident + staging bytes, and pinned bytes."""
+        with self._lock:
+            now = self._clock()
+            return {
+                owner: {"bytes": used, "pinned_bytes": self._quotas.pinned_bytes(owner, now)}
+                for owner, used in self._quotas.usage().items()
+            }
 
     def reap_expired(self) -> None:
         """Expire leases that are due (every public method also does this)."""
@@ -390,6 +440,7 @@ class L1Manager:
                 "fragmentation": arena["fragmentation"],
                 "eviction_policy": self._policy.name,
                 **self._counters.snapshot(),
+                **self._owner_status(),
             }
 
     def audit(self) -> dict[str, int]:
@@ -434,7 +485,7 @@ class L1Manager:
                 if obj is None:
                     results.append(Placement(L1Result.NOT_FOUND))
                     continue
-                self._staging_bytes -= obj.reserved
+                self._unstage(obj)
                 winner = self._resident.get(key)
                 if winner is None:
                     obj.state, obj.tag = ObjectState.RESIDENT, None
@@ -452,99 +503,10 @@ class L1Manager:
             self._evict_to_watermark(sum(o.reserved for o in admitted if not o.read_locks))
             for obj in reversed(admitted):
                 self._policy.admit(obj.key, obj.reserved, obj.cost)
+                self._quotas.admit(obj.key, obj.reserved)
+            fresh = {obj.key for obj in admitted}
+            for owner in {self._quotas.owner(k) for k in fresh}:
+                self._evict_own(owner, fresh, now)
             if admitted and self.on_residency is not None:
                 self.on_residency(True, [obj.key for obj in admitted])
             return results
-
-    def _evict_to_watermark(self, fresh_bytes: int) -> None:
-        """After an admission: evict down to the low watermark if usage passed
-        the high one, unless unevictable bytes alone are above the low mark."""
-        capacity = self._arena.capacity
-        used = self._arena.used_bytes
-        if used <= self.config.high_watermark * capacity:
-            return
-        low = self.config.low_watermark * capacity
-        if self._staging_bytes + self._locked_bytes + fresh_bytes > low:
-            self._counters.add("watermark_unreachable", 1)
-            return
-        self._evict(int(used - low))
-
-    def _allocate(self, sizes: list[int]) -> list[int] | None:
-        offsets = self._arena.allocate(sizes)
-        need = sum(self._arena.reserved_bytes(s) for s in sizes)
-        pinned = self._staging_bytes + self._locked_bytes  # eviction cannot free these
-        if offsets is None and need > self._arena.capacity - pinned:
-            return None  # cannot fit even if everything evictable went: evict nothing
-        while offsets is None:
-            if self._evict(max(need - (self._arena.capacity - self._arena.used_bytes), 1)) == 0:
-                return None
-            offsets = self._arena.allocate(sizes)
-        return offsets
-
-    def _evictable(self, key: ObjectKey) -> bool:
-        obj = self._resident.get(key)
-        return obj is not None and obj.read_locks == 0 and obj.io_fences == 0
-
-    def _evict(self, need_bytes: int) -> int:
-        """Evict at least ``need_bytes`` if possible; return the bytes freed."""
-        try:
-            victims = self._policy.select(need_bytes, self._evictable)
-        except Exception:
-            self._counters.add("eviction_failures", 1)
-            log.exception("L1: eviction policy %s failed; nothing evicted", self._policy.name)
-            return 0
-        freed = 0
-        for key in victims:
-            obj = self._resident[key]
-            freed += obj.reserved
-            self._drop_resident(obj)
-        self._counters.add("evictions", len(victims))
-        self._counters.add("evicted_bytes", freed)
-        return freed
-
-    def _drop_resident(self, obj: L1Object) -> None:
-        del self._resident[obj.key]
-        self._arena.free([obj.offset])
-        if self.on_residency is not None:
-            self.on_residency(False, (obj.key,))
-
-    def _release_memory(self, obj: L1Object) -> None:
-        if obj.io_fences:
-            obj.reclaimed = True
-            self._zombies.add(obj)
-        else:
-            self._arena.free([obj.offset])
-
-    def _lock_read(self, obj: L1Object, n: int, now: float) -> None:
-        if obj.read_locks == 0:
-            self._locked_bytes += obj.reserved
-            self._locked_objects += 1
-        obj.read_locks += n
-        self._leases.start(obj, now + self.config.read_lease_s)
-
-    def _reap(self, now: float) -> None:
-        for obj in self._leases.expired(now):
-            self._leases.end(obj)
-            if obj.state is ObjectState.STAGING:
-                assert obj.tag is not None
-                if self._staging.get((obj.key, obj.tag)) is not obj:
-                    continue
-                del self._staging[(obj.key, obj.tag)]
-                self._staging_bytes -= obj.reserved
-                self._release_memory(obj)
-                self._counters.add("expired_write_leases", 1)
-                log.warning("L1: write lease of %s (tag %s) expired; reclaimed", obj.key, obj.tag)
-            elif self._resident.get(obj.key) is obj and obj.read_locks:
-                log.warning("L1: %d read lock(s) on %s expired", obj.read_locks, obj.key)
-                obj.read_locks = 0
-                self._locked_bytes -= obj.reserved
-                self._locked_objects -= 1
-                self._counters.add("expired_read_leases", 1)
-
-    def _all_objects(self) -> list[L1Object]:
-        return [*self._resident.values(), *self._staging.values(), *self._zombies]
-
-    @staticmethod
-    def _check_count(n: int, method: str) -> None:
-        if isinstance(n, bool) or not isinstance(n, int) or n <= 0:
-            raise ValueError(f"{method}: n must be a positive int, got {n!r}")

@@ -25,6 +25,7 @@ class L1Result(enum.Enum):
     OUT_OF_MEMORY = "out_of_memory"  # no room even after evicting what may be evicted
     LOCKED = "locked"  # delete of a read-locked or I/O-fenced object
     WRONG_STATE = "wrong_state"  # e.g. finish_read on an unlocked object
+    OVER_QUOTA = "over_quota"  # past the owner's hard limit (writes) or pin limit (pins)
 
 
 @dataclass(frozen=True, slots=True)

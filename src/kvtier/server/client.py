@@ -396,6 +396,12 @@ class CacheClient:
         reply = self._submit(p.Status()).wait()
         return reply.status if isinstance(reply, p.StatusReply) else None
 
+    def pin(self, hashes: Sequence[bytes], ttl_s: float, group: int = 0) -> p.Pinned | None:
+        """Keep these chunks in L1 for ``ttl_s`` (0: unpin them); None when the
+        server did not answer or refused (``stats.errors`` says why)."""
+        reply = self._submit(p.Pin(list(hashes), ttl_s, group)).wait()
+        return reply if isinstance(reply, p.Pinned) else None
+
     def close(self) -> None:
         """Stop the client's thread and free its descriptors; a second close does nothing."""
         self._stop.set()

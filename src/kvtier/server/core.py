@@ -28,6 +28,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import math
 import secrets
 import time
 from collections import OrderedDict
@@ -120,7 +121,9 @@ class CacheServer:
             p.EndSession: self._end_session,
             p.Status: self._status,
             p.ShadowReport: self._shadow_report,
+            p.Pin: self._pin,
         }
+        storage.l1.set_owners(self.tenants.tenant_of, self.tenants.l1_limits())
 
     # ------------------------------------------------------------ dispatch
 
@@ -367,6 +370,23 @@ class CacheServer:
             return Deferred(work, finish)
         return finish(work())
 
+    def _pin(self, client: Client, req: p.Pin, frames: Sequence[Buffer]) -> Outcome:
+        """Pins count against the namespace owner's cap: only a writer pins."""
+        self._check_writable(client)
+        if not (math.isfinite(req.ttl_s) and 0 <= req.ttl_s <= self.limits.max_pin_ttl_s):
+            raise RequestError(
+                "bad_request", f"pin ttl_s must be in [0, {self.limits.max_pin_ttl_s}] seconds"
+            )
+        keys = self._keys(client, req.hashes, req.group)
+        flat = [k for chunk in keys for k in chunk]
+        results = self.storage.l1.pin(flat, req.ttl_s)
+        per_chunk = [results[i : i + len(c)] for i, c in _offsets(keys)]
+        pinned = sum(all(r is L1Result.SUCCESS for r in rs) for rs in per_chunk)
+        refused = sum(any(r is L1Result.OVER_QUOTA for r in rs) for rs in per_chunk)
+        self.counters.add("pinned_chunks" if req.ttl_s else "unpinned_chunks", pinned)
+        self.counters.add("pins_refused", refused)
+        return p.Pinned(pinned, len(keys) - pinned - refused, refused), []
+
     def _end_session(self, client: Client, req: p.EndSession, frames: Sequence[Buffer]) -> Outcome:
         self.sessions.end(client, req.request_id)
         return p.Ack(), []
@@ -498,6 +518,15 @@ class CacheServer:
             )
         if not all(session.locked[start:end]):
             raise RequestError("released", f"{what}: part of [{start}, {end}) was released")
+
+
+def _offsets(keys: list[list[ObjectKey]]) -> list[tuple[int, list[ObjectKey]]]:
+    """Each chunk's first index in the flattened key list, with its keys."""
+    out, at = [], 0
+    for chunk in keys:
+        out.append((at, chunk))
+        at += len(chunk)
+    return out
 
 
 def _layout(spec: p.LayoutSpec, chunk_size: int, num_ranks: int) -> KVLayout:

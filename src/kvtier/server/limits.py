@@ -49,9 +49,10 @@ class ServerLimits:
     # ones up to their hit), and by all clients: about 150 bytes each.
     max_session_objects_per_client: int = 1 << 20
     max_session_objects: int = 4 << 20
+    max_pin_ttl_s: float = 7 * 86400.0  # a pin lasts at most this long (renew it)
 
     def __post_init__(self) -> None:
-        for name in ("session_ttl_s", "client_ttl_s", "max_wait_s"):
+        for name in ("session_ttl_s", "client_ttl_s", "max_wait_s", "max_pin_ttl_s"):
             value = getattr(self, name)
             if not (math.isfinite(value) and value > 0):
                 raise ValueError(f"server limit {name!r} must be a positive number, got {value}")

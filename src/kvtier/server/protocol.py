@@ -155,6 +155,15 @@ class ShadowReport(Message, tag="shadow_report"):
     unavailable: int = 0
 
 
+class Pin(Message, tag="pin"):
+    """Keep these chunks (every rank's object, in the client's namespace) in
+    L1 for ``ttl_s`` (within the tenant's pin cap); ``ttl_s`` 0 unpins."""
+
+    hashes: list[bytes]
+    ttl_s: float
+    group: int = 0
+
+
 Request = (
     Hello
     | Lookup
@@ -170,6 +179,7 @@ Request = (
     | Ping
     | Status
     | ShadowReport
+    | Pin
 )
 
 # ------------------------------------------------------------------- replies
@@ -214,6 +224,14 @@ class Committed(Message, tag="committed"):
     stored: int  # objects of the request now in the cache (stored now, or resident already)
 
 
+class Pinned(Message, tag="pinned"):
+    """Chunks pinned (or unpinned), missing from L1, and refused by a cap."""
+
+    pinned: int
+    missing: int = 0
+    refused: int = 0
+
+
 class Pong(Message, tag="pong"):
     boot_id: str
 
@@ -227,7 +245,18 @@ class Error(Message, tag="error"):
     message: str
 
 
-Reply = Welcome | Ack | QueryResult | Objects | Reserved | Committed | Pong | StatusReply | Error
+Reply = (
+    Welcome
+    | Ack
+    | QueryResult
+    | Objects
+    | Reserved
+    | Committed
+    | Pinned
+    | Pong
+    | StatusReply
+    | Error
+)
 
 _encoder = msgspec.msgpack.Encoder()
 _requests = msgspec.msgpack.Decoder(Request)

@@ -41,6 +41,7 @@ from pathlib import Path
 from typing import Any
 
 from kvtier.keys import salt_label
+from kvtier.l1.quotas import OwnerLimit
 from kvtier.units import parse_size
 
 ANY_SALT = "*"
@@ -61,7 +62,7 @@ class Quota:
 
     l1_bytes: int | None = None  # soft: over it, the tenant's own objects go first
     l1_hard_bytes: int | None = None  # hard: a store that would pass it is refused
-    pin_bytes: int = 0  # pins in L1 (0: none)
+    pin_bytes: int | None = None  # pins in L1 (None: no cap of its own; a file's default: 0)
     l2_bytes: Mapping[str, int] = field(default_factory=dict)  # adapter name -> hard cap
 
 
@@ -154,6 +155,13 @@ class TenantTable:
         if salt in tenant.read:
             return Access(tenant, salt, False)
         return None
+
+    def l1_limits(self) -> dict[str, OwnerLimit]:
+        """Every tenant's L1 limits, for ``L1Manager.set_owners``."""
+        return {
+            t.name: OwnerLimit(t.quota.l1_bytes, t.quota.l1_hard_bytes, t.quota.pin_bytes)
+            for t in self.tenants.values()
+        }
 
     def tenant_of(self, salt: str) -> str:
         """Whose objects a salt label's are, for quotas and usage: the owner,

@@ -35,7 +35,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, ru
 from kvtier.keys import ObjectKey
 from kvtier.l1 import L1Config, L1Manager, L1Result, Placement, WriterTag
 from kvtier.l1.eviction import LRUPolicy
-from kvtier.l1.manager import COUNTERS
+from kvtier.l1.tables import COUNTERS
 from tests.conftest import LK, NF, NW, OOM, WS, FakeClock, KiB, S, make_key
 from tests.ledger import assert_clean
 
