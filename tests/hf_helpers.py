@@ -126,6 +126,9 @@ class DelegatingLink:
     def pin(self, hashes: Sequence[bytes], ttl_s: float) -> int:
         return self.inner.pin(hashes, ttl_s)
 
+    def report_usage(self, prefill_s_per_token: float, load_s: float, loaded_tokens: int) -> None:
+        self.inner.report_usage(prefill_s_per_token, load_s, loaded_tokens)
+
     def close(self) -> None:
         self.inner.close()
 

@@ -24,7 +24,7 @@ import itertools
 import logging
 import threading
 from collections import Counter
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -109,6 +109,9 @@ class StorageManager:
             self.config.store, self.l1, [a for a in self.adapters if a.writable]
         )
         self.prefetch = PrefetchController(self.config.prefetch, self.l1, self.adapters)
+        # Told of every finished L2 store task, from the adapters' threads (the
+        # server's per-tenant L2 usage): must only record.
+        self.on_stored: Callable[[TaskResult], None] | None = None
         self._lock = threading.Lock()
         self._held: dict[ObjectKey, _Held] = {}
         self._temporary: set[ObjectKey] = set()
@@ -331,6 +334,8 @@ class StorageManager:
         if self.residency is not None:
             self._note_residency(result)
         if result.kind is TaskKind.STORE:
+            if self.on_stored is not None:
+                self.on_stored(result)
             self.store_controller.on_result(result)
         else:
             self.prefetch.on_result(result)

@@ -18,7 +18,8 @@ evictable like any other. The queue is bounded too (``max_queued_objects``).
 
 A worker thread takes queued objects in order, read-locks (unpinned ones)
 and fences their memory only while their L2 stores run, and bounds the bytes
-in flight.
+in flight. A ``gate`` (the server's per-tenant L2 quotas) may keep an object
+from an adapter (counted ``over_quota.<adapter>``).
 
 Re-seeding: an adapter whose backend answers again after failing
 (``L2Adapter.recoveries``) may have come back empty (a restarted Redis).
@@ -46,13 +47,13 @@ import re
 import threading
 import time
 from collections import OrderedDict, deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from kvtier.counters import Counters
 from kvtier.failures import FailureLog
 from kvtier.keys import ObjectKey
-from kvtier.l1 import IOFence, L1Manager, L1Result
+from kvtier.l1 import IOFence, L1Manager, L1Result, Placement
 from kvtier.l2.base import L2Adapter, TaskId, TaskResult
 
 log = logging.getLogger(__name__)
@@ -148,6 +149,9 @@ class StoreController:
         self._counters = Counters()
         self._failures = FailureLog(log, self._counters)
         self._stopping = False
+        # Set before stores start: whether an object may go to an adapter
+        # (adapter name, key, bytes); the server's per-tenant L2 quotas.
+        self.gate: Callable[[str, ObjectKey, int], bool] | None = None
         self._thread = threading.Thread(target=self._run, name="kvtier-store", daemon=True)
         self._thread.start()
 
@@ -352,15 +356,31 @@ class StoreController:
         if not keys:
             self._l1.unfence(fence)
             return 0
-        batch = _Batch(keys, fence, nbytes, len(targets))
-        self._inflight_bytes += nbytes
         views = [self._l1.view(p) for _, p in fenced]
-        for adapter in targets:
+        plans = [(adapter, self._gated(adapter, fenced)) for adapter in targets]
+        plans = [(adapter, chosen) for adapter, chosen in plans if chosen]
+        if not plans:
+            self._l1.unfence(fence)
+            self._l1.finish_read(keys)
+            return 0
+        batch = _Batch(keys, fence, nbytes, len(plans))
+        self._inflight_bytes += nbytes
+        for adapter, chosen in plans:
             # Adapters answer every task, a refused one included, through
             # _complete: the batch's fence and locks are released there.
-            task = adapter.submit_store(keys, views, items[0].layout)
+            task = adapter.submit_store(
+                [keys[i] for i in chosen], [views[i] for i in chosen], items[0].layout
+            )
             self._batches[(adapter.name, task)] = batch
         return nbytes
+
+    def _gated(self, adapter: L2Adapter, fenced: list[tuple[ObjectKey, Placement]]) -> list[int]:
+        """The batch's objects ``gate`` lets go to ``adapter`` (indices)."""
+        if self.gate is None:
+            return list(range(len(fenced)))
+        chosen = [i for i, (k, p) in enumerate(fenced) if self.gate(adapter.name, k, p.size)]
+        self._counters.add(f"over_quota.{adapter.name}", len(fenced) - len(chosen))
+        return chosen
 
     def _complete(self, result: TaskResult) -> None:
         batch = self._batches.pop((result.adapter, result.task), None)

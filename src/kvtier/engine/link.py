@@ -71,6 +71,11 @@ class CacheLink(Protocol):
         """Keep these chunks in L1 for ``ttl_s`` (0: unpin); chunks pinned."""
         ...
 
+    def report_usage(self, prefill_s_per_token: float, load_s: float, loaded_tokens: int) -> None:
+        """The engine's measured prefill cost and load time, for the cache's
+        savings ledger."""
+        ...
+
     def close(self) -> None: ...
 
 
@@ -143,6 +148,9 @@ class ServerLink:
         reply = self.client.pin(hashes, ttl_s)
         return reply.pinned if reply is not None else 0
 
+    def report_usage(self, prefill_s_per_token: float, load_s: float, loaded_tokens: int) -> None:
+        self.client.report_usage(prefill_s_per_token, load_s, loaded_tokens)
+
     def close(self) -> None:
         self.client.close()
 
@@ -204,6 +212,9 @@ class LocalLink:
     def pin(self, hashes: Sequence[bytes], ttl_s: float) -> int:
         results = self.storage.l1.pin(self._keys(hashes), ttl_s)
         return sum(r is L1Result.SUCCESS for r in results)
+
+    def report_usage(self, prefill_s_per_token: float, load_s: float, loaded_tokens: int) -> None:
+        return None  # no server, no ledger
 
     def close(self) -> None:
         for request_id in list(self._locked):

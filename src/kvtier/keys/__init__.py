@@ -10,10 +10,12 @@ from kvtier.keys.hasher import (
 from kvtier.keys.namespace import Namespace
 from kvtier.keys.object_key import ObjectKey, chunk_keys, model_label, salt_label
 from kvtier.keys.segments import SegmentHasher
+from kvtier.keys.selector import KeySelector
 
 __all__ = [
     "HASH_BYTES",
     "ChunkHashStream",
+    "KeySelector",
     "Namespace",
     "ObjectKey",
     "SegmentHasher",

@@ -400,6 +400,15 @@ class L1Manager(L1Tables):
                 out[f"tenant_pinned_bytes.{owner}"] = self._quotas.pinned_bytes(owner, now)
         return out
 
+    def limit(self, owner: str) -> OwnerLimit:
+        with self._lock:
+            return self._quotas.limit(owner)
+
+    def resident_sizes(self) -> list[tuple[ObjectKey, int]]:
+        """Every resident object's key and the bytes it takes (a snapshot)."""
+        with self._lock:
+            return [(obj.key, obj.reserved) for obj in self._resident.values()]
+
     def owner_usage(self) -> dict[str, dict[str, int]]:
         """Per owner: resident + staging bytes, and pinned bytes."""
         with self._lock:

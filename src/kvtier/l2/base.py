@@ -38,6 +38,12 @@ controller loop::
   so new objects pay no extra round trip.
 - Corrupt copies (``kvtier.l2.format``) are misses and are deleted or
   quarantined by the adapter, counted as ``corrupt_objects``.
+- ``purge(selector, cursor, limit)`` is the operator's path, not the
+  engines': it deletes up to about ``limit`` objects a ``KeySelector``
+  matches, from ``cursor`` (None: the start), blocking, and returns a
+  ``PurgeStep`` (deleted, the cursor to go on from, None when done); a
+  backend failure raises (the purger retries). A read in flight either
+  finishes or misses: stores never free what a reader holds.
 
 ``BlockingAdapter`` implements all of this over three blocking batch methods
 run on a small thread pool; most adapters only write those.
@@ -62,7 +68,7 @@ import numpy as np
 import numpy.typing as npt
 
 from kvtier.counters import Counters
-from kvtier.keys import ObjectKey
+from kvtier.keys import KeySelector, ObjectKey
 from kvtier.l2.format import CorruptObject
 
 log = logging.getLogger(__name__)
@@ -102,6 +108,14 @@ class TaskResult:
         """A part could not reach the backend (down, backing off, reconnecting,
         closed), as opposed to failing on its own ("error")."""
         return self.failure not in ("", "error")
+
+
+@dataclass(frozen=True, slots=True)
+class PurgeStep:
+    """One batch of a purge: objects deleted, and where to go on (None: done)."""
+
+    deleted: int
+    cursor: str | None
 
 
 CompletionCallback = Callable[[TaskResult], None]
@@ -199,6 +213,19 @@ class L2Adapter(ABC):
         """Every object a node-local adapter holds now (what a restarted server
         announces); a remote store cannot list cheaply and says nothing."""
         return []
+
+    def held_sizes(self) -> list[tuple[ObjectKey, int]]:
+        """``held_keys`` with the bytes each takes, oldest first."""
+        return []
+
+    def delete(self, keys: Sequence[ObjectKey]) -> int:
+        """Remove these objects from a node-local adapter (blocking); how many
+        it held."""
+        raise NotImplementedError(f"L2 {self.name}: {self.type_name} adapters cannot delete")
+
+    def purge(self, selector: KeySelector, cursor: str | None, limit: int) -> PurgeStep:
+        """See the module docstring; an adapter that cannot says so."""
+        raise NotImplementedError(f"L2 {self.name}: {self.type_name} adapters cannot purge")
 
     @abstractmethod
     def unlock(self, keys: Sequence[ObjectKey]) -> None: ...

@@ -37,8 +37,14 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from kvtier.keys import ObjectKey
-from kvtier.l2.base import AdapterConfig, BlockingAdapter, Buffer, CompletionCallback
+from kvtier.keys import KeySelector, ObjectKey
+from kvtier.l2.base import (
+    AdapterConfig,
+    BlockingAdapter,
+    Buffer,
+    CompletionCallback,
+    PurgeStep,
+)
 from kvtier.l2.format import (
     MAX_HEADER_BYTES,
     Corruption,
@@ -247,6 +253,27 @@ class FSAdapter(BlockingAdapter):
     def held_keys(self) -> list[ObjectKey]:
         with self._index_lock:
             return list(self._index)
+
+    def held_sizes(self) -> list[tuple[ObjectKey, int]]:
+        with self._index_lock:
+            return list(self._index.items())
+
+    def delete(self, keys: Sequence[ObjectKey]) -> int:
+        """Remove these objects (a tenant's oldest, over its quota); how many were held."""
+        with self._index_lock:
+            held = [k for k in keys if k in self._index]
+        for key in held:
+            self._delete(key, self.path_of(key))
+        return len(held)
+
+    def purge(self, selector: KeySelector, cursor: str | None, limit: int) -> PurgeStep:
+        """From the index: a reader with the file open keeps reading it (an
+        unlinked file lives until closed); one that opens it after misses."""
+        with self._index_lock:
+            matched = [k for k in self._index if selector.matches(k)]
+        for key in matched[:limit]:
+            self._delete(key, self.path_of(key))
+        return PurgeStep(min(len(matched), limit), "" if len(matched) > limit else None)
 
     def _delete(self, key: ObjectKey, path: Path) -> None:
         self._forget(key)

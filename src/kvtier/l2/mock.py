@@ -26,13 +26,14 @@ from collections import Counter, OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from kvtier.keys import ObjectKey
+from kvtier.keys import KeySelector, ObjectKey
 from kvtier.l2.base import (
     AdapterConfig,
     BackendUnavailable,
     BlockingAdapter,
     Buffer,
     CompletionCallback,
+    PurgeStep,
 )
 from kvtier.l2.format import CorruptObject, decode_object, encode_header
 
@@ -100,6 +101,24 @@ class MockAdapter(BlockingAdapter):
     def keys(self) -> list[ObjectKey]:
         with self._data_lock:
             return list(self._objects)
+
+    def held_sizes(self) -> list[tuple[ObjectKey, int]]:
+        with self._data_lock:
+            return [(k, len(v)) for k, v in self._objects.items()]
+
+    def delete(self, keys: Sequence[ObjectKey]) -> int:
+        with self._data_lock:
+            held = [k for k in keys if k in self._objects]
+            for key in held:
+                self._drop(key)
+        return len(held)
+
+    def purge(self, selector: KeySelector, cursor: str | None, limit: int) -> PurgeStep:
+        with self._data_lock:
+            matched = [k for k in self._objects if selector.matches(k)]
+            for key in matched[:limit]:
+                self._drop(key)
+        return PurgeStep(min(len(matched), limit), "" if len(matched) > limit else None)
 
     # ----------------------------------------------------------- backend
 

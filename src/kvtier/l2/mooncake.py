@@ -31,13 +31,14 @@ from typing import Any
 
 import numpy as np
 
-from kvtier.keys import ObjectKey
+from kvtier.keys import KeySelector, ObjectKey
 from kvtier.l2.base import (
     AdapterConfig,
     BackendUnavailable,
     BlockingAdapter,
     Buffer,
     CompletionCallback,
+    PurgeStep,
 )
 from kvtier.l2.format import (
     Corruption,
@@ -183,6 +184,20 @@ class MooncakeAdapter(BlockingAdapter):
                 for i, view, code in zip(part, views, codes, strict=True):
                     loaded.append(self._check(keys[i], view, buffers[i], layout, code))
         return loaded
+
+    def purge(self, selector: KeySelector, cursor: str | None, limit: int) -> PurgeStep:
+        """``remove_by_regex`` over the store's names: one call removes every
+        match that no reader holds; a held one (a read lease) stays, and the
+        purge goes on until a call removes nothing more."""
+        try:
+            removed = int(
+                self._store_client.remove_by_regex(selector.regex(self.mc_config.key_prefix))
+            )
+        except RuntimeError as exc:
+            raise BackendUnavailable(str(exc)) from exc
+        if removed < 0:
+            raise BackendUnavailable(f"remove_by_regex: code {removed}")
+        return PurgeStep(removed, "" if removed else None)
 
     def _unlock(self, keys: Sequence[ObjectKey]) -> None:
         return None  # Mooncake's read leases expire on their own (the master's TTL)

@@ -20,6 +20,7 @@ redis-py (hiredis parses replies when installed).
 
 from __future__ import annotations
 
+import itertools
 import logging
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -28,13 +29,14 @@ from typing import Any
 import numpy as np
 
 from kvtier.config import redacted
-from kvtier.keys import ObjectKey
+from kvtier.keys import KeySelector, ObjectKey
 from kvtier.l2.base import (
     AdapterConfig,
     BackendUnavailable,
     BlockingAdapter,
     Buffer,
     CompletionCallback,
+    PurgeStep,
 )
 from kvtier.l2.format import CorruptObject, decode_object, encode_header
 
@@ -206,6 +208,26 @@ class RedisAdapter(BlockingAdapter):
             self._delete(key)
             return False
         return True
+
+    def purge(self, selector: KeySelector, cursor: str | None, limit: int) -> PurgeStep:
+        """SCAN + UNLINK, one SCAN step per call (a cluster: every node's keys
+        in one pass of ``scan_iter``, ``limit`` at a time, until none match)."""
+        pattern = self.redis_config.key_prefix + selector.glob()
+        try:
+            if self.redis_config.cluster:
+                names = list(itertools.islice(
+                    self._client.scan_iter(match=pattern, count=limit), limit
+                ))  # fmt: skip
+                after: str | None = "" if len(names) == limit else None
+            else:
+                position, names = self._client.scan(int(cursor or 0), match=pattern, count=limit)
+                after = None if int(position) == 0 else str(position)
+            deleted, step = 0, self.redis_config.batch_keys
+            for start in range(0, len(names), step):
+                deleted += int(self._client.unlink(*names[start : start + step]))
+        except self._errors + self._timeouts as exc:
+            raise BackendUnavailable(str(exc)) from exc
+        return PurgeStep(deleted, after)
 
     def _delete(self, key: ObjectKey) -> None:
         try:

@@ -24,13 +24,14 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
-from kvtier.keys import ObjectKey
+from kvtier.keys import KeySelector, ObjectKey
 from kvtier.l2.base import (
     AdapterConfig,
     BackendUnavailable,
     BlockingAdapter,
     Buffer,
     CompletionCallback,
+    PurgeStep,
 )
 from kvtier.l2.format import CorruptObject, decode_object, encode_object
 
@@ -167,6 +168,35 @@ class S3Adapter(BlockingAdapter):
         c = self.s3_config
         return {"endpoint": c.endpoint_url or "aws", "bucket": c.bucket, "prefix": c.prefix}
 
+    def purge(self, selector: KeySelector, cursor: str | None, limit: int) -> PurgeStep:
+        """One listing page under the selector's prefix, its matches deleted
+        (``delete_objects``, up to 1,000 a call)."""
+        c = self.s3_config
+        params: dict[str, Any] = {
+            "Bucket": c.bucket,
+            "Prefix": c.prefix + selector.prefix,
+            "MaxKeys": min(limit, 1000),
+        }
+        if cursor:
+            params["ContinuationToken"] = cursor
+        try:
+            page = self._s3.list_objects_v2(**params)
+            names = [
+                o["Key"]
+                for o in page.get("Contents", [])
+                if _matches(selector, o["Key"].removeprefix(c.prefix))
+            ]
+            if names:
+                self._s3.delete_objects(
+                    Bucket=c.bucket, Delete={"Objects": [{"Key": n} for n in names], "Quiet": True}
+                )
+        except self._timeouts as exc:
+            raise TimeoutError(str(exc)) from exc
+        except self._unreachable as exc:
+            raise BackendUnavailable(str(exc)) from exc
+        after = page.get("NextContinuationToken") if page.get("IsTruncated") else None
+        return PurgeStep(len(names), after)
+
     # --------------------------------------------------------- internals
 
     def _head(self, key: ObjectKey) -> bool:
@@ -199,3 +229,10 @@ class S3Adapter(BlockingAdapter):
             self._s3.head_bucket(Bucket=self.s3_config.bucket)
         except self._client_error:
             self._s3.create_bucket(Bucket=self.s3_config.bucket)
+
+
+def _matches(selector: KeySelector, name: str) -> bool:
+    try:
+        return selector.matches(ObjectKey.from_str(name))
+    except ValueError:  # not one of kvtier's objects
+        return False

@@ -3,7 +3,10 @@
 ``GET /healthz`` (open, for liveness probes), ``GET /status`` (JSON),
 ``GET /metrics`` (Prometheus text), ``POST /clear`` (drops every unlocked
 object from L1), ``POST /prefetch`` (a router's routing-time prefetch,
-``kvtier.server.warmup``). When the server has tokens (an auth token, or a
+``kvtier.server.warmup``), the admin JSON API under ``/admin/``
+(``kvtier.server.admin_api``: tenants, namespaces, pins, purges, drain,
+quotas, the savings ledger), and the dashboard at ``/``
+(``kvtier.server.dashboard``). When the server has tokens (an auth token, or a
 tenants file), everything but ``/healthz`` needs ``Authorization: Bearer
 <token>`` of an admin tenant: 401 without a known token, 403 for a tenant
 without the admin role. Status and metrics come from the
@@ -23,9 +26,11 @@ from prometheus_client import generate_latest
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from kvtier.server.admin_api import AdminAPI
 from kvtier.server.transport import ServerTransport
 
 MAX_PREFETCH_BODY = 1 << 20
+MAX_ADMIN_BODY = 4 << 20
 
 
 class SnapshotCollector(Collector):
@@ -73,6 +78,7 @@ class AdminHTTP:
         registry.register(SnapshotCollector(transport))
         storage = transport.core.storage
         warmup = transport.core.warmup
+        api = AdminAPI(transport)
 
         class Handler(BaseHTTPRequestHandler):
             def do_GET(self) -> None:
@@ -85,6 +91,8 @@ class AdminHTTP:
                     self._send(200, body, "application/json")
                 elif self.path == "/metrics":
                     self._send(200, generate_latest(registry), "text/plain; version=0.0.4")
+                elif self.path.startswith("/admin/"):
+                    self._api("GET", {})
                 else:
                     self._send(404, b"not found\n", "text/plain")
 
@@ -96,8 +104,30 @@ class AdminHTTP:
                     self._send(200, json.dumps({"cleared": cleared}).encode(), "application/json")
                 elif self.path == "/prefetch":
                     self._prefetch()
+                elif self.path.startswith("/admin/"):
+                    body = self._json_body()
+                    if body is not None:
+                        self._api("POST", body)
                 else:
                     self._send(404, b"not found\n", "text/plain")
+
+            def _json_body(self) -> dict[str, Any] | None:
+                """The request's JSON object (None: a 400 was sent)."""
+                try:
+                    length = int(self.headers.get("Content-Length") or 0)
+                    if not 0 <= length <= MAX_ADMIN_BODY:
+                        raise ValueError(f"a body of at most {MAX_ADMIN_BODY} bytes, please")
+                    body = json.loads(self.rfile.read(length) or b"{}")
+                    if not isinstance(body, dict):
+                        raise ValueError("the body must be a JSON object")
+                    return body
+                except ValueError as exc:
+                    self._send(400, json.dumps({"error": str(exc)}).encode(), "application/json")
+                    return None
+
+            def _api(self, method: str, body: dict[str, Any]) -> None:
+                code, answer = api.handle(method, self.path, body)
+                self._send(code, json.dumps(answer, default=str).encode(), "application/json")
 
             def _prefetch(self) -> None:
                 """``{"model": label, "salt": label, "hashes": [hex, ...]}``."""

@@ -302,6 +302,11 @@ class CacheClient:
         else:
             self._post(message)
 
+    def report_usage(self, prefill_s_per_token: float, load_s: float, loaded_tokens: int) -> None:
+        """Tell the server's savings ledger what prefill and loads cost here;
+        sent without waiting for the ack."""
+        self._post(p.UsageReport(prefill_s_per_token, load_s, loaded_tokens))
+
     def report_shadow(self, checked: int, mismatched: int, unavailable: int = 0) -> None:
         """Tell the server about shadow checks (``kvtier.engine.shadow``);
         sent without waiting for the ack."""

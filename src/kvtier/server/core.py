@@ -34,6 +34,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -44,11 +45,14 @@ from kvtier.keys import HASH_BYTES, ObjectKey, chunk_keys, model_label
 from kvtier.l1 import L1Result
 from kvtier.layout import KVLayout
 from kvtier.server import protocol as p
+from kvtier.server.ledger import SavingsLedger
 from kvtier.server.limits import RequestError, ServerLimits, check_hello, check_layouts
 from kvtier.server.metrics import ServerMetrics
 from kvtier.server.negotiation import ChunkSizeNegotiator
+from kvtier.server.purge import Purger
 from kvtier.server.sessions import Client, Reservation, Session, SessionTable, shown
 from kvtier.server.tenants import TenantTable
+from kvtier.server.usage import L2Usage
 from kvtier.server.warmup import Warmup
 from kvtier.storage import StorageManager
 
@@ -57,6 +61,7 @@ log = logging.getLogger(__name__)
 Frames = list[npt.NDArray[np.uint8]]
 LAYOUTS_SEEN = 64  # namespaces whose layouts /status shows
 MAX_SHADOW_REPORT = 1 << 32  # chunks in one shadow report
+MAX_REPORT_S = 1e6  # seconds in one usage report
 Buffer = bytes | memoryview
 Answer = tuple[p.Reply, Frames]
 
@@ -86,6 +91,8 @@ class CacheServer:
         limits: ServerLimits | None = None,
         clock: Callable[[], float] = time.monotonic,
         offload_bytes: int = 0,  # 0: every bytes store is copied inline
+        purge_state: Path | None = None,  # where purge jobs are kept (resumed after a restart)
+        default_prefill_s_per_token: float | None = None,  # the ledger's, without reports
     ) -> None:
         self.storage = storage
         self.boot_id = secrets.token_hex(8)
@@ -101,6 +108,12 @@ class CacheServer:
         self.on_lookup_done: Callable[[bytes, str], None] | None = None  # (peer, request_id)
         self.publisher_status: Callable[[], dict[str, object]] | None = None  # KV events
         self.warmup = Warmup(storage)  # routing-time prefetch (the admin port's /prefetch)
+        self.draining = False  # the admin's drain: stores refused, lookups served
+        self.purger = Purger(storage, purge_state)
+        self.ledger = SavingsLedger(default_prefill_s_per_token)
+        self.l2_usage = L2Usage(storage, self.tenants)
+        storage.store_controller.gate = self.l2_usage.gate
+        storage.on_stored = self.l2_usage.on_stored
         self._started = clock()
         # namespace -> its layouts, for /status (kvtier plan --from-server); the
         # most recent LAYOUTS_SEEN namespaces, whether or not still connected
@@ -122,6 +135,7 @@ class CacheServer:
             p.Status: self._status,
             p.ShadowReport: self._shadow_report,
             p.Pin: self._pin,
+            p.UsageReport: self._usage_report,
         }
         storage.l1.set_owners(self.tenants.tenant_of, self.tenants.l1_limits())
 
@@ -250,8 +264,10 @@ class CacheServer:
         chunk = self.chunks.frozen or self.chunks.minimum
         by_tier = result.chunks_by_tier()
         self.counters.add("hit_chunks", result.hit_chunks)
+        namespace = f"{client.model}@{client.salt}"
         for tier, chunks in by_tier.items():
             self.counters.add(f"hit_tokens.{tier}", chunks * chunk)
+            self.ledger.served(client.tenant, namespace, tier, chunks * chunk)
         self.counters.add("lookup_tokens", looked_up * chunk)
         return p.QueryResult(result.hit_chunks, by_tier, result.why), []
 
@@ -387,6 +403,21 @@ class CacheServer:
         self.counters.add("pins_refused", refused)
         return p.Pinned(pinned, len(keys) - pinned - refused, refused), []
 
+    def _usage_report(
+        self, client: Client, req: p.UsageReport, frames: Sequence[Buffer]
+    ) -> Outcome:
+        values = (req.prefill_s_per_token, req.load_s)
+        if not all(math.isfinite(v) and 0 <= v <= MAX_REPORT_S for v in values):
+            message = f"usage report seconds must be in [0, {MAX_REPORT_S}]"
+            raise RequestError("bad_request", message)
+        if not 0 <= req.loaded_tokens <= MAX_SHADOW_REPORT:
+            raise RequestError("bad_request", "usage report tokens out of range")
+        namespace = f"{client.model}@{client.salt}"
+        self.ledger.reported(
+            client.tenant, namespace, req.prefill_s_per_token, req.load_s, req.loaded_tokens
+        )
+        return p.Ack(), []
+
     def _end_session(self, client: Client, req: p.EndSession, frames: Sequence[Buffer]) -> Outcome:
         self.sessions.end(client, req.request_id)
         return p.Ack(), []
@@ -427,15 +458,29 @@ class CacheServer:
             "hash_namespaces": list(self._hash_namespaces.values()),
             "events": self.publisher_status() if self.publisher_status else None,
             "warmup": self.warmup.status(),
+            "draining": self.draining,
+            "purges": self._purge_counts(),
+            "ledger": self.ledger.status(),
+            "l2_usage": self.l2_usage.status(),
             "server": self.counters.snapshot(),
             "transport": self.transport_counters.snapshot(),
             "storage": self.storage.status(),
         }
 
     def close(self) -> None:
-        """End every session (releasing what it holds)."""
+        """End every session (releasing what it holds); stop purges and usage counts."""
         self.warmup.close()
+        self.purger.close()
+        self.l2_usage.close()
         self.sessions.close()
+
+    def _purge_counts(self) -> dict[str, int]:
+        jobs = self.purger.jobs()
+        out = {f"jobs.{state}": 0 for state in ("running", "done", "failed")}
+        for job in jobs:
+            out[f"jobs.{job['state']}"] += 1
+        out["deleted_objects"] = sum(j["deleted"] for j in jobs)
+        return out
 
     # ---------------------------------------------------------- internals
 
@@ -470,12 +515,18 @@ class CacheServer:
         while len(self._hash_namespaces) > LAYOUTS_SEEN:
             self._hash_namespaces.popitem(last=False)
 
-    @staticmethod
-    def _check_writable(client: Client) -> None:
+    def _check_writable(self, client: Client) -> None:
+        """Stores (and pins) need a writable namespace, no drain, no purge of it."""
         if not client.writable:
             raise RequestError(
                 "read_only",
                 f"tenant {client.tenant!r} may read namespace {client.salt!r} but not store in it",
+            )
+        if self.draining:
+            raise RequestError("draining", "the server is draining: it takes no stores now")
+        if self.purger.purging(client.model, client.salt):
+            raise RequestError(
+                "purging", f"namespace {client.model}@{client.salt} is being purged; store later"
             )
 
     def _layout(self, client: Client, group: int) -> KVLayout:

@@ -6,6 +6,7 @@ import dataclasses
 import logging
 import signal
 import threading
+from pathlib import Path
 from types import FrameType
 
 from kvtier.events.publisher import EventPublisher
@@ -22,6 +23,7 @@ from kvtier.units import format_size
 log = logging.getLogger(__name__)
 
 OFFLOAD_BYTES = 1 << 20  # bytes stores at least this large are copied off the loop thread
+PURGE_STATE = "purges.json"  # next to the fs L2's objects: unfinished purges resume
 
 
 def storage_config(config: ServerConfig) -> StorageConfig:
@@ -51,7 +53,13 @@ def serve(config: ServerConfig, stop: threading.Event | None = None) -> None:
     residency = Residency(config.chunk_size) if config.events.enabled else None
     storage = StorageManager(storage_config(config), residency)
     core = CacheServer(
-        storage, config.chunk_size, tenant_table(config), config.limits, offload_bytes=OFFLOAD_BYTES
+        storage,
+        config.chunk_size,
+        tenant_table(config),
+        config.limits,
+        offload_bytes=OFFLOAD_BYTES,
+        purge_state=Path(config.l2_dir) / PURGE_STATE if config.l2_dir else None,
+        default_prefill_s_per_token=config.ledger_prefill_s_per_token or None,
     )
     admin = None
     publisher = None

@@ -164,6 +164,16 @@ class Pin(Message, tag="pin"):
     group: int = 0
 
 
+class UsageReport(Message, tag="usage_report"):
+    """An engine's measurements for the savings ledger: its prefill seconds
+    per token (0: not measured) and the seconds and tokens it spent loading
+    KV since its last report."""
+
+    prefill_s_per_token: float
+    load_s: float
+    loaded_tokens: int
+
+
 Request = (
     Hello
     | Lookup
@@ -180,6 +190,7 @@ Request = (
     | Status
     | ShadowReport
     | Pin
+    | UsageReport
 )
 
 # ------------------------------------------------------------------- replies

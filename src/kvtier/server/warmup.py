@@ -53,26 +53,38 @@ class Warmup:
             while len(self._namespaces) > NAMESPACES:
                 self._namespaces.popitem(last=False)
 
-    def start(self, model: str, salt: str, hashes: list[bytes]) -> int:
-        """Start loading these chunks; how many were asked for. ValueError
-        (the message says what to change) for a namespace no engine
-        registered here, bad hashes or too many."""
+    def keys(self, model: str, salt: str, hashes: list[bytes]) -> list[ObjectKey]:
+        """Every rank's object of these chunks in a registered namespace (its
+        first object group); ValueError for bad hashes or too many,
+        LookupError for a namespace no engine registered here."""
+        return [k for chunk in self._chunk_keys(model, salt, hashes)[0] for k in chunk]
+
+    def _chunk_keys(
+        self, model: str, salt: str, hashes: list[bytes]
+    ) -> tuple[list[list[ObjectKey]], int, KVLayout]:
         if not 0 < len(hashes) <= MAX_CHUNKS:
             raise ValueError(f"give 1 to {MAX_CHUNKS} chunk hashes, got {len(hashes)}")
         if any(len(h) != HASH_BYTES for h in hashes) or len(set(hashes)) != len(hashes):
             raise ValueError(f"chunk hashes are {HASH_BYTES} distinct bytes (64 hex digits) each")
         with self._lock:
             known = self._namespaces.get(f"{model}@{salt}")
-            if known is None:
-                self.counters.add("unknown_namespace")
-                raise LookupError(f"no engine registered model {model!r} with salt {salt!r} here")
+        if known is None:
+            self.counters.add("unknown_namespace")
+            raise LookupError(f"no engine registered model {model!r} with salt {salt!r} here")
+        group, layout, ranks = known
+        return chunk_keys(hashes, model, ranks, group, salt), group, layout
+
+    def start(self, model: str, salt: str, hashes: list[bytes]) -> int:
+        """Start loading these chunks; how many were asked for. ValueError
+        (the message says what to change) for a namespace no engine
+        registered here, bad hashes or too many."""
+        keys, group, layout = self._chunk_keys(model, salt, hashes)
+        with self._lock:
             if self._pending >= MAX_PENDING:
                 self.counters.add("refused_busy")
                 raise OverflowError(f"{MAX_PENDING} warm-ups are running; try later")
             self._pending += 1
-        group, layout, ranks = known
         try:
-            keys = chunk_keys(hashes, model, ranks, group, salt)
             handle = self._storage.submit_lookup(keys, {group: layout})
             self._pool.submit(self._settle, handle)
         except BaseException:

@@ -1,0 +1,81 @@
+"""``KeySelector``: which objects an operator's purge or retention names.
+
+Object keys carry the model and salt labels in their string form
+(``{model}@{salt}@r{rank}g{group}@{hash}``), so every tier can find a
+namespace's objects by those two labels: a selector names a model (every
+salt), a salt (every model: one tenant's namespace), or both. Revision and
+layout are inside the chunk hash, not in the key: a new revision is a new
+namespace that old objects never hit, and retention removes those by age.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from kvtier.keys.object_key import ObjectKey, model_label, salt_label
+
+
+@dataclass(frozen=True, slots=True)
+class KeySelector:
+    model: str | None = None  # a model label; None: every model
+    salt: str | None = None  # a salt label ("" is a salt too); None: every salt
+
+    def __post_init__(self) -> None:
+        if self.model is None and self.salt is None:
+            raise ValueError("a selector names a model, a salt or both, never everything")
+        for name, value, label in (
+            ("model", self.model, model_label),
+            ("salt", self.salt, salt_label),
+        ):
+            if value is not None and (value != label(value) or "@" in value):
+                raise ValueError(
+                    f"selector {name} {value!r} is not a key label; use {label.__name__}"
+                )
+
+    @classmethod
+    def of(cls, model: str | None = None, salt: str | None = None) -> KeySelector:
+        """From names as users give them (a hub id, a tenant's salt)."""
+        return cls(
+            None if model is None else model_label(model),
+            None if salt is None else salt_label(salt),
+        )
+
+    def matches(self, key: ObjectKey) -> bool:
+        return (self.model is None or key.model == self.model) and (
+            self.salt is None or key.salt == self.salt
+        )
+
+    @property
+    def prefix(self) -> str:
+        """The key-string prefix every match starts with ("" without a model)."""
+        if self.model is None:
+            return ""
+        return f"{self.model}@" + ("" if self.salt is None else f"{self.salt}@")
+
+    def glob(self) -> str:
+        """A glob over key strings (Redis MATCH); labels hold no glob characters."""
+        model = "*" if self.model is None else self.model
+        salt = "*" if self.salt is None else self.salt
+        return f"{model}@{salt}@*"
+
+    def regex(self, prefix: str = "") -> str:
+        """An anchored regular expression over ``prefix`` + key strings (a
+        store's own names, e.g. Mooncake's ``remove_by_regex``)."""
+        model = "[^@]*" if self.model is None else _escape(self.model)
+        salt = "[^@]*" if self.salt is None else _escape(self.salt)
+        return f"^{_escape(prefix)}{model}@{salt}@.*$"
+
+    def name(self) -> str:
+        return f"{self.model or '*'}@{'*' if self.salt is None else self.salt}"
+
+
+def _escape(text: str) -> str:
+    """Backslashes before regex syntax characters only (``re.escape`` also
+    escapes ``-``, which ECMAScript engines such as C++'s may refuse)."""
+    return _SPECIAL.sub(r"\\\g<0>", text)
+
+
+_SPECIAL = re.compile(r"[\\^$.|?*+()\[\]{}]")
+
+__all__ = ["KeySelector"]

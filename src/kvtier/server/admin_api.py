@@ -1,0 +1,267 @@
+"""The admin JSON API (``/admin/...`` on the admin port; ``kvtier admin``).
+
+Every call needs an admin tenant's token (``AdminHTTP`` checks it). Bodies
+and answers are JSON; a bad request is a 400 whose ``error`` says what to
+change, an unknown tenant or namespace a 404. The handlers run on the admin
+HTTP thread: they touch only what is thread-safe (the tenants table, L1,
+the adapters, the purger, the warm-up registry, the status snapshot).
+
+======================  ==================================================
+``GET  /admin/status``  uptime, draining, L1 use, tenants, running purges
+``GET  /admin/tenants`` each tenant: salts, role, quotas, usage per tier
+``GET  /admin/namespaces``  each model@salt: objects and bytes per tier
+``POST /admin/pin``     ``{model, salt, hashes, ttl_s}``: pin chunks in L1
+``POST /admin/unpin``   ``{model, salt, hashes}``
+``POST /admin/purge``   ``{model?, salt?}`` or ``{tenant}``: start purges
+``GET  /admin/purges``  every purge job and its progress per tier
+``POST /admin/drain``   ``{on: true|false}``: stop (or resume) taking stores
+``POST /admin/quota``   ``{tenant, l1_bytes?, l1_hard_bytes?, pin_bytes?}``
+``GET  /admin/ledger``  the savings ledger (``kvtier.server.ledger``)
+======================  ==================================================
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+from kvtier.keys import KeySelector, salt_label
+from kvtier.l1 import L1Result
+from kvtier.l1.quotas import OwnerLimit
+from kvtier.units import parse_size
+
+if TYPE_CHECKING:
+    from kvtier.server.transport import ServerTransport
+
+log = logging.getLogger(__name__)
+Answer = tuple[int, dict[str, Any]]
+
+
+class BadRequest(ValueError):
+    """400: the message says what to change."""
+
+
+class NotFound(LookupError):
+    """404."""
+
+
+class AdminAPI:
+    """The handlers; see the module docstring."""
+
+    def __init__(self, transport: ServerTransport) -> None:
+        self.transport = transport
+        self.core = transport.core
+        self.routes: dict[tuple[str, str], Callable[[dict[str, Any]], dict[str, Any]]] = {
+            ("GET", "/admin/status"): self.status,
+            ("GET", "/admin/tenants"): self.tenants,
+            ("GET", "/admin/namespaces"): self.namespaces,
+            ("POST", "/admin/pin"): self.pin,
+            ("POST", "/admin/unpin"): self.unpin,
+            ("POST", "/admin/purge"): self.purge,
+            ("GET", "/admin/purges"): self.purges,
+            ("POST", "/admin/drain"): self.drain,
+            ("POST", "/admin/quota"): self.quota,
+            ("GET", "/admin/ledger"): self.ledger,
+        }
+
+    def handle(self, method: str, path: str, body: dict[str, Any]) -> Answer:
+        route = self.routes.get((method, path))
+        if route is None:
+            known = sorted({p for _, p in self.routes})
+            return 404, {"error": f"no {method} {path}; the admin API has {known}"}
+        try:
+            return 200, route(body)
+        except BadRequest as exc:
+            return 400, {"error": str(exc)}
+        except NotFound as exc:
+            return 404, {"error": str(exc)}
+
+    # ------------------------------------------------------------- reads
+
+    def status(self, body: dict[str, Any]) -> dict[str, Any]:
+        snapshot = self.transport.snapshot
+        l1 = self.core.storage.l1.status()
+        return {
+            "boot_id": snapshot.get("boot_id"),
+            "uptime_s": snapshot.get("uptime_s"),
+            "draining": self.core.draining,
+            "clients": snapshot.get("clients"),
+            "l1": {k: l1[k] for k in ("capacity_bytes", "used_bytes", "resident_objects")},
+            "tenants": sorted(self.core.tenants.tenants),
+            "purges_running": sum(j["state"] == "running" for j in self.core.purger.jobs()),
+        }
+
+    def tenants(self, body: dict[str, Any]) -> dict[str, Any]:
+        usage = self.core.storage.l1.owner_usage()
+        l2 = self.core.l2_usage.by_tenant()
+        out = []
+        for tenant in self.core.tenants.tenants.values():
+            used = usage.get(tenant.name, {"bytes": 0, "pinned_bytes": 0})
+            out.append(
+                {
+                    "name": tenant.name,
+                    "salts": list(tenant.salts),
+                    "read": list(tenant.read),
+                    "admin": tenant.admin,
+                    "tokens": len(tenant.digests),
+                    "quota": dataclasses.asdict(tenant.quota)
+                    | {"l1": dataclasses.asdict(self.core.storage.l1.limit(tenant.name))},
+                    "usage": {
+                        "L1": used["bytes"],
+                        "L1_pinned": used["pinned_bytes"],
+                        **l2.get(tenant.name, {}),
+                    },
+                }
+            )
+        return {"tenants": out}
+
+    def namespaces(self, body: dict[str, Any]) -> dict[str, Any]:
+        """Objects and bytes per namespace (model@salt) and tier: L1 and the
+        node-local adapters from what they hold, shared stores from what this
+        server wrote there (others may have written more)."""
+        table: dict[str, dict[str, dict[str, int]]] = {}
+
+        def add(tier: str, model: str, salt: str, size: int) -> None:
+            entry = table.setdefault(f"{model}@{salt}", {}).setdefault(
+                tier, {"objects": 0, "bytes": 0}
+            )
+            entry["objects"] += 1
+            entry["bytes"] += size
+
+        for key, size in self.core.storage.l1.resident_sizes():
+            add("L1", key.model, key.salt, size)
+        for adapter in self.core.storage.adapters:
+            for key, size in adapter.held_sizes():
+                add(adapter.name, key.model, key.salt, size)
+        for (model, salt, tier), (objects, size) in self.core.l2_usage.written().items():
+            if tier not in table.get(f"{model}@{salt}", {}):
+                entry = table.setdefault(f"{model}@{salt}", {})
+                entry[tier] = {"objects": objects, "bytes": size, "written_here": 1}
+        tenants = self.core.tenants
+        return {
+            "namespaces": [
+                {"namespace": name, "tenant": tenants.tenant_of(name.split("@")[1]), "tiers": tiers}
+                for name, tiers in sorted(table.items())
+            ]
+        }
+
+    def purges(self, body: dict[str, Any]) -> dict[str, Any]:
+        return {"purges": self.core.purger.jobs()}
+
+    def ledger(self, body: dict[str, Any]) -> dict[str, Any]:
+        return self.core.ledger.report()
+
+    # ------------------------------------------------------------ writes
+
+    def pin(self, body: dict[str, Any]) -> dict[str, Any]:
+        ttl = _number(body, "ttl_s", default=3600.0)
+        limit = self.core.limits.max_pin_ttl_s
+        if not 0 < ttl <= limit:
+            raise BadRequest(f"ttl_s must be in (0, {limit}] seconds, got {ttl}")
+        return self._pin(body, ttl)
+
+    def unpin(self, body: dict[str, Any]) -> dict[str, Any]:
+        return self._pin(body, 0.0)
+
+    def _pin(self, body: dict[str, Any], ttl_s: float) -> dict[str, Any]:
+        model, salt = _text(body, "model"), salt_label(_text(body, "salt", ""))
+        hashes = body.get("hashes")
+        if not isinstance(hashes, list) or not all(isinstance(h, str) for h in hashes):
+            raise BadRequest("give 'hashes': a list of chunk hashes in hex")
+        try:
+            keys = self.core.warmup.keys(model, salt, [bytes.fromhex(h) for h in hashes])
+        except LookupError as exc:
+            raise NotFound(str(exc)) from None
+        except ValueError as exc:
+            raise BadRequest(str(exc)) from None
+        results = self.core.storage.l1.pin(keys, ttl_s)
+        counts = {r.value: sum(x is r for x in results) for r in L1Result if r in results}
+        if L1Result.OVER_QUOTA in results:
+            owner = self.core.tenants.tenant_of(salt)
+            cap = self.core.storage.l1.limit(owner).pins
+            counts["cap_bytes"] = cap if cap is not None else -1
+        return {"objects": len(keys), "results": counts}
+
+    def purge(self, body: dict[str, Any]) -> dict[str, Any]:
+        """A namespace (model and/or salt) or a tenant (each of its salts)."""
+        if "tenant" in body:
+            tenant = self.core.tenants.tenants.get(_text(body, "tenant"))
+            if tenant is None:
+                raise NotFound(f"no tenant {body['tenant']!r}; see GET /admin/tenants")
+            salts = [s for s in tenant.salts if s != "*"]
+            if not salts:
+                raise BadRequest(f"tenant {tenant.name!r} owns no salt of its own to purge")
+            selectors = [KeySelector(salt=s) for s in salts]
+        else:
+            model = body.get("model")
+            salt = body.get("salt")
+            if model is None and salt is None:
+                raise BadRequest("give 'model', 'salt' (or both), or 'tenant'")
+            try:
+                selectors = [
+                    KeySelector.of(
+                        None if model is None else str(model), None if salt is None else str(salt)
+                    )
+                ]
+            except ValueError as exc:
+                raise BadRequest(str(exc)) from None
+        jobs = [self.core.purger.start(s).id for s in selectors]
+        return {"jobs": jobs, "purges": [self.core.purger.job(j) for j in jobs]}
+
+    def drain(self, body: dict[str, Any]) -> dict[str, Any]:
+        on = body.get("on", True)
+        if not isinstance(on, bool):
+            raise BadRequest(f"'on' is true or false, got {on!r}")
+        self.core.draining = on
+        log.warning("admin: the server %s stores", "refuses" if on else "takes")
+        return {"draining": on}
+
+    def quota(self, body: dict[str, Any]) -> dict[str, Any]:
+        name = _text(body, "tenant")
+        if name not in self.core.tenants.tenants:
+            raise NotFound(f"no tenant {name!r}; see GET /admin/tenants")
+        l1 = self.core.storage.l1
+        current = l1.limit(name)
+        fields = (("soft", "l1_bytes"), ("hard", "l1_hard_bytes"), ("pins", "pin_bytes"))
+        values = {f: _size(body, key) if key in body else getattr(current, f) for f, key in fields}
+        limit = OwnerLimit(**values)
+        if limit.soft is not None and limit.hard is not None and limit.hard < limit.soft:
+            raise BadRequest(f"l1_hard_bytes ({limit.hard}) is below l1_bytes ({limit.soft})")
+        freed = l1.set_limit(name, limit)
+        if freed:
+            log.warning(
+                "admin: tenant %s's L1 quota is below its use: %d bytes evicted", name, freed
+            )
+        return {"tenant": name, "l1": dataclasses.asdict(limit), "evicted_bytes": freed}
+
+
+def _text(body: dict[str, Any], name: str, default: str | None = None) -> str:
+    value = body.get(name, default)
+    if not isinstance(value, str):
+        raise BadRequest(f"give {name!r} as a string")
+    return value
+
+
+def _number(body: dict[str, Any], name: str, default: float) -> float:
+    value = body.get(name, default)
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise BadRequest(f"{name!r} must be a number, got {value!r}")
+    return float(value)
+
+
+def _size(body: dict[str, Any], name: str) -> int | None:
+    value = body[name]
+    if value is None:
+        return None
+    try:
+        size = parse_size(value, name) if isinstance(value, str) else int(value)
+    except (TypeError, ValueError) as exc:
+        raise BadRequest(str(exc)) from None
+    if size < 0:
+        raise BadRequest(f"{name} must be >= 0")
+    return size
+
+
+__all__ = ["AdminAPI", "BadRequest", "NotFound"]

@@ -1,0 +1,120 @@
+"""``SavingsLedger``: what the cache bought, per tenant and namespace.
+
+For each (tenant, namespace ``model@salt``):
+
+- **tokens served** from each tier: the server's own lookup answers (hit
+  chunks x chunk size, by the tier each chunk came from);
+- **prefill seconds saved**: tokens served x the namespace's prefill time per
+  token, as its engines measure and report it (``UsageReport``: the
+  transformers integration reports after each prefill; an exponentially
+  weighted mean); without any report, ``default_prefill_s_per_token`` if set,
+  else unknown (``None``: the ledger does not invent a rate);
+- **load seconds spent**: what the engines report spending to load KV;
+- **net seconds**: saved minus spent — the time the cache bought.
+
+``served`` and ``reported`` run on the server loop; ``report`` and
+``status`` on any thread; one lock guards the table.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+from typing import Any
+
+EWMA = 0.2
+
+
+@dataclass(slots=True)
+class _Entry:
+    served: dict[str, int] = field(default_factory=dict)  # tier -> tokens
+    load_s: float = 0.0
+    loaded_tokens: int = 0
+    rate: float | None = None  # reported prefill seconds per token (EWMA)
+    reports: int = 0
+
+
+class SavingsLedger:
+    """See the module docstring."""
+
+    def __init__(self, default_prefill_s_per_token: float | None = None) -> None:
+        self.default_rate = default_prefill_s_per_token
+        self._lock = threading.Lock()
+        self._entries: dict[tuple[str, str], _Entry] = {}
+
+    def served(self, tenant: str, namespace: str, tier: str, tokens: int) -> None:
+        with self._lock:
+            entry = self._entries.setdefault((tenant, namespace), _Entry())
+            entry.served[tier] = entry.served.get(tier, 0) + tokens
+
+    def reported(
+        self,
+        tenant: str,
+        namespace: str,
+        prefill_s_per_token: float,
+        load_s: float,
+        loaded_tokens: int,
+    ) -> None:
+        with self._lock:
+            entry = self._entries.setdefault((tenant, namespace), _Entry())
+            entry.load_s += load_s
+            entry.loaded_tokens += loaded_tokens
+            if prefill_s_per_token > 0:
+                old = entry.rate
+                entry.rate = (
+                    prefill_s_per_token
+                    if old is None
+                    else (1 - EWMA) * old + EWMA * prefill_s_per_token
+                )
+            entry.reports += 1
+
+    def report(self) -> dict[str, Any]:
+        """Every (tenant, namespace): tokens by tier, the rate used, saved,
+        spent and net seconds; and the totals per tenant."""
+        rows: list[dict[str, Any]] = []
+        tenants: dict[str, dict[str, float]] = {}
+        with self._lock:
+            items = [(k, _copy(e)) for k, e in self._entries.items()]
+        for (tenant, namespace), entry in sorted(items):
+            rate = entry.rate if entry.rate is not None else self.default_rate
+            served = sum(entry.served.values())
+            saved = None if rate is None else served * rate
+            rows.append(
+                {
+                    "tenant": tenant,
+                    "namespace": namespace,
+                    "served_tokens": dict(entry.served),
+                    "prefill_s_per_token": rate,
+                    "rate_reported": entry.rate is not None,
+                    "saved_s": saved,
+                    "load_s": entry.load_s,
+                    "net_s": None if saved is None else saved - entry.load_s,
+                }
+            )
+            total = tenants.setdefault(tenant, {"served_tokens": 0, "saved_s": 0.0, "load_s": 0.0})
+            total["served_tokens"] += served
+            total["saved_s"] += saved or 0.0
+            total["load_s"] += entry.load_s
+        for total in tenants.values():
+            total["net_s"] = total["saved_s"] - total["load_s"]
+        return {"namespaces": rows, "tenants": tenants}
+
+    def status(self) -> dict[str, float]:
+        """Flat numbers for /metrics, keyed ``tenant/namespace[/tier]``."""
+        out: dict[str, float] = {}
+        for row in self.report()["namespaces"]:
+            where = f"{row['tenant']}/{row['namespace']}"
+            for tier, tokens in row["served_tokens"].items():
+                out[f"served_tokens.{where}/{tier}"] = tokens
+            out[f"load_seconds.{where}"] = row["load_s"]
+            if row["saved_s"] is not None:
+                out[f"saved_seconds.{where}"] = row["saved_s"]
+                out[f"net_seconds.{where}"] = row["net_s"]
+        return out
+
+
+def _copy(entry: _Entry) -> _Entry:
+    return _Entry(dict(entry.served), entry.load_s, entry.loaded_tokens, entry.rate, entry.reports)
+
+
+__all__ = ["SavingsLedger"]

@@ -1,0 +1,282 @@
+"""``Purger``: remove a namespace's (or a tenant's) objects from every tier,
+in batches, on a thread of its own, with progress.
+
+A job names a ``KeySelector`` and goes, one batch at a time (the server
+keeps serving in between)::
+
+    L1 ──► each L2 adapter in order ──► settle (wait, then every tier once more) ──► done
+
+- **L1**: resident objects the selector matches are deleted a batch at a
+  time. One a reader holds (a read lock, an I/O fence) is not: it is retried
+  on the next pass, so a read in flight finishes and a later one misses;
+  memory is never freed under a reader.
+- **L2**: ``L2Adapter.purge`` (directory index, Redis SCAN + UNLINK, S3
+  listing + batch delete, Mooncake remove by regex), cursor by cursor; a
+  backend failure is counted and retried after a pause, up to ``max_errors``.
+- **Settle**: objects a lookup was loading, a write-back was writing or a
+  Mooncake read lease kept while the job ran are removed by one more pass
+  over every tier after ``settle_s``.
+
+While a job runs the server refuses stores into the namespace (``purging``),
+so nothing new appears behind it. Jobs are kept in ``state_file`` (JSON, next
+to the fs L2) after every step: a server restarted mid-purge resumes each
+unfinished job from the start (every step is idempotent). Thread safety: one
+lock guards the job table; the storage has its own.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import threading
+import time
+import uuid
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from kvtier.keys import KeySelector
+from kvtier.l1 import L1Result
+from kvtier.storage import StorageManager
+
+log = logging.getLogger(__name__)
+L1_TIER = "L1"
+
+
+@dataclass(slots=True)
+class TierProgress:
+    deleted: int = 0
+    passes: int = 0
+    errors: int = 0
+    held: int = 0  # L1: objects a reader held at the last pass (retried)
+    done: bool = False
+
+
+@dataclass(slots=True)
+class PurgeJob:
+    id: str
+    model: str | None
+    salt: str | None
+    state: str = "running"  # running, done, failed
+    started: float = field(default_factory=time.time)
+    finished: float | None = None
+    error: str = ""
+    tiers: dict[str, TierProgress] = field(default_factory=dict)
+
+    @property
+    def selector(self) -> KeySelector:
+        return KeySelector(self.model, self.salt)
+
+    @property
+    def deleted(self) -> int:
+        return sum(t.deleted for t in self.tiers.values())
+
+    def to_json(self) -> dict[str, Any]:
+        out = asdict(self)
+        out["namespace"] = self.selector.name()
+        out["deleted"] = self.deleted
+        return out
+
+
+class Purger:
+    """See the module docstring."""
+
+    def __init__(
+        self,
+        storage: StorageManager,
+        state_file: Path | None = None,
+        *,
+        batch: int = 1024,
+        pause_s: float = 0.002,
+        settle_s: float = 1.0,
+        max_errors: int = 20,
+        hold_wait_s: float = 60.0,
+    ) -> None:
+        self.storage = storage
+        self.state_file = state_file
+        self.batch = batch
+        self.pause_s = pause_s
+        self.settle_s = settle_s
+        self.max_errors = max_errors
+        self.hold_wait_s = hold_wait_s
+        self._lock = threading.Lock()
+        self._jobs: dict[str, PurgeJob] = {}
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        for job in self._load():
+            self._jobs[job.id] = job
+        self._thread = threading.Thread(target=self._run, name="kvtier-purge", daemon=True)
+        self._thread.start()
+
+    # ---------------------------------------------------------- requests
+
+    def start(self, selector: KeySelector) -> PurgeJob:
+        """A new job for ``selector``, or the one already running for it."""
+        with self._lock:
+            for job in self._jobs.values():
+                if job.state == "running" and job.selector == selector:
+                    return job
+            job = PurgeJob(uuid.uuid4().hex[:12], selector.model, selector.salt)
+            self._jobs[job.id] = job
+            self._save_locked()
+        self._wake.set()
+        log.info("purge %s: %s started", job.id, selector.name())
+        return job
+
+    def purging(self, model: str, salt: str) -> bool:
+        """Whether a running job covers this namespace (stores are refused)."""
+        with self._lock:
+            return any(
+                j.state == "running"
+                and (j.model is None or j.model == model)
+                and (j.salt is None or j.salt == salt)
+                for j in self._jobs.values()
+            )
+
+    def jobs(self) -> list[dict[str, Any]]:
+        with self._lock:
+            return [j.to_json() for j in self._jobs.values()]
+
+    def job(self, job_id: str) -> dict[str, Any] | None:
+        with self._lock:
+            job = self._jobs.get(job_id)
+            return job.to_json() if job is not None else None
+
+    def close(self) -> None:
+        self._stop.set()
+        self._wake.set()
+        self._thread.join(timeout=10)
+
+    # ------------------------------------------------------------ worker
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            with self._lock:
+                running = [j for j in self._jobs.values() if j.state == "running"]
+            if not running:
+                self._wake.wait(timeout=1.0)
+                self._wake.clear()
+                continue
+            for job in running:
+                try:
+                    self._purge(job)
+                except Exception as exc:  # a purge must never take the server down
+                    log.exception("purge %s failed", job.id)
+                    self._finish(job, "failed", str(exc))
+
+    def _purge(self, job: PurgeJob) -> None:
+        tiers = [L1_TIER, *(a.name for a in self.storage.adapters)]
+        for name in tiers:
+            job.tiers.setdefault(name, TierProgress())
+        for settling in (False, True):
+            if settling and self._sleep(self.settle_s):
+                return
+            for name in tiers:
+                progress = job.tiers[name]
+                if settling:
+                    progress.done = False
+                ok = self._l1(job, progress) if name == L1_TIER else self._l2(job, name, progress)
+                if not ok:
+                    return
+        self._finish(job, "done")
+
+    def _l1(self, job: PurgeJob, progress: TierProgress) -> bool:
+        """Delete what L1 holds of the namespace; retry what readers hold."""
+        selector, l1 = job.selector, self.storage.l1
+        deadline = time.monotonic() + self.hold_wait_s
+        while not progress.done:
+            matched = [k for k, _ in l1.resident_objects() if selector.matches(k)]
+            held = 0
+            for start in range(0, len(matched), self.batch):
+                results = l1.delete(matched[start : start + self.batch])
+                progress.deleted += sum(r is L1Result.SUCCESS for r in results)
+                held += sum(r is L1Result.LOCKED for r in results)
+                if self._step(job):
+                    return False
+            progress.passes += 1
+            progress.held = held
+            if held == 0 or time.monotonic() > deadline:
+                progress.done = True
+            elif self._sleep(0.05):
+                return False
+            self._save()
+        return True
+
+    def _l2(self, job: PurgeJob, name: str, progress: TierProgress) -> bool:
+        adapter = next(a for a in self.storage.adapters if a.name == name)
+        cursor: str | None = None
+        while not progress.done:
+            try:
+                step = adapter.purge(job.selector, cursor, self.batch)
+            except Exception as exc:
+                progress.errors += 1
+                log.warning("purge %s: %s failed (%s); retrying", job.id, name, exc)
+                if progress.errors >= self.max_errors:
+                    self._finish(job, "failed", f"{name}: {exc}")
+                    return False
+                if self._sleep(min(0.1 * progress.errors, 2.0)):
+                    return False
+                continue
+            progress.deleted += step.deleted
+            cursor = step.cursor
+            progress.done = cursor is None
+            if progress.done:
+                progress.passes += 1
+            if self._step(job):
+                return False
+        return True
+
+    def _step(self, job: PurgeJob) -> bool:
+        """Between batches: save, yield to the server; True when stopping."""
+        self._save()
+        return self._sleep(self.pause_s)
+
+    def _sleep(self, seconds: float) -> bool:
+        return self._stop.wait(seconds)
+
+    def _finish(self, job: PurgeJob, state: str, error: str = "") -> None:
+        with self._lock:
+            job.state, job.error, job.finished = state, error, time.time()
+            self._save_locked()
+        log.info("purge %s: %s, %d objects deleted", job.id, state, job.deleted)
+
+    # -------------------------------------------------------- persistence
+
+    def _save(self) -> None:
+        with self._lock:
+            self._save_locked()
+
+    def _save_locked(self) -> None:
+        if self.state_file is None:
+            return
+        data = [asdict(j) for j in self._jobs.values()]
+        temp = self.state_file.with_name(self.state_file.name + f".tmp-{os.getpid()}")
+        try:
+            temp.write_text(json.dumps(data))
+            temp.replace(self.state_file)
+        except OSError as exc:
+            log.warning("purge: could not save %s: %s", self.state_file, exc)
+
+    def _load(self) -> list[PurgeJob]:
+        """Jobs from the state file; an unfinished one starts again from the
+        beginning (its steps are idempotent)."""
+        if self.state_file is None or not self.state_file.exists():
+            return []
+        try:
+            data = json.loads(self.state_file.read_text())
+            jobs = []
+            for item in data:
+                tiers = {k: TierProgress(**v) for k, v in item.pop("tiers", {}).items()}
+                job = PurgeJob(**item, tiers=tiers)
+                if job.state == "running":
+                    job.tiers = {}
+                    log.info("purge %s: %s resumes", job.id, job.selector.name())
+                jobs.append(job)
+            return jobs
+        except (OSError, ValueError, TypeError) as exc:
+            log.warning("purge: could not read %s (%s); no jobs resumed", self.state_file, exc)
+            return []
+
+
+__all__ = ["L1_TIER", "PurgeJob", "Purger", "TierProgress"]

@@ -1,0 +1,179 @@
+"""``L2Usage``: what each tenant holds in each L2 adapter, and its quota there.
+
+A tenant's ``l2_bytes`` quota names a cap per adapter. What "holds" means
+depends on what one node can see:
+
+- a **node-local** adapter (the fs L2) lists what it holds: usage is exact
+  (its index, re-counted every ``refresh_s``), and a tenant over its cap
+  loses its *own* oldest objects there, down to the cap (tenant-scoped
+  eviction, counted ``quota_evictions.<adapter>``);
+- a **shared** store (Redis, S3, Mooncake) also holds what other nodes
+  wrote and cannot be listed cheaply: usage is what *this* server wrote
+  there since it started, and past the cap its write-back skips the tenant's
+  objects (the store controller's gate; counted ``over_quota.<adapter>``).
+  Expiry or eviction inside the store is not seen, so this errs toward
+  refusing.
+
+``gate`` runs on the store controller's thread, ``on_stored`` on the
+adapters' threads, ``refresh`` on this object's thread; one lock guards the
+counters.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable
+
+from kvtier.counters import Counters
+from kvtier.keys import ObjectKey
+from kvtier.l2.base import TaskKind, TaskResult
+from kvtier.server.tenants import TenantTable
+from kvtier.storage import StorageManager
+
+log = logging.getLogger(__name__)
+
+
+class L2Usage:
+    """See the module docstring."""
+
+    def __init__(
+        self, storage: StorageManager, tenants: TenantTable, refresh_s: float = 2.0
+    ) -> None:
+        self.storage = storage
+        self.tenants = tenants
+        self.refresh_s = refresh_s
+        self.counters = Counters()
+        self._lock = threading.Lock()
+        self._owner: Callable[[str], str] = tenants.tenant_of
+        self._local = {a.name for a in storage.adapters if not a.shared}
+        self._held: dict[tuple[str, str], int] = {}  # (tenant, adapter) -> bytes, local
+        self._written: dict[tuple[str, str], int] = {}  # (tenant, adapter) -> bytes, shared
+        self._namespaces: dict[tuple[str, str, str], list[int]] = {}  # (model, salt, adapter)
+        self._pending: dict[tuple[str, str], int] = {}  # approved, not yet stored
+        self._caps = {
+            (t.name, adapter): cap
+            for t in tenants.tenants.values()
+            for adapter, cap in t.quota.l2_bytes.items()
+        }
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        if self._caps or self._local:
+            self.refresh()
+            self._thread = threading.Thread(target=self._run, name="kvtier-l2-usage", daemon=True)
+            self._thread.start()
+
+    # ---------------------------------------------------------- write-back
+
+    def gate(self, adapter: str, key: ObjectKey, nbytes: int) -> bool:
+        """Whether the store controller may write ``key`` to ``adapter``: always
+        on a node-local adapter (eviction keeps the cap), on a shared store
+        while the tenant stays under its cap."""
+        if adapter in self._local:
+            return True
+        tenant = self._owner(key.salt)
+        cap = self._caps.get((tenant, adapter))
+        if cap is None:
+            return True
+        with self._lock:
+            used = self._written.get((tenant, adapter), 0) + self._pending.get((tenant, adapter), 0)
+            if used + nbytes > cap:
+                self.counters.add(f"over_quota.{adapter}")
+                return False
+            self._pending[(tenant, adapter)] = self._pending.get((tenant, adapter), 0) + nbytes
+        return True
+
+    def on_stored(self, result: TaskResult) -> None:
+        """A store task's result: what landed in a shared store counts."""
+        if result.kind is not TaskKind.STORE or result.adapter in self._local:
+            return
+        per_key = result.nbytes // max(result.count, 1)
+        with self._lock:
+            for key, ok in zip(result.keys, result.ok, strict=True):
+                tenant = self._owner(key.salt)
+                slot = (tenant, result.adapter)
+                if slot in self._pending:
+                    self._pending[slot] = max(0, self._pending[slot] - per_key)
+                if ok:
+                    self._written[slot] = self._written.get(slot, 0) + per_key
+                    where = (key.model, key.salt, result.adapter)
+                    counts = self._namespaces.setdefault(where, [0, 0])
+                    counts[0] += 1
+                    counts[1] += per_key
+
+    # -------------------------------------------------------------- reads
+
+    def by_tenant(self) -> dict[str, dict[str, int]]:
+        """Tenant -> adapter -> bytes (local: held; shared: written here)."""
+        out: dict[str, dict[str, int]] = {}
+        with self._lock:
+            for (tenant, adapter), nbytes in (*self._held.items(), *self._written.items()):
+                out.setdefault(tenant, {})[adapter] = nbytes
+        return out
+
+    def written(self) -> dict[tuple[str, str, str], tuple[int, int]]:
+        """(model, salt, shared adapter) -> (objects, bytes) this server wrote."""
+        with self._lock:
+            return {k: (v[0], v[1]) for k, v in self._namespaces.items()}
+
+    def status(self) -> dict[str, int]:
+        flat = {
+            f"tenant_bytes.{tenant}/{adapter}": nbytes
+            for tenant, tiers in self.by_tenant().items()
+            for adapter, nbytes in tiers.items()
+        }
+        return {**flat, **self.counters.snapshot()}
+
+    # ------------------------------------------------------------ refresh
+
+    def refresh(self) -> None:
+        """Re-count node-local adapters; evict tenants over their caps there."""
+        for adapter in self.storage.adapters:
+            if adapter.shared:
+                continue
+            held = adapter.held_sizes()  # oldest first
+            per_tenant: dict[str, int] = {}
+            for key, size in held:
+                tenant = self._owner(key.salt)
+                per_tenant[tenant] = per_tenant.get(tenant, 0) + size
+            for tenant, used in per_tenant.items():
+                cap = self._caps.get((tenant, adapter.name))
+                if cap is None or used <= cap:
+                    continue
+                victims, freed = [], 0
+                for key, size in held:
+                    if used - freed <= cap:
+                        break
+                    if self._owner(key.salt) == tenant:
+                        victims.append(key)
+                        freed += size
+                removed = adapter.delete(victims)
+                per_tenant[tenant] = used - freed
+                self.counters.add(f"quota_evictions.{adapter.name}", removed)
+                log.info(
+                    "L2 %s: tenant %s was over its %d-byte quota; %d of its oldest objects removed",
+                    adapter.name,
+                    tenant,
+                    cap,
+                    removed,
+                )
+            with self._lock:
+                for slot in [s for s in self._held if s[1] == adapter.name]:
+                    del self._held[slot]
+                for tenant, used in per_tenant.items():
+                    self._held[(tenant, adapter.name)] = used
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.refresh_s):
+            try:
+                self.refresh()
+            except Exception:
+                log.exception("L2 usage: a refresh failed")
+
+
+__all__ = ["L2Usage"]
