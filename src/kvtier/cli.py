@@ -14,6 +14,7 @@ from kvtier.extras import missing_extra
 from kvtier.output import JSON_HELP, report_stream, write_json
 from kvtier.planner.command import add_parser as add_plan_parser
 from kvtier.router.command import add_parser as add_route_parser
+from kvtier.server.admin_command import add_parser as add_admin_parser
 from kvtier.units import parse_size, parse_span
 
 
@@ -203,6 +204,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_plan_parser(commands)
     add_bench_parser(commands)
     add_route_parser(commands)
+    add_admin_parser(commands)
     srv = commands.add_parser(
         "serve",
         help="run the node's shared cache server",

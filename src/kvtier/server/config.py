@@ -5,7 +5,8 @@ size, shared-memory directory, eviction policy, watermarks, leases),
 ``[store]`` (``StoreConfig``: write-back policy and bounds), ``[prefetch]``
 (``PrefetchConfig``: deadline and bounds), ``[limits]`` (``ServerLimits``:
 time-to-live and what a client may make the server hold), ``[events]``
-(``EventsConfig``: where KV events are published), and ``[[l2]]``
+(``EventsConfig``: where KV events are published), ``[purge]``
+(``PurgeConfig``: how purges pace themselves), and ``[[l2]]``
 tables for the shared stores after the local disk. ``load_config`` reads
 them with ``kvtier.config.load``'s precedence (flags > ``KVTIER_*``
 environment > ``--config`` TOML file > defaults); ``--print-config`` shows
@@ -29,6 +30,7 @@ from kvtier.l1 import L1Config
 from kvtier.l2.registry import parse_spec
 from kvtier.paths import cache_home
 from kvtier.server.limits import ServerLimits
+from kvtier.server.purge import PurgeConfig
 
 GiB = 1 << 30
 ENV_PREFIX = "KVTIER_"
@@ -74,6 +76,7 @@ class ServerConfig:
     prefetch: PrefetchConfig = field(default_factory=PrefetchConfig)
     limits: ServerLimits = field(default_factory=ServerLimits)
     events: EventsConfig = field(default_factory=EventsConfig)  # KV events; off by default
+    purge: PurgeConfig = field(default_factory=PurgeConfig)
     # More L2 adapters after the fs one, e.g. shared stores: TOML ``[[l2]]``
     # tables or ``--l2 '{"type": "redis", "url": "redis://..."}'`` (repeatable).
     l2: tuple[dict[str, Any], ...] = ()

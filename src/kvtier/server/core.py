@@ -49,7 +49,7 @@ from kvtier.server.ledger import SavingsLedger
 from kvtier.server.limits import RequestError, ServerLimits, check_hello, check_layouts
 from kvtier.server.metrics import ServerMetrics
 from kvtier.server.negotiation import ChunkSizeNegotiator
-from kvtier.server.purge import Purger
+from kvtier.server.purge import PurgeConfig, Purger
 from kvtier.server.sessions import Client, Reservation, Session, SessionTable, shown
 from kvtier.server.tenants import TenantTable
 from kvtier.server.usage import L2Usage
@@ -92,6 +92,7 @@ class CacheServer:
         clock: Callable[[], float] = time.monotonic,
         offload_bytes: int = 0,  # 0: every bytes store is copied inline
         purge_state: Path | None = None,  # where purge jobs are kept (resumed after a restart)
+        purge: PurgeConfig | None = None,
         default_prefill_s_per_token: float | None = None,  # the ledger's, without reports
     ) -> None:
         self.storage = storage
@@ -109,7 +110,7 @@ class CacheServer:
         self.publisher_status: Callable[[], dict[str, object]] | None = None  # KV events
         self.warmup = Warmup(storage)  # routing-time prefetch (the admin port's /prefetch)
         self.draining = False  # the admin's drain: stores refused, lookups served
-        self.purger = Purger(storage, purge_state)
+        self.purger = Purger(storage, purge_state, purge)
         self.ledger = SavingsLedger(default_prefill_s_per_token)
         self.l2_usage = L2Usage(storage, self.tenants)
         storage.store_controller.gate = self.l2_usage.gate

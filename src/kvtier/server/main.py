@@ -59,6 +59,7 @@ def serve(config: ServerConfig, stop: threading.Event | None = None) -> None:
         config.limits,
         offload_bytes=OFFLOAD_BYTES,
         purge_state=Path(config.l2_dir) / PURGE_STATE if config.l2_dir else None,
+        purge=config.purge,
         default_prefill_s_per_token=config.ledger_prefill_s_per_token or None,
     )
     admin = None

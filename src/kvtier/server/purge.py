@@ -44,6 +44,23 @@ log = logging.getLogger(__name__)
 L1_TIER = "L1"
 
 
+@dataclass(frozen=True, slots=True)
+class PurgeConfig:
+    """``[purge]``: how purges pace themselves."""
+
+    batch_objects: int = 1024  # objects deleted per step
+    pause_s: float = 0.002  # between steps: the server keeps serving
+    settle_s: float = 1.0  # before the last pass over every tier
+    max_errors: int = 20  # backend failures per tier before the job fails
+    hold_wait_s: float = 60.0  # how long L1 waits for readers to let go
+
+    def __post_init__(self) -> None:
+        if self.batch_objects < 1 or self.max_errors < 1:
+            raise ValueError("purge.batch_objects and purge.max_errors must be >= 1")
+        if min(self.pause_s, self.settle_s, self.hold_wait_s) < 0:
+            raise ValueError("purge.pause_s, settle_s and hold_wait_s must be >= 0")
+
+
 @dataclass(slots=True)
 class TierProgress:
     deleted: int = 0
@@ -86,20 +103,16 @@ class Purger:
         self,
         storage: StorageManager,
         state_file: Path | None = None,
-        *,
-        batch: int = 1024,
-        pause_s: float = 0.002,
-        settle_s: float = 1.0,
-        max_errors: int = 20,
-        hold_wait_s: float = 60.0,
+        config: PurgeConfig | None = None,
     ) -> None:
         self.storage = storage
         self.state_file = state_file
-        self.batch = batch
-        self.pause_s = pause_s
-        self.settle_s = settle_s
-        self.max_errors = max_errors
-        self.hold_wait_s = hold_wait_s
+        config = config or PurgeConfig()
+        self.batch = config.batch_objects
+        self.pause_s = config.pause_s
+        self.settle_s = config.settle_s
+        self.max_errors = config.max_errors
+        self.hold_wait_s = config.hold_wait_s
         self._lock = threading.Lock()
         self._jobs: dict[str, PurgeJob] = {}
         self._wake = threading.Event()
@@ -279,4 +292,4 @@ class Purger:
             return []
 
 
-__all__ = ["L1_TIER", "PurgeJob", "Purger", "TierProgress"]
+__all__ = ["L1_TIER", "PurgeConfig", "PurgeJob", "Purger", "TierProgress"]
