@@ -27,7 +27,7 @@ import logging
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from kvtier.keys import KeySelector, salt_label
+from kvtier.keys import KeySelector, model_label, salt_label
 from kvtier.l1 import L1Result
 from kvtier.l1.quotas import OwnerLimit
 from kvtier.units import parse_size
@@ -166,7 +166,7 @@ class AdminAPI:
         return self._pin(body, 0.0)
 
     def _pin(self, body: dict[str, Any], ttl_s: float) -> dict[str, Any]:
-        model, salt = _text(body, "model"), salt_label(_text(body, "salt", ""))
+        model, salt = model_label(_text(body, "model")), salt_label(_text(body, "salt", ""))
         hashes = body.get("hashes")
         if not isinstance(hashes, list) or not all(isinstance(h, str) for h in hashes):
             raise BadRequest("give 'hashes': a list of chunk hashes in hex")
