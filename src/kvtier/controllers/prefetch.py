@@ -528,6 +528,7 @@ class PrefetchController:
                 for request in live:
                     request.missed[key] = reason
         self._counters.add(f"loaded_objects.{result.adapter}", result.count)
+        self._counters.add(f"loaded_bytes.{result.adapter}", result.nbytes)
         self._counters.add(f"failed_loads.{result.adapter}", len(result.ok) - result.count)
         for n, keys in waiting.items():
             if n == 0:

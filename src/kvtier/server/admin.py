@@ -27,6 +27,8 @@ from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from kvtier.server.admin_api import AdminAPI
+from kvtier.server.dashboard import History
+from kvtier.server.dashboard import page as dashboard_page
 from kvtier.server.transport import ServerTransport
 
 MAX_PREFETCH_BODY = 1 << 20
@@ -78,12 +80,15 @@ class AdminHTTP:
         registry.register(SnapshotCollector(transport))
         storage = transport.core.storage
         warmup = transport.core.warmup
-        api = AdminAPI(transport)
+        self.history = History(lambda: transport.snapshot)
+        api = AdminAPI(transport, self.history)
 
         class Handler(BaseHTTPRequestHandler):
             def do_GET(self) -> None:
                 if self.path == "/healthz":
                     self._send(200, b"ok\n", "text/plain")
+                elif self.path == "/":  # the page holds no data: /admin/dashboard does
+                    self._send(200, dashboard_page(), "text/html; charset=utf-8")
                 elif not self._authorized():
                     return
                 elif self.path == "/status":
@@ -180,3 +185,4 @@ class AdminHTTP:
     def close(self) -> None:
         self._server.shutdown()
         self._server.server_close()
+        self.history.close()

@@ -17,6 +17,7 @@ the adapters, the purger, the warm-up registry, the status snapshot).
 ``POST /admin/drain``   ``{on: true|false}``: stop (or resume) taking stores
 ``POST /admin/quota``   ``{tenant, l1_bytes?, l1_hard_bytes?, pin_bytes?}``
 ``GET  /admin/ledger``  the savings ledger (``kvtier.server.ledger``)
+``GET  /admin/dashboard``  what the dashboard page draws
 ======================  ==================================================
 """
 
@@ -24,12 +25,14 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from kvtier.keys import KeySelector, model_label, salt_label
 from kvtier.l1 import L1Result
 from kvtier.l1.quotas import OwnerLimit
+from kvtier.server.dashboard import History, totals
 from kvtier.units import parse_size
 
 if TYPE_CHECKING:
@@ -50,9 +53,11 @@ class NotFound(LookupError):
 class AdminAPI:
     """The handlers; see the module docstring."""
 
-    def __init__(self, transport: ServerTransport) -> None:
+    def __init__(self, transport: ServerTransport, history: History | None = None) -> None:
         self.transport = transport
         self.core = transport.core
+        self.history = history
+        self._top: tuple[float, list[dict[str, Any]]] = (0.0, [])
         self.routes: dict[tuple[str, str], Callable[[dict[str, Any]], dict[str, Any]]] = {
             ("GET", "/admin/status"): self.status,
             ("GET", "/admin/tenants"): self.tenants,
@@ -64,6 +69,7 @@ class AdminAPI:
             ("POST", "/admin/drain"): self.drain,
             ("POST", "/admin/quota"): self.quota,
             ("GET", "/admin/ledger"): self.ledger,
+            ("GET", "/admin/dashboard"): self.dashboard,
         }
 
     def handle(self, method: str, path: str, body: dict[str, Any]) -> Answer:
@@ -146,6 +152,40 @@ class AdminAPI:
                 for name, tiers in sorted(table.items())
             ]
         }
+
+    def dashboard(self, body: dict[str, Any]) -> dict[str, Any]:
+        """Everything the dashboard page draws (``kvtier.server.dashboard``)."""
+        return {
+            "status": self.status(body),
+            "series": self.history.series() if self.history is not None else {},
+            "totals": totals(self.transport.snapshot),
+            "ledger": self.core.ledger.report(),
+            "namespaces": self._top_namespaces(),
+            "tenants": self.tenants(body)["tenants"],
+        }
+
+    def _top_namespaces(self, count: int = 10, every_s: float = 5.0) -> list[dict[str, Any]]:
+        """The namespaces holding the most L1 bytes (recounted every ``every_s``)."""
+        taken, top = self._top
+        if time.monotonic() - taken < every_s:
+            return top
+        table: dict[str, list[int]] = {}
+        for key, size in self.core.storage.l1.resident_sizes():
+            entry = table.setdefault(f"{key.model}@{key.salt}", [0, 0])
+            entry[0] += 1
+            entry[1] += size
+        ranked = sorted(table.items(), key=lambda item: -item[1][1])[:count]
+        top = [
+            {
+                "namespace": name,
+                "tenant": self.core.tenants.tenant_of(name.split("@")[1]),
+                "objects": objects,
+                "bytes": nbytes,
+            }
+            for name, (objects, nbytes) in ranked
+        ]
+        self._top = (time.monotonic(), top)
+        return top
 
     def purges(self, body: dict[str, Any]) -> dict[str, Any]:
         return {"purges": self.core.purger.jobs()}

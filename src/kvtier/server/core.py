@@ -305,6 +305,7 @@ class CacheServer:
         offsets = [pl.offset if pl.offset is not None else -1 for pl in placements]
         sizes = [pl.size for pl in placements]
         self.counters.add("retrieved_objects", len(keys))
+        self.counters.add("retrieved_bytes", sum(sizes))
         self.metrics.retrieve_seconds.observe(time.perf_counter() - started)
         return p.Objects(offsets, sizes), [] if client.shm else views
 
@@ -348,6 +349,7 @@ class CacheServer:
         stored = len(self.storage.commit_store(res.tag, res.fence, res.layout)) + res.already
         self.metrics.store_seconds.observe(time.perf_counter() - res.started)
         self.counters.add("stored_objects", stored)
+        self.counters.add("stored_bytes", stored * res.layout.object_bytes())
         return p.Committed(stored), []
 
     def _store_abort(self, client: Client, req: p.StoreAbort, frames: Sequence[Buffer]) -> Outcome:
@@ -381,6 +383,7 @@ class CacheServer:
             stored = sum(r is L1Result.SUCCESS for r in results)
             self.metrics.store_seconds.observe(time.perf_counter() - started)
             self.counters.add("stored_objects", stored)
+            self.counters.add("stored_bytes", stored * size)
             return p.Committed(stored), []
 
         if self.offload_bytes and size * len(keys) >= self.offload_bytes:

@@ -1,0 +1,160 @@
+"""The dashboard in a real headless browser (Debian's chromium and
+chromedriver, selenium), against a live ``kvtier serve`` with traffic: the
+page asks for a token, then draws non-empty charts, shows the numbers
+``/metrics`` reports, and logs no console error; a screenshot is taken
+(``KVTIER_DASHBOARD_SCREENSHOT=path`` keeps it, for the README)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from kvtier.server.client import CacheClient
+from kvtier.server.tenants import token_digest
+from tests.integration import workload as w
+from tests.integration.harness import Server, ServerFactory, wait_for
+
+webdriver = pytest.importorskip("selenium.webdriver")
+CHROMIUM, DRIVER = shutil.which("chromium"), shutil.which("chromedriver")
+pytestmark = pytest.mark.skipif(
+    CHROMIUM is None or DRIVER is None,
+    reason="needs Debian's chromium and chromium-driver (apt-get install chromium chromium-driver)",
+)
+
+TENANTS = f"""
+[[tenant]]
+name = "acme"
+token_sha256 = ["{token_digest("acme-token")}"]
+salts = ["acme"]
+
+[[tenant]]
+name = "ops"
+token_sha256 = ["{token_digest("ops-token")}"]
+salts = ["ops"]
+admin = true
+"""
+
+
+@pytest.fixture
+def browser() -> Iterator[Any]:
+    from selenium.webdriver.chrome.options import Options
+    from selenium.webdriver.chrome.service import Service
+
+    options = Options()
+    options.binary_location = str(CHROMIUM)
+    for flag in ("--headless=new", "--no-sandbox", "--disable-gpu", "--window-size=1400,1500",
+                 "--disable-background-networking", "--disable-component-update",
+                 "--disable-sync", "--no-first-run", "--disable-quic"):  # fmt: skip
+        options.add_argument(flag)
+    options.set_capability("goog:loggingPrefs", {"browser": "ALL"})
+    driver = webdriver.Chrome(service=Service(str(DRIVER)), options=options)
+    try:
+        yield driver
+    finally:
+        driver.quit()
+
+
+def traffic(server: Server) -> None:
+    """An engine that prefills prompts twice (the second time from L1; it
+    reports its prefill rate to the ledger), stores and lookups of a client,
+    misses, and a refused hello (an error by reason)."""
+    from kvtier.engine.hf import KVTierModel
+    from tests.hf_helpers import prompt, tiny_model
+
+    engine = KVTierModel(tiny_model("llama"), server=server.rpc, auth_token="acme-token")
+    try:
+        for seed in range(3):
+            for _ in range(2):
+                engine.prefill(prompt(seed, 900))
+    finally:
+        engine.close()
+    size = w.object_bytes(256)
+    acme = CacheClient(w.client_config(server.rpc, auth_token="acme-token"))
+    intruder = CacheClient(
+        w.client_config(server.rpc, auth_token="acme-token", salt="ops", request_timeout_s=1.0)
+    )
+    try:
+        for seed in range(6):
+            hashes = w.chunk_hashes(256, 60 + seed, 4)
+            acme.store(f"s{seed}", hashes, w.payloads(60 + seed, 4, size))
+            found = acme.query(acme.lookup(f"r{seed}", hashes), timeout_s=10.0) or 0
+            if found:
+                acme.release(f"r{seed}", 0, found)
+            acme.query(acme.lookup(f"m{seed}", w.chunk_hashes(256, 90 + seed, 2)), timeout_s=10)
+            time.sleep(0.4)  # spread over several of the dashboard's samples
+    finally:
+        acme.close()
+        intruder.close()
+
+
+def metrics(server: Server) -> dict[str, float]:
+    text = server.http_get("/metrics", token="ops-token")[1].decode()
+    out = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            key = s.labels.get("key", "")
+            out[f'{s.name}{{key="{key}"}}' if key else s.name] = s.value
+    return out
+
+
+def test_the_dashboard_shows_live_numbers_in_a_real_browser(
+    kvtier_server: ServerFactory, browser: Any, tmp_path: Path
+) -> None:
+    from selenium.webdriver.common.by import By
+
+    path = tmp_path / "tenants.toml"
+    path.write_text(TENANTS)
+    server = kvtier_server.start("--tenants-file", str(path))
+    traffic(server)
+
+    browser.get(server.http + "/")  # no token: the page says what is missing
+    message = wait_for(lambda: browser.find_element(By.ID, "message").text, bool)
+    assert "needs an admin token" in message
+    assert server.http_get("/admin/dashboard", token="")[0] == 401
+    browser.get("about:blank")
+    refused = [e for e in browser.get_log("browser") if e["level"] == "SEVERE"]  # only 401s
+    assert refused and all("/admin/dashboard" in e["message"] and "401" in e["message"]
+                           for e in refused), refused  # fmt: skip
+
+    browser.get(server.http + "/#token=ops-token")
+    drawn = wait_for(
+        lambda: browser.execute_script("return window.kvtierDrawn"),
+        lambda d: bool(d) and d.get("hit-ratio", 0) > 2 and d.get("flows", 0) > 2,
+        timeout_s=30,
+    )
+    assert drawn["l1"] > 2 and drawn["errors"] >= 1
+    time.sleep(2.5)  # one more poll, after the snapshot has every number
+    shown = {
+        cell.get_attribute("data-metric"): float(cell.get_attribute("data-value"))
+        for cell in browser.find_elements(By.CSS_SELECTOR, "#totals td[data-metric]")
+    }
+    reported = metrics(server)
+    assert shown, "the totals table is empty"
+    assert 'kvtier_server_hit_tokens{key="L1"}' in shown
+    for name, value in shown.items():
+        assert reported.get(name) == value, (name, value, reported.get(name))
+    assert shown['kvtier_server_errors{key="forbidden"}'] >= 1
+    ledger = browser.find_element(By.ID, "ledger").text
+    assert "acme /" in ledger and " s" in ledger  # seconds saved: the engine reported its rate
+
+    painted = browser.execute_script(
+        """return Array.from(document.querySelectorAll('canvas')).map((c) => {
+             const d = c.getContext('2d').getImageData(0, 0, c.width, c.height).data;
+             let n = 0; for (let i = 3; i < d.length; i += 4) if (d[i] > 0) n++;
+             return [c.id, n]; });"""
+    )
+    for canvas, pixels in painted:
+        assert pixels > 500, (canvas, pixels)  # every chart drew something
+    errors = [e for e in browser.get_log("browser") if e["level"] == "SEVERE"]
+    assert errors == [], errors
+    shot = Path(os.environ.get("KVTIER_DASHBOARD_SCREENSHOT", tmp_path / "dashboard.png"))
+    assert browser.save_screenshot(str(shot))
+    data = shot.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 50_000
