@@ -409,6 +409,12 @@ class L1Manager(L1Tables):
         with self._lock:
             return [(obj.key, obj.reserved) for obj in self._resident.values()]
 
+    def older_than(self, age_s: float) -> list[ObjectKey]:
+        """Resident objects admitted more than ``age_s`` seconds ago."""
+        with self._lock:
+            cutoff = self._clock() - age_s
+            return [k for k, obj in self._resident.items() if obj.admitted_at < cutoff]
+
     def owner_usage(self) -> dict[str, dict[str, int]]:
         """Per owner: resident + staging bytes, and pinned bytes."""
         with self._lock:
@@ -500,6 +506,7 @@ class L1Manager(L1Tables):
                     obj.state, obj.tag = ObjectState.RESIDENT, None
                     self._leases.end(obj)
                     self._resident[key] = winner = obj
+                    obj.admitted_at = now
                     admitted.append(obj)
                 else:
                     self._counters.add("duplicate_writes", 1)

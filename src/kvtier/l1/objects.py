@@ -54,6 +54,7 @@ class L1Object:
     armed_at: float | None = None  # due time of this object's live entry in the lease heap
     io_fences: int = 0
     reclaimed: bool = False  # lease expired while fenced: free when the fence lifts
+    admitted_at: float = 0.0  # when it became resident (the manager's clock)
 
 
 @dataclass(slots=True, eq=False)

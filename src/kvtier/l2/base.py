@@ -218,6 +218,11 @@ class L2Adapter(ABC):
         """``held_keys`` with the bytes each takes, oldest first."""
         return []
 
+    def older_than(self, age_s: float) -> list[ObjectKey]:
+        """Objects a node-local adapter stored more than ``age_s`` seconds ago
+        (for retention; [] where ages are unknown)."""
+        return []
+
     def delete(self, keys: Sequence[ObjectKey]) -> int:
         """Remove these objects from a node-local adapter (blocking); how many
         it held."""

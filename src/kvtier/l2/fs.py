@@ -32,6 +32,7 @@ import logging
 import mmap
 import os
 import threading
+import time
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -265,6 +266,18 @@ class FSAdapter(BlockingAdapter):
         for key in held:
             self._delete(key, self.path_of(key))
         return len(held)
+
+    def older_than(self, age_s: float) -> list[ObjectKey]:
+        """Objects whose file was written more than ``age_s`` seconds ago."""
+        cutoff = time.time() - age_s
+        old = []
+        for key in self.held_keys():
+            try:
+                if self.path_of(key).stat().st_mtime < cutoff:
+                    old.append(key)
+            except OSError:
+                continue
+        return old
 
     def purge(self, selector: KeySelector, cursor: str | None, limit: int) -> PurgeStep:
         """From the index: a reader with the file open keeps reading it (an

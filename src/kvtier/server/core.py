@@ -50,6 +50,7 @@ from kvtier.server.limits import RequestError, ServerLimits, check_hello, check_
 from kvtier.server.metrics import ServerMetrics
 from kvtier.server.negotiation import ChunkSizeNegotiator
 from kvtier.server.purge import PurgeConfig, Purger
+from kvtier.server.retention import Retention
 from kvtier.server.sessions import Client, Reservation, Session, SessionTable, shown
 from kvtier.server.tenants import TenantTable
 from kvtier.server.usage import L2Usage
@@ -113,6 +114,7 @@ class CacheServer:
         self.purger = Purger(storage, purge_state, purge)
         self.ledger = SavingsLedger(default_prefill_s_per_token)
         self.l2_usage = L2Usage(storage, self.tenants)
+        self.retention = Retention(storage, self.tenants)
         storage.store_controller.gate = self.l2_usage.gate
         storage.on_stored = self.l2_usage.on_stored
         self._started = clock()
@@ -466,6 +468,7 @@ class CacheServer:
             "purges": self._purge_counts(),
             "ledger": self.ledger.status(),
             "l2_usage": self.l2_usage.status(),
+            "retention": self.retention.counters.snapshot(),
             "server": self.counters.snapshot(),
             "transport": self.transport_counters.snapshot(),
             "storage": self.storage.status(),
@@ -476,6 +479,7 @@ class CacheServer:
         self.warmup.close()
         self.purger.close()
         self.l2_usage.close()
+        self.retention.close()
         self.sessions.close()
 
     def _purge_counts(self) -> dict[str, int]:

@@ -10,6 +10,7 @@ labels of its namespaces)::
     salts = ["acme", "acme-rag"]     # its namespaces: read and written by it only
     read = ["public"]                # others' namespaces it may read, never write
     admin = false                    # the admin API (kvtier admin, the dashboard)
+    retention_s = 604800             # its objects older than this go (L1, the local disk)
     [tenant.quota]
     l1_bytes = "4GiB"                # over it, its own objects are evicted first
     l1_hard_bytes = "6GiB"           # a store that would pass it is refused
@@ -47,7 +48,7 @@ from kvtier.units import parse_size
 ANY_SALT = "*"
 DEFAULT_TENANT = "default"
 _HEX64 = re.compile(r"[0-9a-f]{64}")
-_TENANT_FIELDS = {"name", "token_sha256", "salts", "read", "admin", "quota"}
+_TENANT_FIELDS = {"name", "token_sha256", "salts", "read", "admin", "quota", "retention_s"}
 _QUOTA_FIELDS = {"l1_bytes", "l1_hard_bytes", "pin_bytes", "l2_bytes"}
 
 
@@ -74,6 +75,7 @@ class Tenant:
     read: tuple[str, ...] = ()
     admin: bool = False
     quota: Quota = field(default_factory=Quota)
+    retention_s: float | None = None  # its objects older than this are removed (L1, local L2)
 
     @property
     def any_salt(self) -> bool:
@@ -245,6 +247,11 @@ def _tenant(table: Any, where: _Where) -> Tenant:
     admin = table.get("admin", False)
     if not isinstance(admin, bool):
         raise where.error("admin", f"must be true or false, got {admin!r}")
+    retention = table.get("retention_s")
+    if retention is not None and (
+        isinstance(retention, bool) or not isinstance(retention, int | float) or retention <= 0
+    ):
+        raise where.error("retention_s", f"must be a number of seconds > 0, got {retention!r}")
     return Tenant(
         name,
         tuple(digests),
@@ -252,6 +259,7 @@ def _tenant(table: Any, where: _Where) -> Tenant:
         tuple(salt_label(s) for s in _strings(table, "read", where)),
         admin,
         _quota(table.get("quota", {}), where),
+        None if retention is None else float(retention),
     )
 
 
