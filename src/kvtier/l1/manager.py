@@ -390,90 +390,14 @@ class L1Manager(L1Tables):
         with self._lock:
             return [L1Result.SUCCESS if self._quotas.unpin(k) else L1Result.NOT_FOUND for k in keys]
 
-    def _owner_status(self) -> dict[str, int]:
-        """Per named owner (tenant), for /metrics: resident + staging and pinned bytes."""
-        now = self._clock()
-        out: dict[str, int] = {}
-        for owner, used in self._quotas.usage().items():
-            if owner:
-                out[f"tenant_bytes.{owner}"] = used
-                out[f"tenant_pinned_bytes.{owner}"] = self._quotas.pinned_bytes(owner, now)
-        return out
-
     def limit(self, owner: str) -> OwnerLimit:
         with self._lock:
             return self._quotas.limit(owner)
-
-    def resident_sizes(self) -> list[tuple[ObjectKey, int]]:
-        """Every resident object's key and the bytes it takes (a snapshot)."""
-        with self._lock:
-            return [(obj.key, obj.reserved) for obj in self._resident.values()]
-
-    def older_than(self, age_s: float) -> list[ObjectKey]:
-        """Resident objects admitted more than ``age_s`` seconds ago."""
-        with self._lock:
-            cutoff = self._clock() - age_s
-            return [k for k, obj in self._resident.items() if obj.admitted_at < cutoff]
-
-    def owner_usage(self) -> dict[str, dict[str, int]]:
-        """Per owner: resident + staging bytes, and pinned bytes."""
-        with self._lock:
-            now = self._clock()
-            return {
-                owner: {"bytes": used, "pinned_bytes": self._quotas.pinned_bytes(owner, now)}
-                for owner, used in self._quotas.usage().items()
-            }
 
     def reap_expired(self) -> None:
         """Expire leases that are due (every public method also does this)."""
         with self._lock:
             self._reap(self._clock())
-
-    def contains(self, key: ObjectKey) -> bool:
-        """Whether ``key`` is resident (staging copies do not count)."""
-        with self._lock:
-            return key in self._resident
-
-    def resident_objects(self) -> list[tuple[ObjectKey, str]]:
-        """Every resident object's key and layout digest, newest admission
-        first (a snapshot: any of them may be evicted right after)."""
-        with self._lock:
-            return [(obj.key, obj.layout) for obj in reversed(self._resident.values())]
-
-    def status(self) -> dict[str, object]:
-        with self._lock:
-            arena = self._arena.stats()
-            return {
-                "capacity_bytes": arena["capacity_bytes"],
-                "used_bytes": arena["used_bytes"],
-                "staging_bytes": self._staging_bytes,
-                "locked_bytes": self._locked_bytes,
-                "resident_objects": len(self._resident),
-                "staging_objects": len(self._staging),
-                "locked_objects": self._locked_objects,
-                "fenced_objects": self._fenced_objects,
-                "fragmentation": arena["fragmentation"],
-                "eviction_policy": self._policy.name,
-                **self._counters.snapshot(),
-                **self._owner_status(),
-            }
-
-    def audit(self) -> dict[str, int]:
-        """Recount locks and bytes from the tables (for tests and debugging)."""
-        with self._lock:
-            live = list(self._all_objects())
-            return {
-                "read_locks": sum(o.read_locks for o in self._resident.values()),
-                "locked_objects": sum(1 for o in self._resident.values() if o.read_locks),
-                "fenced_objects": sum(1 for o in live if o.io_fences),
-                "staging_objects": len(self._staging),
-                "io_fences": sum(o.io_fences for o in live),
-                "zombies": len(self._zombies),
-                "object_bytes": sum(o.reserved for o in live),
-                "arena_used_bytes": self._arena.used_bytes,
-                "policy_entries": len(self._policy),
-                "resident_objects": len(self._resident),
-            }
 
     def close(self) -> None:
         """Release the arena. Outstanding views must not be used afterwards."""
