@@ -1,0 +1,102 @@
+"""What tenant quotas cost: L1 store and lookup throughput through
+``StorageManager`` with and without per-tenant owners and limits.
+
+Three configurations over the same keys (4 tenants by salt, 64-object
+batches of 16 KiB objects, L1 big enough that nothing is evicted):
+
+- *no owners* — the baseline, measured in the same run;
+- *owners, limits not reached* — every store pays the owner accounting and
+  the hard-limit check (the cost of enforcement itself);
+- *owners over a soft limit* — every store also evicts the tenant's own
+  oldest objects (scoped eviction), measured against *no owners* with an L1
+  small enough that global eviction does the same amount of work.
+
+Rounds alternate the configurations (ABAB...) so that drift falls on all.
+
+    python benchmarks/bench_quota.py [--rounds 7] [--batches 200]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+
+import numpy as np
+
+from common import report, timed
+from kvtier.keys import ObjectKey
+from kvtier.l1 import L1Config
+from kvtier.l1.quotas import OwnerLimit
+from kvtier.storage import StorageConfig, StorageManager
+
+OBJECT = 16 << 10
+BATCH = 64
+TENANTS = ("acme", "globex", "initech", "umbrella")
+
+
+def run(batches: int, owners: dict[str, OwnerLimit] | None, l1_bytes: int) -> tuple[float, float]:
+    """(stores/s, lookups/s) in objects per second."""
+    config = StorageConfig(l1=L1Config(size_bytes=l1_bytes, populate=True, high_watermark=0.95))
+    data = [np.full(OBJECT, 7, np.uint8)] * BATCH
+    with StorageManager(config) as storage:
+        storage.l1.wait_mapped(60)
+        if owners is not None:
+            storage.l1.set_owners(lambda salt: salt, owners)
+        batches_keys = [
+            [
+                ObjectKey((b * BATCH + i).to_bytes(32, "big"), "bench", 0, 0, TENANTS[b % 4])
+                for i in range(BATCH)
+            ]
+            for b in range(batches)
+        ]
+        stored = timed(lambda: [storage.store(keys, data) for keys in batches_keys])
+        survivors = [k for k in batches_keys if storage.l1.contains(k[0])]
+
+        def lookups() -> None:
+            for keys in survivors:
+                hit = storage.lookup(keys).hit_chunks
+                storage.release(keys[:hit])
+
+        looked = timed(lookups)
+    return batches * BATCH / stored, len(survivors) * BATCH / max(looked, 1e-9)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--batches", type=int, default=200)
+    args = parser.parse_args()
+    total = args.batches * BATCH * (OBJECT + 4096)
+    roomy = 2 * total
+    # a quarter of the objects fit: evictions on every store in both configurations
+    tight = total // 4
+    per_tenant = OwnerLimit(soft=tight // 4 // 2)  # well under the arena: own evictions decide
+    configs = {
+        "no owners": (None, roomy),
+        "owners, under limits": ({t: OwnerLimit(hard=roomy, pins=0) for t in TENANTS}, roomy),
+        "no owners, L1 evicting": (None, tight),
+        "owners over soft limits": ({t: per_tenant for t in TENANTS}, tight),
+    }
+    samples: dict[str, list[tuple[float, float]]] = {name: [] for name in configs}
+    for _ in range(args.rounds):
+        for name, (owners, size) in configs.items():
+            samples[name].append(run(args.batches, owners, size))
+    medians = {
+        name: (statistics.median(s for s, _ in got), statistics.median(lk for _, lk in got))
+        for name, got in samples.items()
+    }
+    rows, results = [], {"object_bytes": OBJECT, "batch": BATCH, "medians": medians}
+    for name, (store, lookup) in medians.items():
+        base = medians["no owners" if "evicting" not in name and "soft" not in name else
+                       "no owners, L1 evicting"]  # fmt: skip
+        rows.append(
+            (name,
+             f"store {store:,.0f} obj/s ({store / base[0]:.3f}x)  "
+             f"lookup {lookup:,.0f} obj/s ({lookup / base[1]:.3f}x)")
+        )  # fmt: skip
+        results[name] = {"store_ratio": store / base[0], "lookup_ratio": lookup / base[1]}
+    report("Tenant quotas in L1: throughput against no owners", rows, results)
+
+
+if __name__ == "__main__":
+    main()
