@@ -86,10 +86,16 @@ class Engine:
         answer: dict[str, Any] = json.loads(line)
         return answer
 
-    def generate(self, prompts: Sequence[list[int]], max_tokens: int = NEW_TOKENS) -> list[Any]:
-        outputs: list[Any] = self.call({"prompts": list(prompts), "max_tokens": max_tokens})[
-            "outputs"
-        ]
+    def generate(
+        self,
+        prompts: Sequence[list[int]],
+        max_tokens: int = NEW_TOKENS,
+        salts: Sequence[str] | None = None,
+    ) -> list[Any]:
+        command: dict[str, Any] = {"prompts": list(prompts), "max_tokens": max_tokens}
+        if salts is not None:
+            command["salts"] = list(salts)
+        outputs: list[Any] = self.call(command)["outputs"]
         return outputs
 
     def metrics(self) -> dict[str, float]:
@@ -360,3 +366,65 @@ def test_openai_server_reports_kvtier_hits_as_cached_tokens(
         stop_process(proc, signal.SIGTERM, timeout_s=30)
         if os.environ.get("KVTIER_KEEP_LOGS"):
             print(log.read_text()[-6000:])
+
+
+def test_tenants_through_the_connector_and_a_pinned_system_prompt(
+    engines: Engines, reference: dict[str, list[Any]], kvtier_server: ServerFactory, tmp_path: Path
+) -> None:
+    """The engine speaks for tenant acme (its token): requests with acme's
+    cache_salt are cached, and their listed system prompt gets pinned; a
+    request with another tenant's cache_salt is refused at HELLO and runs
+    without the cache, with the same output."""
+    from kvtier.server.tenants import token_digest
+
+    tenants = tmp_path / "tenants.toml"
+    tenants.write_text(
+        f"""
+[[tenant]]
+name = "acme"
+token_sha256 = ["{token_digest("acme-token")}"]
+salts = ["acme"]
+[tenant.quota]
+pin_bytes = "64MiB"
+
+[[tenant]]
+name = "globex"
+token_sha256 = ["{token_digest("globex-token")}"]
+salts = ["globex"]
+
+[[tenant]]
+name = "ops"
+token_sha256 = ["{token_digest("ops-token")}"]
+salts = ["ops"]
+admin = true
+"""
+    )
+    token, pins = tmp_path / "acme.token", tmp_path / "pins.json"
+    token.write_text("acme-token")
+    pins.write_text(json.dumps([SHARED[:512]]))
+    server = kvtier_server.start("--chunk-size", str(CHUNK), "--tenants-file", str(tenants))
+    engine = engines.start(
+        "--kvtier", server.rpc, "--no-prefix-caching",
+        "--kvtier-option", f"auth_token_file={token}",
+        "--kvtier-option", f"pin_prefixes_file={pins}",
+    )  # fmt: skip
+    try:
+        prompt = PROMPTS[0]
+        cold = engine.generate([prompt], salts=["acme"])
+        warm = engine.generate([prompt], salts=["acme"])
+        assert warm[0]["cached"] == kvtier_hit(len(prompt))
+        assert_same(reference["prompts"][:1], cold)
+        assert_same(reference["prompts"][:1], warm)
+        other = engine.generate([prompt], salts=["globex"])
+        assert other[0]["cached"] == 0  # another tenant's namespace: refused, no cache
+        assert_same(reference["prompts"][:1], other)
+
+        def status() -> dict[str, Any]:
+            return server.status_json("ops-token")
+
+        seen = wait_for(status, lambda s: s["storage"]["l1"].get("tenant_pinned_bytes.acme", 0))
+        assert seen["storage"]["l1"]["tenant_pinned_bytes.acme"] > 0
+        assert seen["server"]["errors.forbidden"] >= 1
+        assert seen["server"]["pinned_chunks"] == 2  # the 512-token system prompt
+    finally:
+        engines.stop(engine)

@@ -6,7 +6,7 @@
 Prints ``{"ready": true}`` once the engine is up, then answers one JSON line
 per command line on stdin:
 
-- ``{"prompts": [[ids...], ...], "max_tokens": N}`` ->
+- ``{"prompts": [[ids...], ...], "max_tokens": N[, "salts": [cache_salt, ...]]}`` ->
   ``{"outputs": [{"tokens": [...], "logprobs": [...], "cached": n}, ...]}``
   (greedy, ``ignore_eos``; ``logprobs`` of each chosen token; ``cached`` is
   vLLM's ``num_cached_tokens``: its own prefix-cache hit plus the connector's);
@@ -100,7 +100,13 @@ def main() -> None:
             ignore_eos=True,
             detokenize=False,
         )
-        prompts = [TokensPrompt(prompt_token_ids=p) for p in command["prompts"]]
+        salts = command.get("salts") or [None] * len(command["prompts"])
+        prompts = [
+            TokensPrompt(prompt_token_ids=p, cache_salt=salt)
+            if salt
+            else TokensPrompt(prompt_token_ids=p)
+            for p, salt in zip(command["prompts"], salts, strict=True)
+        ]
         outputs = []
         for result in llm.generate(prompts, params, use_tqdm=False):
             completion = result.outputs[0]

@@ -401,10 +401,17 @@ class CacheClient:
         reply = self._submit(p.Status()).wait()
         return reply.status if isinstance(reply, p.StatusReply) else None
 
-    def pin(self, hashes: Sequence[bytes], ttl_s: float, group: int = 0) -> p.Pinned | None:
+    def pin(
+        self, hashes: Sequence[bytes], ttl_s: float, group: int = 0, wait: bool = True
+    ) -> p.Pinned | None:
         """Keep these chunks in L1 for ``ttl_s`` (0: unpin them); None when the
-        server did not answer or refused (``stats.errors`` says why)."""
-        reply = self._submit(p.Pin(list(hashes), ttl_s, group)).wait()
+        server did not answer or refused (``stats.errors`` says why), or
+        without waiting (``wait`` False: the answer is not read)."""
+        message = p.Pin(list(hashes), ttl_s, group)
+        if not wait:
+            self._post(message)
+            return None
+        reply = self._submit(message).wait()
         return reply if isinstance(reply, p.Pinned) else None
 
     def close(self) -> None:

@@ -24,6 +24,11 @@ offered one chunk less than its hit: vLLM computes that chunk (the last one
 it would have loaded), and the worker compares it with kvtier's copy after
 the forward (``ShadowSpec``, ``kvtier.engine.shadow``).
 
+With ``kvtier.pin_prefixes_file``, a request whose prompt starts with a
+listed prefix (a system prompt) renews that prefix's pin in L1 once its
+lookup shows the prefix's chunks in kvtier (at most every half
+``pin_ttl_s``; sent without waiting).
+
 The scheduler thread never waits on the network beyond a small budget: a new
 request's lookup waits at most ``kvtier.lookup_wait_s`` for its answer (then
 the request is deferred and polled next step, without waiting), releases and
@@ -36,6 +41,8 @@ connector's scheduler calls take per step and logs a summary every
 from __future__ import annotations
 
 import logging
+import math
+import time
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
@@ -66,6 +73,7 @@ class Tracked:
     local: int = 0  # tokens the engine had itself when last asked
     stored: int = 0  # chunks [0, stored) are in kvtier (hit, or stored by us)
     block_ids: list[int] = field(default_factory=list)
+    pin: tuple[int, int] | None = None  # a listed prefix it starts with: (index, chunks)
 
 
 class SchedulerSide:
@@ -85,6 +93,8 @@ class SchedulerSide:
         self.block_size = self.clients.block_size
         self.requests: dict[str, Tracked] = {}
         self._loads: list[LoadSpec] = []
+        self._pin_prefixes = settings.pin_prefixes()
+        self._pinned: dict[tuple[str, int], float] = {}  # (salt, prefix) -> last pin sent
         self._loading: deque[list[tuple[str, int, int]]] = deque()  # per step: (id, start, end)
 
     # ------------------------------------------------------------ admission
@@ -133,6 +143,7 @@ class SchedulerSide:
             len(tracked.hashes),
             f" ({reason})" if reason else "",
         )
+        self._pin(tracked, hit)
         last = end // tracked.chunk_size - 1  # the last chunk the hit offers whole
         if last >= 0 and last * tracked.chunk_size >= tracked.local and self.shadow.sample():
             tracked.shadow_chunk = last
@@ -263,8 +274,35 @@ class SchedulerSide:
             len(prompt),
             request.num_preemptions,
         )
+        if self._pin_prefixes:
+            tracked.pin = self._listed_prefix(prompt, chunk_size or 0)
         self.requests[request.request_id] = tracked
         return tracked
+
+    def _pin(self, tracked: Tracked, hit: int) -> None:
+        """Renew the pin of a listed prefix this request starts with, once its
+        chunks are in kvtier (the hit covers them), at most every half TTL;
+        sent without waiting."""
+        if tracked.pin is None or tracked.client is None:
+            return
+        index, chunks = tracked.pin
+        if hit < chunks:
+            return
+        now, key = time.monotonic(), (tracked.salt, index)
+        if now - self._pinned.get(key, -math.inf) >= self.settings.pin_ttl_s / 2:
+            self._pinned[key] = now
+            tracked.client.pin(tracked.hashes[:chunks], self.settings.pin_ttl_s, wait=False)
+
+    def _listed_prefix(self, prompt: list[int], chunk_size: int) -> tuple[int, int] | None:
+        """The longest listed pin prefix ``prompt`` starts with: (its index,
+        its full chunks), or None."""
+        best = None
+        for index, prefix in enumerate(self._pin_prefixes):
+            chunks = len(prefix) // chunk_size if chunk_size else 0
+            matches = chunks and tuple(prompt[: len(prefix)]) == prefix
+            if matches and (best is None or chunks > best[1]):
+                best = (index, chunks)
+        return best
 
     def _stores(self, tracked: Tracked, done_tokens: int) -> list[StoreSpec]:
         """Prompt chunks this step completes that kvtier does not have yet."""

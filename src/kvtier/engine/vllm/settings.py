@@ -21,6 +21,10 @@
   chunk vLLM computes anyway, to compare with kvtier's copy
   (``kvtier.engine.shadow``); ``shadow_tolerance`` (0.02): the relative error
   above which a chunk counts as a mismatch.
+- ``pin_prefixes_file`` (none): a JSON file of token-id lists (system
+  prompts, say): a request whose prompt starts with one keeps that prefix's
+  chunks pinned in L1 (renewed as requests come, within the tenant's pin cap);
+  ``pin_ttl_s`` (3600): how long a pin lasts after the last renewal.
 - ``log_level`` (``info``): of kvtier's messages in vLLM's log (``debug``
   adds a line per lookup with its hit and why it ends there).
 """
@@ -28,8 +32,10 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 from collections.abc import Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from kvtier.config import load, read_toml, secret
@@ -55,6 +61,8 @@ class ConnectorSettings:
     request_timeout_s: float = 2.0
     shadow_fraction: float = 0.0
     shadow_tolerance: float = 0.02
+    pin_prefixes_file: str = ""
+    pin_ttl_s: float = 3600.0
     log_level: str = "info"
 
     def __post_init__(self) -> None:
@@ -69,6 +77,8 @@ class ConnectorSettings:
             raise ValueError("kvtier.shadow_fraction must be in [0, 1]")
         if not self.shadow_tolerance > 0:
             raise ValueError("kvtier.shadow_tolerance must be positive")
+        if not self.pin_ttl_s > 0:
+            raise ValueError("kvtier.pin_ttl_s must be a positive number of seconds")
         if self.log_level not in LOG_LEVELS:
             raise ValueError(f"kvtier.log_level must be one of {LOG_LEVELS}")
 
@@ -93,6 +103,23 @@ class ConnectorSettings:
             token = secret(settings.auth_token_file, "kvtier.auth_token_file", "KVTIER_AUTH_TOKEN")
             settings = dataclasses.replace(settings, auth_token=token)
         return settings
+
+    def pin_prefixes(self) -> list[tuple[int, ...]]:
+        """The token-id lists of ``pin_prefixes_file``; ValueError naming the key."""
+        if not self.pin_prefixes_file:
+            return []
+        try:
+            data = json.loads(Path(self.pin_prefixes_file).read_text())
+        except (OSError, ValueError) as exc:
+            raise ValueError(f"kvtier.pin_prefixes_file {self.pin_prefixes_file}: {exc}") from None
+        if not isinstance(data, list) or not all(
+            isinstance(p, list) and p and all(isinstance(t, int) for t in p) for p in data
+        ):
+            raise ValueError(
+                f"kvtier.pin_prefixes_file {self.pin_prefixes_file} must hold a JSON list of "
+                "token-id lists"
+            )
+        return [tuple(p) for p in data]
 
     def salt_for(self, cache_salt: str | None) -> str:
         """The salt label of a request: its ``cache_salt`` (when the source is
