@@ -232,3 +232,28 @@ def wait_written_back(probe: Callable[[], dict[str, Any] | None], objects: int) 
     status = wait_for(probe, let_go)
     assert status is not None and let_go(status), status
     return status
+
+
+def tenants_toml(
+    quotas: dict[str, str] | None = None, ops_salt: str = "ops", acme_reads: str = ""
+) -> str:
+    """The tenants file the tenant tests share: ``acme`` and ``globex`` (their
+    own salts), ``ops`` (admin), each known by the token ``<name>-token``;
+    ``quotas``: a tenant's ``[tenant.quota]`` lines; ``acme_reads``: a salt
+    acme may read."""
+    from kvtier.server.tenants import token_digest
+
+    quotas = quotas or {}
+    blocks = []
+    for name, salt in (("acme", "acme"), ("globex", "globex"), ("ops", ops_salt)):
+        lines = ["[[tenant]]", f'name = "{name}"']
+        lines.append(f'token_sha256 = ["{token_digest(name + "-token")}"]')
+        lines.append(f'salts = ["{salt}"]')
+        if name == "acme" and acme_reads:
+            lines.append(f'read = ["{acme_reads}"]')
+        if name == "ops":
+            lines.append("admin = true")
+        if name in quotas:
+            lines += ["[tenant.quota]", quotas[name]]
+        blocks.append("\n".join(lines))
+    return "\n\n".join(blocks) + "\n"

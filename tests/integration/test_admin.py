@@ -20,28 +20,10 @@ from kvtier.server.admin_command import AdminError, call
 from kvtier.server.client import CacheClient
 from kvtier.server.tenants import token_digest
 from tests.integration import workload as w
-from tests.integration.harness import Server, ServerFactory, wait_for
+from tests.integration.harness import Server, ServerFactory, tenants_toml, wait_for
 from tests.servers import RedisProcess
 
-TENANTS = f"""
-[[tenant]]
-name = "acme"
-token_sha256 = ["{token_digest("acme-token")}"]
-salts = ["acme"]
-[tenant.quota]
-pin_bytes = "1MiB"
-
-[[tenant]]
-name = "globex"
-token_sha256 = ["{token_digest("globex-token")}"]
-salts = ["globex"]
-
-[[tenant]]
-name = "ops"
-token_sha256 = ["{token_digest("ops-token")}"]
-salts = ["ops"]
-admin = true
-"""
+TENANTS = tenants_toml({"acme": 'pin_bytes = "1MiB"'})
 SIZE = w.object_bytes(256)
 
 

@@ -17,9 +17,8 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvtier.server.client import CacheClient
-from kvtier.server.tenants import token_digest
 from tests.integration import workload as w
-from tests.integration.harness import Server, ServerFactory, wait_for
+from tests.integration.harness import Server, ServerFactory, tenants_toml, wait_for
 
 webdriver = pytest.importorskip("selenium.webdriver")
 CHROMIUM, DRIVER = shutil.which("chromium"), shutil.which("chromedriver")
@@ -27,19 +26,6 @@ pytestmark = pytest.mark.skipif(
     CHROMIUM is None or DRIVER is None,
     reason="needs Debian's chromium and chromium-driver (apt-get install chromium chromium-driver)",
 )
-
-TENANTS = f"""
-[[tenant]]
-name = "acme"
-token_sha256 = ["{token_digest("acme-token")}"]
-salts = ["acme"]
-
-[[tenant]]
-name = "ops"
-token_sha256 = ["{token_digest("ops-token")}"]
-salts = ["ops"]
-admin = true
-"""
 
 
 @pytest.fixture
@@ -110,7 +96,7 @@ def test_the_dashboard_shows_live_numbers_in_a_real_browser(
     from selenium.webdriver.common.by import By
 
     path = tmp_path / "tenants.toml"
-    path.write_text(TENANTS)
+    path.write_text(tenants_toml())
     server = kvtier_server.start("--tenants-file", str(path))
     traffic(server)
 

@@ -9,28 +9,10 @@ from pathlib import Path
 
 from kvtier.server import protocol as p
 from kvtier.server.client import CacheClient
-from kvtier.server.tenants import token_digest
 from tests.integration import workload as w
-from tests.integration.harness import ServerFactory, wait_for, wait_written_back
+from tests.integration.harness import ServerFactory, tenants_toml, wait_for, wait_written_back
 
-TENANTS = f"""
-[[tenant]]
-name = "acme"
-token_sha256 = ["{token_digest("acme-token")}"]
-salts = ["acme"]
-read = ["public"]
-
-[[tenant]]
-name = "globex"
-token_sha256 = ["{token_digest("globex-token")}"]
-salts = ["globex"]
-
-[[tenant]]
-name = "ops"
-token_sha256 = ["{token_digest("ops-token")}"]
-salts = ["public"]
-admin = true
-"""
+TENANTS = tenants_toml(ops_salt="public", acme_reads="public")
 
 
 def client(server_rpc: str, token: str, salt: str = "") -> CacheClient:
@@ -123,36 +105,16 @@ def test_the_admin_endpoints_need_an_admin_tenant(
         assert isinstance(reply, p.Error) and reply.code == "forbidden"
 
 
-QUOTAS = f"""
-[[tenant]]
-name = "acme"
-token_sha256 = ["{token_digest("acme-token")}"]
-salts = ["acme"]
-[tenant.quota]
-l1_bytes = {{l1}}
-pin_bytes = {{pins}}
-
-[[tenant]]
-name = "globex"
-token_sha256 = ["{token_digest("globex-token")}"]
-salts = ["globex"]
-[tenant.quota]
-l1_hard_bytes = {{hard}}
-
-[[tenant]]
-name = "ops"
-token_sha256 = ["{token_digest("ops-token")}"]
-salts = ["ops"]
-admin = true
-"""
-
-
 def test_quotas_evict_the_tenants_own_objects_and_refuse_past_a_hard_cap(
     kvtier_server: ServerFactory, tmp_path: Path
 ) -> None:
     size = w.object_bytes(256)  # a page multiple: what L1 reserves per object
     path = tmp_path / "tenants.toml"
-    path.write_text(QUOTAS.format(l1=4 * size, pins=2 * size, hard=3 * size))
+    quotas = {
+        "acme": f"l1_bytes = {4 * size}\npin_bytes = {2 * size}",
+        "globex": f"l1_hard_bytes = {3 * size}",
+    }
+    path.write_text(tenants_toml(quotas))
     server = kvtier_server.start("--tenants-file", str(path), "--cache-dir", "none")
     acme, globex, ops = (client(server.rpc, t) for t in ("acme-token", "globex-token", "ops-token"))
     try:

@@ -29,7 +29,7 @@ from kvtier.keys import ObjectKey
 from kvtier.l2.format import encode_object, unpack_header
 from kvtier.l2.fs import SUFFIX
 from kvtier.process import clean_env, read_line, stop_process
-from tests.integration.harness import ROOT, Server, ServerFactory, wait_for
+from tests.integration.harness import ROOT, Server, ServerFactory, tenants_toml, wait_for
 
 pytest.importorskip("vllm")
 pytestmark = pytest.mark.slow
@@ -375,30 +375,8 @@ def test_tenants_through_the_connector_and_a_pinned_system_prompt(
     cache_salt are cached, and their listed system prompt gets pinned; a
     request with another tenant's cache_salt is refused at HELLO and runs
     without the cache, with the same output."""
-    from kvtier.server.tenants import token_digest
-
     tenants = tmp_path / "tenants.toml"
-    tenants.write_text(
-        f"""
-[[tenant]]
-name = "acme"
-token_sha256 = ["{token_digest("acme-token")}"]
-salts = ["acme"]
-[tenant.quota]
-pin_bytes = "64MiB"
-
-[[tenant]]
-name = "globex"
-token_sha256 = ["{token_digest("globex-token")}"]
-salts = ["globex"]
-
-[[tenant]]
-name = "ops"
-token_sha256 = ["{token_digest("ops-token")}"]
-salts = ["ops"]
-admin = true
-"""
-    )
+    tenants.write_text(tenants_toml({"acme": 'pin_bytes = "64MiB"'}))
     token, pins = tmp_path / "acme.token", tmp_path / "pins.json"
     token.write_text("acme-token")
     pins.write_text(json.dumps([SHARED[:512]]))

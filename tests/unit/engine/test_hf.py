@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import copy
 import inspect
-from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -22,10 +21,9 @@ from kvtier.engine.hf_identity import model_identity, weights_fingerprint
 from kvtier.engine.identity import config_fingerprint
 from kvtier.engine.link import LocalLink
 from kvtier.keys import TokenHasher
-from kvtier.l1 import L1Config
 from kvtier.layout import KVLayout
 from kvtier.server.client import Consume
-from kvtier.storage import StorageConfig, StorageManager
+from kvtier.storage import StorageManager
 from tests.hf_helpers import (
     DelegatingLink,
     assert_same_output,
@@ -39,15 +37,6 @@ CHUNK = 16
 @pytest.fixture(scope="module")
 def llama() -> transformers.PreTrainedModel:
     return tiny_model("llama")
-
-
-@pytest.fixture
-def storage() -> Iterator[StorageManager]:
-    manager = StorageManager(StorageConfig(l1=L1Config(size_bytes=64 << 20, populate=False)))
-    try:
-        yield manager
-    finally:
-        manager.close()
 
 
 # -------------------------------------------------------------- kv_layout

@@ -7,8 +7,6 @@ cache that only costs a recomputation."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import numpy as np
 import pytest
 import torch
@@ -19,9 +17,8 @@ from kvtier.blend import BlendConfig, RopeShift
 from kvtier.engine.hf import KVTierModel
 from kvtier.engine.link import LocalLink
 from kvtier.engine.tensors import dynamic_cache
-from kvtier.l1 import L1Config
 from kvtier.server.client import Consume
-from kvtier.storage import StorageConfig, StorageManager
+from kvtier.storage import StorageManager
 from tests.hf_helpers import TOLERANCE, DelegatingLink, assert_same_output, prompt, tiny_model
 from tests.ledger import assert_clean
 
@@ -44,15 +41,6 @@ def joined(parts: list[list[int]]) -> tuple[list[int], list[tuple[int, int]]]:
 @pytest.fixture(scope="module")
 def llama() -> transformers.PreTrainedModel:
     return tiny_model("llama", num_hidden_layers=4)
-
-
-@pytest.fixture
-def storage() -> Iterator[StorageManager]:
-    manager = StorageManager(StorageConfig(l1=L1Config(size_bytes=64 << 20, populate=False)))
-    try:
-        yield manager
-    finally:
-        manager.close()
 
 
 def concatenated(model: transformers.PreTrainedModel, parts: list[list[int]]) -> torch.Tensor:
