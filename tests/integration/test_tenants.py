@@ -5,7 +5,10 @@ readers; the admin endpoints and STATUS need an admin tenant."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
+
+import pytest
 
 from kvtier.server import protocol as p
 from kvtier.server.client import CacheClient
@@ -145,3 +148,34 @@ def test_quotas_evict_the_tenants_own_objects_and_refuse_past_a_hard_cap(
     finally:
         for c in (acme, globex, ops):
             c.close()
+
+
+@pytest.mark.parametrize("store", ["redis_server", "seaweed_server", "mooncake_server"])
+def test_tenants_are_apart_in_every_shared_store_and_after_a_restart(
+    kvtier_server: ServerFactory, tmp_path: Path, request: pytest.FixtureRequest, store: str
+) -> None:
+    """L1 is emptied by the restart and there is no local disk: every hit
+    after it comes from the shared store, which keeps tenants apart too."""
+    backend = request.getfixturevalue(store)
+    path = tmp_path / "tenants.toml"
+    path.write_text(TENANTS)
+    args = ["--tenants-file", str(path), "--cache-dir", "none", "--l2", json.dumps(backend.spec())]
+    server = kvtier_server.start(*args)
+    hashes = w.chunk_hashes(256, 70 + len(store), 3)
+    acme, ops = client(server.rpc, "acme-token"), client(server.rpc, "ops-token", "public")
+    try:
+        assert acme.store("s", hashes, w.payloads(9, 3, w.object_bytes(256))) == 3
+        wait_for(ops.status, lambda s: bool(s) and sum(
+            v for k, v in s["storage"]["store"].items() if k.startswith("stored_objects.")
+        ) >= 3)  # fmt: skip
+    finally:
+        acme.close()
+        ops.close()
+    restarted = kvtier_server.restart(server, *args)
+    acme, globex = client(restarted.rpc, "acme-token"), client(restarted.rpc, "globex-token")
+    try:
+        assert hits(globex, hashes, "g") == 0
+        assert hits(acme, hashes, "a") == 3
+    finally:
+        acme.close()
+        globex.close()

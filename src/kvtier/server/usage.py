@@ -69,7 +69,7 @@ class L2Usage:
         """Whether the store controller may write ``key`` to ``adapter``: always
         on a node-local adapter (eviction keeps the cap), on a shared store
         while the tenant stays under its cap."""
-        if adapter in self._local:
+        if not self._caps or adapter in self._local:
             return True
         tenant = self._owner(key.salt)
         cap = self._caps.get((tenant, adapter))

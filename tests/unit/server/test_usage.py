@@ -1,0 +1,65 @@
+"""Per-tenant L2 quotas (``L2Usage``): on the local disk a tenant over its
+cap loses its own oldest objects there, never another's; on a shared store
+the write-back stops at the cap, counted; usage per tenant and tier."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+from kvtier.l1 import L1Config
+from kvtier.server.tenants import Quota, Tenant, TenantTable
+from kvtier.server.usage import L2Usage
+from kvtier.storage import StorageConfig, StorageManager
+from tests.conftest import make_key
+
+OBJECT = 4096
+
+
+def CAP(objects: int) -> int:
+    return objects * OBJECT + 2000  # an object's header is well under 2,000 bytes
+
+
+def test_local_caps_evict_the_tenants_own_oldest_and_shared_caps_stop_write_back(
+    tmp_path: Path,
+) -> None:
+    config = StorageConfig(
+        l1=L1Config(size_bytes=4 << 20, populate=False),
+        l2=(
+            {"type": "fs", "path": str(tmp_path / "fs")},
+            {"type": "mock", "name": "shared", "shared": True},
+        ),
+    )
+    with StorageManager(config) as storage:
+        fs, shared = storage.adapters
+        tenants = TenantTable([
+            # room for three objects on disk and two in the shared store, headers included
+            Tenant("acme", salts=("acme",), quota=Quota(l2_bytes={"fs": CAP(3), "shared": CAP(2)})),
+            Tenant("globex", salts=("globex",)),
+        ])  # fmt: skip
+        usage = L2Usage(storage, tenants, refresh_s=3600)
+        storage.store_controller.gate = usage.gate
+        storage.on_stored = usage.on_stored
+        try:
+            mine = [make_key(i, salt="acme") for i in range(5)]
+            theirs = [make_key(i, salt="globex") for i in range(4)]
+            for key in [*theirs[:2], *mine, *theirs[2:]]:  # one at a time: oldest first
+                storage.store([key], [np.zeros(OBJECT, np.uint8)])
+                assert storage.flush(10)
+            # the shared store took acme's first two, then the cap held
+            assert set(_keys(shared)) == {*mine[:2], *theirs}
+            assert storage.store_controller.status()["over_quota.shared"] == 3
+            usage.refresh()  # the local disk: acme's two oldest go, globex's stay
+            assert set(fs.held_keys()) == {*mine[2:], *theirs}
+            assert usage.counters.snapshot()["quota_evictions.fs"] == 2
+            by_tenant = usage.by_tenant()
+            assert by_tenant["acme"]["fs"] == sum(s for k, s in fs.held_sizes() if k in mine)
+            assert 2 * OBJECT < by_tenant["acme"]["shared"] <= CAP(2)  # what it wrote there
+            assert 4 * OBJECT < by_tenant["globex"]["shared"] <= CAP(4)
+        finally:
+            usage.close()
+
+
+def _keys(adapter: object) -> list[object]:
+    return adapter.keys()  # type: ignore[attr-defined,no-any-return]  # the mock's own listing
