@@ -4,7 +4,8 @@ A tenant's ``l2_bytes`` quota names a cap per adapter. What "holds" means
 depends on what one node can see:
 
 - a **node-local** adapter (the fs L2) lists what it holds: usage is exact
-  (its index, re-counted every ``refresh_s``), and a tenant over its cap
+  (its index, re-counted every ``refresh_s`` where a cap needs it, every
+  ``IDLE_REFRESH_S`` otherwise), and a tenant over its cap
   loses its *own* oldest objects there, down to the cap (tenant-scoped
   eviction, counted ``quota_evictions.<adapter>``);
 - a **shared** store (Redis, S3, Mooncake) also holds what other nodes
@@ -32,6 +33,7 @@ from kvtier.server.tenants import TenantTable
 from kvtier.storage import StorageManager
 
 log = logging.getLogger(__name__)
+IDLE_REFRESH_S = 60.0
 
 
 class L2Usage:
@@ -56,6 +58,10 @@ class L2Usage:
             for t in tenants.tenants.values()
             for adapter, cap in t.quota.l2_bytes.items()
         }
+        # Re-counting a disk of a million objects is not free: often only where
+        # a local cap needs it, else now and then for the usage shown.
+        if not any(adapter in self._local for _, adapter in self._caps):
+            self.refresh_s = max(refresh_s, IDLE_REFRESH_S)
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         if self._caps or self._local:
