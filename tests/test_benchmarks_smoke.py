@@ -28,6 +28,8 @@ TINY = {
     "bench_fs_adapter.py": ["--objects", "2", "--object-mib", "1", "--repeats", "1"],
     "bench_fuzz_server.py": ["--messages", "2000", "--rounds", "2"],
     "bench_prefetch.py": ["--chunks", "4", "--object-kib", "64", "--rounds", "2"],
+    "bench_purge.py": ["--objects", "200", "--baseline-s", "0.5"],
+    "bench_quota.py": ["--rounds", "1", "--batches", "8"],
     "bench_route_scoring.py": ["--chunks", "2000", "--nodes", "8", "--requests", "20"],
     "bench_route_sim.py": ["--nodes", "2,4", "--requests-per-node", "5"],
     "bench_route_index.py": ["--chunks", "2000", "--requests", "20"],
@@ -59,6 +61,7 @@ TINY = {
         "--window-s",
         "0.2",
     ],
+    "bench_vllm_tiers.py": ["--prefix", "256", "--rounds", "1"],
     "bench_shadow.py": ["--prompts", "2", "--prefix-chunks", "1", "--model-dir", "{tmp}"],
     "bench_server.py": [
         "--objects",
@@ -81,12 +84,13 @@ def test_every_benchmark_has_a_smoke_run() -> None:
 
 # Scripts that start vLLM engines, external stores or many servers: slow (the
 # quick run skips them); the vLLM one only runs where vLLM is installed.
-ENGINE_SCRIPTS = {"bench_vllm_ttft.py"}
+ENGINE_SCRIPTS = {"bench_vllm_ttft.py", "bench_vllm_tiers.py"}
 STORE_SCRIPTS = {
     "bench_redis_adapter.py",
     "bench_s3_adapter.py",
     "bench_mooncake_adapter.py",
     "bench_seams.py",
+    "bench_purge.py",
 }
 HAS_VLLM = importlib.util.find_spec("vllm") is not None
 
