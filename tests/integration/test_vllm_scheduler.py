@@ -20,7 +20,7 @@ pytest.importorskip("vllm")
 from kvtier.engine.vllm.scheduler import SchedulerSide
 from kvtier.engine.vllm.settings import ConnectorSettings
 
-pytestmark = pytest.mark.slow  # needs vLLM: CI runs it with the engine tests
+pytestmark = [pytest.mark.slow, pytest.mark.engine]  # needs vLLM
 
 BLOCK = 128
 CHUNK = 256
