@@ -113,6 +113,17 @@ def _demo(args: argparse.Namespace) -> int:
     return 0 if results.outputs_identical else 1
 
 
+def _ratios(text: str) -> tuple[float, ...]:
+    """``0,0.15,0.5`` -> (0.0, 0.15, 0.5): recompute ratios in [0, 1]."""
+    try:
+        ratios = tuple(float(part) for part in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: give ratios like 0,0.15,0.5") from None
+    if not all(0.0 <= r <= 1.0 for r in ratios):
+        raise argparse.ArgumentTypeError(f"{text!r}: every ratio must be in [0, 1]")
+    return ratios
+
+
 def _blend_eval(args: argparse.Namespace) -> int:
     try:
         from kvtier.bench.blend_eval import BlendEvalRequest, run_blend_eval
@@ -129,6 +140,7 @@ def _blend_eval(args: argparse.Namespace) -> int:
     request = BlendEvalRequest(
         spec=RetrievalSpec(prompts=8 if quick else args.prompts, seed=args.seed),
         latency_prompts=2 if quick else args.latency_prompts,
+        **{name: value for name in ("ratios", "static") if (value := getattr(args, name))},
         generated=args.generated,
         out=Path(args.out),
         command=" ".join(["kvtier", *sys.argv[1:]]),
@@ -194,6 +206,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     blend.add_argument(
         "--generated", type=int, default=32, help="answer tokens compared per prompt (32)"
+    )
+    blend.add_argument(
+        "--ratios",
+        type=_ratios,
+        help="recompute ratios of the deviation blends, with commas (0,0.05,0.15,0.3,0.5,0.7,1)",
+    )
+    blend.add_argument(
+        "--static", type=_ratios, help="recompute ratios of the static blends (0.15,0.3)"
     )
     blend.add_argument("--seed", type=int, default=0, help="task seed (0)")
     blend.add_argument("--out", default="kvtier-blend-eval", help="results directory")

@@ -29,6 +29,7 @@ from kvtier.keys import ObjectKey
 from kvtier.l2.format import encode_object, unpack_header
 from kvtier.l2.fs import SUFFIX
 from kvtier.process import clean_env, read_line, stop_process
+from kvtier.server.admin_command import call
 from tests.integration.harness import ROOT, Server, ServerFactory, tenants_toml, wait_for
 
 pytest.importorskip("vllm")
@@ -383,8 +384,8 @@ def test_tenants_through_the_connector_and_a_pinned_system_prompt(
     server = kvtier_server.start("--chunk-size", str(CHUNK), "--tenants-file", str(tenants))
     engine = engines.start(
         "--kvtier", server.rpc, "--no-prefix-caching",
-        "--kvtier-option", f"auth_token_file={token}",
-        "--kvtier-option", f"pin_prefixes_file={pins}",
+        "--kvtier-option", f"kvtier.auth_token_file={token}",
+        "--kvtier-option", f"kvtier.pin_prefixes_file={pins}",
     )  # fmt: skip
     try:
         prompt = PROMPTS[0]
@@ -400,9 +401,21 @@ def test_tenants_through_the_connector_and_a_pinned_system_prompt(
         def status() -> dict[str, Any]:
             return server.status_json("ops-token")
 
-        seen = wait_for(status, lambda s: s["storage"]["l1"].get("tenant_pinned_bytes.acme", 0))
+        def settled(s: dict[str, Any]) -> bool:  # the pin and globex's HELLO are asynchronous
+            pinned = s["storage"]["l1"].get("tenant_pinned_bytes.acme", 0)
+            return pinned > 0 and s["server"].get("errors.forbidden", 0) >= 1
+
+        seen = wait_for(status, settled)
         assert seen["storage"]["l1"]["tenant_pinned_bytes.acme"] > 0
         assert seen["server"]["errors.forbidden"] >= 1
+        # the savings ledger: the engine reported its own prefill rate and load time
+        (row,) = [r for r in call(server.http, "ops-token", "GET", "/admin/ledger")["namespaces"]
+                  if r["tenant"] == "acme"]  # fmt: skip
+        assert row["rate_reported"] and row["prefill_s_per_token"] > 0
+        assert sum(row["served_tokens"].values()) >= kvtier_hit(len(prompt))
+        assert row["load_s"] > 0 and row["saved_s"] == pytest.approx(
+            sum(row["served_tokens"].values()) * row["prefill_s_per_token"]
+        )
         assert seen["server"]["pinned_chunks"] == 2  # the 512-token system prompt
     finally:
         engines.stop(engine)

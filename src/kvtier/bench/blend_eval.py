@@ -257,13 +257,18 @@ def run_blend_eval(
     started = time.perf_counter()
     rows: list[dict[str, Any]] = []
     timed: list[dict[str, Any]] = []
-    with ServerProcess.start(args, request.out / "kvtier-serve.log") as server:
+    with (
+        ServerProcess.start(args, request.out / "kvtier-serve.log") as server,
+        (request.out / "prompts.jsonl").open("w") as per_prompt,
+    ):
         runner = _Runner(model, tokenizer, server, request.generated)
         try:
             runner.warm(pool)
             progress(f"warmed {len(pool)} documents")
             for i, prompt in enumerate(prompts):
                 rows.append(_quality_row(runner, prompt, names))
+                per_prompt.write(json.dumps(rows[-1]) + "\n")  # kept if the run stops early
+                per_prompt.flush()
                 progress(f"prompt {i + 1}/{len(prompts)}")
             runner.warm(latency_pool)
             for prompt in retrieval_prompts(latency_spec, latency_pool):
@@ -280,9 +285,6 @@ def run_blend_eval(
         "latency": latency(timed, list(names)),
         "wall_s": round(time.perf_counter() - started, 1),
     }
-    with (request.out / "prompts.jsonl").open("w") as out:
-        for row in rows:
-            out.write(json.dumps(row) + "\n")
     (request.out / "blend-eval.json").write_text(json.dumps(results, indent=1))
     return results
 

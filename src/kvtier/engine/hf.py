@@ -51,10 +51,10 @@ from kvtier.engine.tensors import cache_layers, dynamic_cache, object_tensor, re
 from kvtier.keys import SegmentHasher, TokenHasher
 from kvtier.layout import KVLayout
 from kvtier.server.client import Fill
+from kvtier.server.ledger import prefill_rate
 from kvtier.storage import StorageManager
 
 ATTENTION_LAYERS = frozenset({"full_attention", "sliding_attention"})
-MIN_RATE_TOKENS = 32  # a prefill this long tells the savings ledger its cost per token
 
 
 def kv_layout(model: PreTrainedModel, chunk_size: int) -> KVLayout:
@@ -323,8 +323,7 @@ class KVTierModel:
         error = self._shadow(link, ids, cache, last, layout) if sampled else None
         now = time.perf_counter()
         timings.shadow_s, timings.ttft_s = now - mark, now - started
-        computed = len(ids) - use
-        rate = timings.prefill_s / computed if computed >= MIN_RATE_TOKENS else 0.0
+        rate = prefill_rate(timings.prefill_s, len(ids) - use)
         link.report_usage(rate, timings.load_s if use else 0.0, use)
         tiers = hit.chunks_by_tier if hit is not None and loaded else {}
         return Prefill(

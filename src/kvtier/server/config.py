@@ -69,7 +69,7 @@ class ServerConfig:
     # quotas, roles. Without it the auth token (if any) is one admin tenant.
     tenants_file: str = ""
     # The savings ledger's prefill seconds per token for namespaces whose engines
-    # never reported one (the vLLM connector does not); 0: unknown, not estimated.
+    # have not reported one yet; 0: unknown, not estimated.
     ledger_prefill_s_per_token: float = 0.0
     l1: L1Config = field(default_factory=lambda: L1Config(size_bytes=default_l1_bytes()))
     store: StoreConfig = field(default_factory=StoreConfig)

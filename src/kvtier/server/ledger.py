@@ -6,8 +6,8 @@ For each (tenant, namespace ``model@salt``):
   chunks x chunk size, by the tier each chunk came from);
 - **prefill seconds saved**: tokens served x the namespace's prefill time per
   token, as its engines measure and report it (``UsageReport``: the
-  transformers integration reports after each prefill; an exponentially
-  weighted mean); without any report, ``default_prefill_s_per_token`` if set,
+  transformers integration after each prefill, the vLLM connector after
+  each step that loads or stores; an exponentially weighted mean); without any report, ``default_prefill_s_per_token`` if set,
   else unknown (``None``: the ledger does not invent a rate);
 - **load seconds spent**: what the engines report spending to load KV;
 - **net seconds**: saved minus spent — the time the cache bought.
@@ -23,6 +23,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 EWMA = 0.2
+MIN_RATE_TOKENS = 32  # a forward computing at least this many tokens samples the prefill rate
+
+
+def prefill_rate(seconds: float, computed_tokens: int) -> float:
+    """What an engine reports as its prefill seconds per token for a forward
+    that computed ``computed_tokens`` in ``seconds``: 0.0 (no sample) when
+    too few tokens ran for the time to mean a rate."""
+    return seconds / computed_tokens if computed_tokens >= MIN_RATE_TOKENS else 0.0
 
 
 @dataclass(slots=True)
@@ -117,4 +125,4 @@ def _copy(entry: _Entry) -> _Entry:
     return _Entry(dict(entry.served), entry.load_s, entry.loaded_tokens, entry.rate, entry.reports)
 
 
-__all__ = ["SavingsLedger"]
+__all__ = ["SavingsLedger", "prefill_rate"]

@@ -48,3 +48,4 @@ class KVTierMetadata(KVConnectorMetadata):  # type: ignore[misc]
     loads: list[LoadSpec] = field(default_factory=list)
     stores: list[StoreSpec] = field(default_factory=list)
     shadows: list[ShadowSpec] = field(default_factory=list)
+    computed_tokens: int = 0  # tokens this step's forward computes, every request together

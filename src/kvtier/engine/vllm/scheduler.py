@@ -200,12 +200,12 @@ class SchedulerSide:
         return meta
 
     def _build(self, scheduler_output: Any) -> KVTierMetadata:
-        meta = KVTierMetadata(loads=self._loads)
+        scheduled = scheduler_output.num_scheduled_tokens
+        meta = KVTierMetadata(loads=self._loads, computed_tokens=sum(scheduled.values()))
         self._loads = []
         self._loading.append(
             [(s.request_id, s.first_chunk, s.first_chunk + len(s.hashes)) for s in meta.loads]
         )
-        scheduled = scheduler_output.num_scheduled_tokens
         for new in scheduler_output.scheduled_new_reqs:
             tracked = self.requests.get(new.req_id)
             if tracked is not None:

@@ -12,11 +12,18 @@ it returns, so a block is never reused (or freed by a preemption, which vLLM
 decides in a later ``schedule()``) while a store still reads it. A shadow
 check (``ShadowSpec``) reads kvtier's copy of a chunk this step computed and
 compares the two there too; its counts are logged at shutdown.
+
+Rank 0 also tells the server's savings ledger what this engine's prefill
+costs: the time between the end of the loads and ``wait_for_save`` is the
+step's forward (exact on CPU, where the forward is synchronous), over the
+tokens the step computed; with the seconds and tokens each tenant's loads
+took, one ``UsageReport`` per salt the step loaded or stored for.
 """
 
 from __future__ import annotations
 
 import logging
+import time
 from typing import Any
 
 import numpy as np
@@ -28,6 +35,7 @@ from kvtier.engine.vllm.clients import ClientPool
 from kvtier.engine.vllm.metadata import KVTierMetadata, LoadSpec, ShadowSpec, StoreSpec
 from kvtier.engine.vllm.pages import PagedKV
 from kvtier.engine.vllm.settings import ConnectorSettings
+from kvtier.server.ledger import prefill_rate
 
 log = logging.getLogger(__name__)
 
@@ -45,15 +53,24 @@ class WorkerSide:
         self._load_errors: set[int] = set()
         self.stats = {"loaded_chunks": 0, "stored_chunks": 0, "failed_chunks": 0}
         self.shadow = ShadowCheck(settings.shadow_fraction, settings.shadow_tolerance)
+        self._forward_from = time.perf_counter()  # when this step's loads ended
+        self._loaded: dict[str, tuple[float, int]] = {}  # salt -> (seconds, tokens), this step
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         self._kv_caches = dict(kv_caches)
 
     def start_load_kv(self, meta: KVTierMetadata) -> None:
+        self._loaded = {}
         for spec in meta.loads:
-            self._load(spec)
+            started = time.perf_counter()
+            tokens = self._load(spec)
+            seconds, before = self._loaded.get(spec.salt, (0.0, 0))
+            self._loaded[spec.salt] = (seconds + time.perf_counter() - started, before + tokens)
+        self._forward_from = time.perf_counter()
 
     def wait_for_save(self, meta: KVTierMetadata) -> None:
+        if self.rank == 0:
+            self._report_usage(meta, time.perf_counter() - self._forward_from)
         for spec in meta.stores:
             self._store(spec)
         for check in meta.shadows:
@@ -85,7 +102,15 @@ class WorkerSide:
             self._paged[chunk_size] = PagedKV(self._kv_caches, layout, self.block_size)
         return self._paged[chunk_size]
 
-    def _load(self, spec: LoadSpec) -> None:
+    def _report_usage(self, meta: KVTierMetadata, forward_s: float) -> None:
+        rate = prefill_rate(forward_s, meta.computed_tokens)
+        for salt in self._loaded.keys() | {spec.salt for spec in meta.stores}:
+            client = self.clients.client(salt)
+            if client is not None:
+                client.report_usage(rate, *self._loaded.get(salt, (0.0, 0)))
+
+    def _load(self, spec: LoadSpec) -> int:
+        """Tokens copied into engine blocks (not the engine's own leading blocks)."""
         loaded = 0
         client = self.clients.client(spec.salt)
         if client is not None and client.chunk_size is not None:
@@ -112,6 +137,7 @@ class WorkerSide:
                 len(spec.blocks) - loaded,
                 len(spec.blocks),
             )
+        return sum(len(blocks) for blocks in spec.blocks[:loaded]) * self.block_size
 
     def _store(self, spec: StoreSpec) -> None:
         client = self.clients.client(spec.salt)
