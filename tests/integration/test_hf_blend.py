@@ -40,6 +40,7 @@ def engine(model: PreTrainedModel, server: Server, salt: str = "acme") -> KVTier
     return KVTierModel(model, server=server.rpc, salt=salt)
 
 
+@pytest.mark.slow
 def test_segments_are_shared_through_the_server_in_any_order(
     kvtier_server: ServerFactory, model: PreTrainedModel
 ) -> None:

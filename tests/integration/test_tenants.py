@@ -150,6 +150,7 @@ def test_quotas_evict_the_tenants_own_objects_and_refuse_past_a_hard_cap(
             c.close()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("store", ["redis_server", "seaweed_server", "mooncake_server"])
 def test_tenants_are_apart_in_every_shared_store_and_after_a_restart(
     kvtier_server: ServerFactory, tmp_path: Path, request: pytest.FixtureRequest, store: str
