@@ -11,7 +11,8 @@ batches of 16 KiB objects, L1 big enough that nothing is evicted):
   oldest objects (scoped eviction), measured against *no owners* with an L1
   small enough that global eviction does the same amount of work.
 
-Rounds alternate the configurations (ABAB...) so that drift falls on all.
+Rounds run the configurations in turn, the order rotated each round, so that
+drift and position effects fall on all.
 
     python benchmarks/bench_quota.py [--rounds 7] [--batches 200]
 """
@@ -78,14 +79,18 @@ def main() -> None:
         "owners over soft limits": ({t: per_tenant for t in TENANTS}, tight),
     }
     samples: dict[str, list[tuple[float, float]]] = {name: [] for name in configs}
-    for _ in range(args.rounds):
-        for name, (owners, size) in configs.items():
+    names = list(configs)
+    for r in range(args.rounds):
+        for name in names[r % len(names) :] + names[: r % len(names)]:  # rotated each round
+            owners, size = configs[name]
             samples[name].append(run(args.batches, owners, size))
     medians = {
         name: (statistics.median(s for s, _ in got), statistics.median(lk for _, lk in got))
         for name, got in samples.items()
     }
-    rows, results = [], {"object_bytes": OBJECT, "batch": BATCH, "medians": medians}
+    rows: list[tuple[str, str]] = []
+    results: dict[str, object] = {"object_bytes": OBJECT, "batch": BATCH, "medians": medians}
+    results["samples"] = samples
     for name, (store, lookup) in medians.items():
         base = medians["no owners" if "evicting" not in name and "soft" not in name else
                        "no owners, L1 evicting"]  # fmt: skip

@@ -144,13 +144,15 @@ def _blend_eval(args: argparse.Namespace) -> int:
         generated=args.generated,
         out=Path(args.out),
         command=" ".join(["kvtier", *sys.argv[1:]]),
+        resume=args.resume,
     )
     console = Console(file=report_stream(args.json))
     results = run_blend_eval(request, progress=lambda line: console.print(line, style="dim"))
     plot = request.out / "quality-vs-ratio.png"
     quality_plot(results, plot)
     console.print(quality_table(results))
-    console.print(latency_table(results))
+    if results["latency"] is not None:
+        console.print(latency_table(results))
     console.print(f"plot: {plot}; per-prompt rows: {request.out / 'prompts.jsonl'}")
     if args.json:
         write_json(args.json, results)
@@ -202,7 +204,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     blend.add_argument("--prompts", type=int, default=120, help="quality prompts (120)")
     blend.add_argument(
-        "--latency-prompts", type=int, default=24, help="4-document prompts timed (24)"
+        "--latency-prompts", type=int, default=24, help="4-document prompts timed (24; 0: none)"
     )
     blend.add_argument(
         "--generated", type=int, default=32, help="answer tokens compared per prompt (32)"
@@ -218,6 +220,12 @@ def build_parser() -> argparse.ArgumentParser:
     blend.add_argument("--seed", type=int, default=0, help="task seed (0)")
     blend.add_argument("--out", default="kvtier-blend-eval", help="results directory")
     blend.add_argument("--quick", action="store_true", help="8 prompts and 2 timed: a smoke run")
+    blend.add_argument(
+        "--resume",
+        action="store_true",
+        help="keep the prompts already measured in --out (prompts.jsonl, same options) and "
+        "measure the ones after them; the timed set runs again",
+    )
     blend.add_argument("--json", metavar="FILE", help=JSON_HELP)
     blend.set_defaults(run=_blend_eval)
 

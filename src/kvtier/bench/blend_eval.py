@@ -71,6 +71,7 @@ class BlendEvalRequest:
     l1_size: str = "8GiB"
     out: Path = Path("kvtier-blend-eval")
     command: str = ""
+    resume: bool = False  # keep the rows in out/prompts.jsonl and run the prompts after them
 
 
 @dataclass(slots=True)
@@ -245,35 +246,45 @@ def run_blend_eval(
     pool = document_pool(request.spec)
     prompts = retrieval_prompts(request.spec, pool)
     latency_spec = RetrievalSpec(
-        prompts=request.latency_prompts,
+        prompts=max(request.latency_prompts, 1),  # none are made with --latency-prompts 0
         pool=request.spec.pool,
         documents=(4, 4),
         words=(300, 450),
         seed=request.spec.seed + 7,
     )
-    latency_pool = document_pool(latency_spec)
     args = ["--port", "0", "--http-port", "-1", "--l1-size", request.l1_size]
     args += ["--cache-dir", "none"]
     started = time.perf_counter()
-    rows: list[dict[str, Any]] = []
+    rows_path = request.out / "prompts.jsonl"
+    done = _rows_to_resume(rows_path, names)[: len(prompts)] if request.resume else []
+    rows: list[dict[str, Any]] = list(done)
     timed: list[dict[str, Any]] = []
     with (
         ServerProcess.start(args, request.out / "kvtier-serve.log") as server,
-        (request.out / "prompts.jsonl").open("w") as per_prompt,
+        rows_path.open("a" if request.resume else "w") as per_prompt,
     ):
         runner = _Runner(model, tokenizer, server, request.generated)
         try:
-            runner.warm(pool)
-            progress(f"warmed {len(pool)} documents")
-            for i, prompt in enumerate(prompts):
+            for i, row in enumerate(done):
+                if len(runner.tokens(prompts[i])[0]) != row["tokens"]:
+                    raise ValueError(
+                        f"{rows_path}: row {i + 1} is not this task's prompt {i + 1} "
+                        "(another --seed?); resume with the same options or use another --out"
+                    )
+            if len(done) < len(prompts):
+                runner.warm(pool)
+                progress(f"warmed {len(pool)} documents; {len(done)} prompts kept")
+            for i, prompt in enumerate(prompts[len(done) :], start=len(done)):
                 rows.append(_quality_row(runner, prompt, names))
                 per_prompt.write(json.dumps(rows[-1]) + "\n")  # kept if the run stops early
                 per_prompt.flush()
                 progress(f"prompt {i + 1}/{len(prompts)}")
-            runner.warm(latency_pool)
-            for prompt in retrieval_prompts(latency_spec, latency_pool):
-                timed.append(_latency_row(runner, prompt, names))
-            progress("latency set done")
+            if request.latency_prompts:
+                latency_pool = document_pool(latency_spec)
+                runner.warm(latency_pool)
+                for prompt in retrieval_prompts(latency_spec, latency_pool):
+                    timed.append(_latency_row(runner, prompt, names))
+                progress("latency set done")
         finally:
             runner.close()
     results = {
@@ -282,11 +293,26 @@ def run_blend_eval(
         "spec": asdict(request.spec),
         "configurations": {n: asdict(c) for n, c in names.items()},
         "quality": summarize(rows, list(names)),
-        "latency": latency(timed, list(names)),
+        "latency": latency(timed, list(names)) if timed else None,  # None: --latency-prompts 0
         "wall_s": round(time.perf_counter() - started, 1),
     }
     (request.out / "blend-eval.json").write_text(json.dumps(results, indent=1))
     return results
+
+
+def _rows_to_resume(path: Path, names: dict[str, BlendConfig]) -> list[dict[str, Any]]:
+    """The rows an earlier run wrote, checked to hold every configuration."""
+    if not path.exists():
+        return []
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    for i, row in enumerate(rows):
+        missing = [name for name in ("full", *names) if name not in row]
+        if missing:
+            raise ValueError(
+                f"{path}: row {i + 1} has no {', '.join(missing)}; resume with the same "
+                "--ratios and --static, or use another --out"
+            )
+    return rows
 
 
 def _quality_row(runner: _Runner, prompt: Prompt, names: dict[str, BlendConfig]) -> dict[str, Any]:

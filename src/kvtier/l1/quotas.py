@@ -18,8 +18,9 @@ Every method runs under the manager's lock (the book has none of its own).
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
+from itertools import islice
 
 from kvtier.keys import ObjectKey
 
@@ -109,9 +110,10 @@ class QuotaBook:
         soft = self.limit(owner).soft
         return 0 if soft is None else max(0, self._resident.get(owner, 0) - soft)
 
-    def oldest(self, owner: str) -> Iterator[tuple[ObjectKey, int]]:
-        """The owner's objects, least recently used first (a snapshot)."""
-        return iter(list(self._order.get(owner, {}).items()))
+    def oldest(self, owner: str, skip: int, count: int) -> list[tuple[ObjectKey, int]]:
+        """Up to ``count`` of the owner's objects, least recently used first,
+        after the first ``skip`` (a copy: the caller may drop them)."""
+        return list(islice(self._order.get(owner, {}).items(), skip, skip + count))
 
     def pinned(self, key: ObjectKey, now: float) -> bool:
         """Whether ``key`` is pinned now (an expired pin is dropped here)."""

@@ -22,6 +22,8 @@ from kvtier.l1.leases import LeaseHeap
 from kvtier.l1.objects import L1Object, ObjectState, WriterTag
 from kvtier.l1.quotas import QuotaBook
 
+OWN_EVICTION_BATCH = 64  # a tenant's oldest objects looked at per step of its own eviction
+
 log = logging.getLogger("kvtier.l1.manager")
 
 Clock = Callable[[], float]
@@ -208,16 +210,21 @@ class L1Tables:
         """Evict ``owner``'s least recently used objects (not ``spare``) down
         to its soft limit; return the bytes freed."""
         need = self._quotas.excess(owner)
-        freed = 0
-        for key, size in self._quotas.oldest(owner):
-            if freed >= need:
+        freed = kept = 0  # kept: the oldest objects that may not go (they stay first)
+        while freed < need:
+            batch = self._quotas.oldest(owner, kept, OWN_EVICTION_BATCH)
+            if not batch:
                 break
-            if key in spare or not self._evictable(key):
-                continue
-            self._policy.remove(key)
-            self._drop_resident(self._resident[key])
-            freed += size
-            self._counters.add("quota_evictions", 1)
+            for key, size in batch:
+                if freed >= need:
+                    break
+                if key in spare or not self._evictable(key):
+                    kept += 1
+                    continue
+                self._policy.remove(key)
+                self._drop_resident(self._resident[key])
+                freed += size
+                self._counters.add("quota_evictions", 1)
         return freed
 
     def _drop_resident(self, obj: L1Object) -> None:

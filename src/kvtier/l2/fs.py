@@ -282,8 +282,10 @@ class FSAdapter(BlockingAdapter):
     def purge(self, selector: KeySelector, cursor: str | None, limit: int) -> PurgeStep:
         """From the index: a reader with the file open keeps reading it (an
         unlinked file lives until closed); one that opens it after misses."""
-        with self._index_lock:
-            matched = [k for k in self._index if selector.matches(k)]
+        with self._index_lock:  # the first limit + 1 only: every step scans from the start
+            matched = list(
+                itertools.islice((k for k in self._index if selector.matches(k)), limit + 1)
+            )
         for key in matched[:limit]:
             self._delete(key, self.path_of(key))
         return PurgeStep(min(len(matched), limit), "" if len(matched) > limit else None)

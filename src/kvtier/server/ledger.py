@@ -7,8 +7,9 @@ For each (tenant, namespace ``model@salt``):
 - **prefill seconds saved**: tokens served x the namespace's prefill time per
   token, as its engines measure and report it (``UsageReport``: the
   transformers integration after each prefill, the vLLM connector after
-  each step that loads or stores; an exponentially weighted mean); without any report, ``default_prefill_s_per_token`` if set,
-  else unknown (``None``: the ledger does not invent a rate);
+  each step that loads or stores; an exponentially weighted mean); without
+  any report, ``default_prefill_s_per_token`` if set, else unknown (``None``:
+  the ledger does not invent a rate);
 - **load seconds spent**: what the engines report spending to load KV;
 - **net seconds**: saved minus spent — the time the cache bought.
 

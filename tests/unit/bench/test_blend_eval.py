@@ -3,6 +3,7 @@ summaries (exact numbers from hand-made rows), the tables and the plot."""
 
 from __future__ import annotations
 
+import json
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -10,7 +11,13 @@ from typing import Any
 import pytest
 from rich.console import Console
 
-from kvtier.bench.blend_eval import Measured, configurations, latency, summarize
+from kvtier.bench.blend_eval import (
+    Measured,
+    _rows_to_resume,
+    configurations,
+    latency,
+    summarize,
+)
 from kvtier.bench.blend_report import latency_table, quality_plot, quality_table
 from kvtier.bench.retrieval import RetrievalSpec, document_pool, retrieval_prompts
 
@@ -108,3 +115,13 @@ def test_tables_and_plot(tmp_path: Path) -> None:
     plot = tmp_path / "quality.png"
     quality_plot(results, plot)
     assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and plot.stat().st_size > 10_000
+
+
+def test_a_resumed_run_keeps_rows_of_the_same_configurations_only(tmp_path: Path) -> None:
+    path = tmp_path / "prompts.jsonl"
+    names = configurations((0.0, 0.15), ())
+    assert _rows_to_resume(path, names) == []  # nothing measured yet
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows()))
+    assert _rows_to_resume(path, names) == rows()
+    with pytest.raises(ValueError, match=r"row 1 has no blend 0\.3.*--ratios"):
+        _rows_to_resume(path, configurations((0.0, 0.15, 0.3), ()))
