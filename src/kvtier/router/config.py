@@ -81,6 +81,10 @@ class RouterConfig:
     prefetch: bool = True  # tell the chosen node's cache server to start L2 -> L1 loads
     engines: tuple[Any, ...] = ()  # EngineSpec tables
     tenants: tuple[Any, ...] = ()  # TenantSpec tables
+    # The cache servers' tenants file (kvtier.server.tenants): its tenants become
+    # the gateway's (token digests as API keys, first salt as cache_salt); a
+    # [[tenants]] table of the same name adds its limits.
+    tenants_file: str = ""
     cost: CostConfig = field(default_factory=CostConfig)
 
     def __post_init__(self) -> None:
@@ -134,7 +138,31 @@ def load_router_config(
     names = [e.name for e in engines]
     if len(set(names)) != len(names):
         raise ValueError(f"two engines share a name: {names}")
-    return dataclasses.replace(config, engines=engines, tenants=tuple(config.tenant_specs()))
+    tenants = _with_tenants_file(config.tenant_specs(), config.tenants_file)
+    return dataclasses.replace(config, engines=engines, tenants=tuple(tenants))
+
+
+def _with_tenants_file(specs: list[TenantSpec], path: str) -> list[TenantSpec]:
+    """``specs`` with the tenants of the cache servers' tenants file merged in."""
+    if not path:
+        return specs
+    from kvtier.keys import salt_label
+    from kvtier.server.tenants import ANY_SALT, TenantTable
+
+    by_name = {spec.name: spec for spec in specs}
+    merged = []
+    for tenant in TenantTable.from_file(path).tenants.values():
+        spec = by_name.pop(tenant.name, TenantSpec(name=tenant.name))
+        owned = [s for s in tenant.salts if s != ANY_SALT]
+        salt = spec.salt or (owned[0] if owned else "")
+        if not spec.salt and salt and salt_label(salt) != salt:  # the file holds its hash
+            raise ValueError(
+                f"tenants_file {path}: tenant {tenant.name!r}'s salt is not a plain label, so "
+                "the gateway cannot send it as cache_salt: name it in its [[tenants]] table"
+            )
+        digests = spec.api_key_sha256 + tenant.digests
+        merged.append(dataclasses.replace(spec, salt=salt, api_key_sha256=digests))
+    return merged + list(by_name.values())
 
 
 __all__ = ["EngineSpec", "RouterConfig", "load_router_config"]

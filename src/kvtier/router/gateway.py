@@ -2,7 +2,9 @@
 
 - An API key (``Authorization: Bearer <key>``) names a tenant; a missing or
   unknown key is refused (401). With no tenants configured, every request is
-  the ``default`` tenant (a single-team deployment).
+  the ``default`` tenant (a single-team deployment). With the cache server's
+  tenants file (``tenants_file``), its tenants are the gateway's: a client's
+  cache token is its API key, and its tenant's salt its ``cache_salt``.
 - The tenant's ``salt`` becomes the request's ``cache_salt``; whatever the
   client sent there is replaced, so no client can read another tenant's KV
   (the chunk hashes of two salts never meet, docs/hashing.md).
@@ -35,6 +37,7 @@ class TenantSpec:
 
     name: str
     api_keys: tuple[str, ...] = ()  # secret: from the config file only
+    api_key_sha256: tuple[str, ...] = ()  # hex digests of keys (a tenants file's token_sha256)
     salt: str = ""  # "" -> the tenant's name
     requests_per_s: float = 0.0  # 0: no limit
     request_burst: float = 0.0  # 0 -> max(1, requests_per_s)
@@ -54,6 +57,12 @@ class TenantSpec:
                 raise ValueError(f"tenant {self.name!r}: option {option!r} must be >= 0")
         if any(not key for key in self.api_keys):
             raise ValueError(f"tenant {self.name!r}: an API key must not be empty")
+        for digest in self.api_key_sha256:
+            if len(digest) != 64 or any(c not in "0123456789abcdef" for c in digest):
+                raise ValueError(
+                    f"tenant {self.name!r}: api_key_sha256 {digest[:12]!r}... is not a "
+                    "SHA-256 hex digest (kvtier admin token-digest)"
+                )
 
     @property
     def cache_salt(self) -> str:
@@ -130,8 +139,8 @@ class Gateway:
                 _bucket(spec.prompt_tokens_per_s, spec.prompt_token_burst, 10.0, clock),
             )
             self.tenants[spec.name] = tenant
-            for key in spec.api_keys:
-                digest = _digest(key)
+            digests = [_digest(key) for key in spec.api_keys]
+            for digest in digests + [bytes.fromhex(d) for d in spec.api_key_sha256]:
                 if any(hmac.compare_digest(digest, d) for d, _ in self._keys):
                     raise ValueError(f"tenant {spec.name!r}: an API key is given to two tenants")
                 self._keys.append((digest, tenant))
@@ -173,7 +182,10 @@ class Gateway:
             return {
                 "open": self.open,
                 "tenants": {
-                    name: {"requests": dict(t.counts), "api_keys": len(t.spec.api_keys)}
+                    name: {
+                        "requests": dict(t.counts),
+                        "api_keys": len(t.spec.api_keys) + len(t.spec.api_key_sha256),
+                    }
                     for name, t in self.tenants.items()
                 },
             }

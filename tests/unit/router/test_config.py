@@ -86,3 +86,29 @@ def test_the_command_line_reports_a_bad_config(
 ) -> None:
     assert main(["route", "--config", write(tmp_path, "port = 0")]) != 0
     assert "needs engines" in capsys.readouterr().err
+
+
+def test_the_cache_servers_tenants_file_gives_the_gateway_its_tenants(tmp_path: Path) -> None:
+    """Its token digests become API keys, its first salt the cache_salt; a
+    [[tenants]] table of the same name adds its limits."""
+    from kvtier.router.gateway import Gateway
+    from kvtier.server.tenants import token_digest
+
+    tenants = tmp_path / "tenants.toml"
+    tenants.write_text(
+        f'[[tenant]]\nname = "acme"\ntoken_sha256 = ["{token_digest("acme-token")}"]\n'
+        'salts = ["acme-prod"]\n'
+        f'[[tenant]]\nname = "globex"\ntoken_sha256 = ["{token_digest("globex-token")}"]\n'
+        'salts = ["globex"]\n'
+    )
+    config = load_router_config({}, write(tmp_path, f'tenants_file = "{tenants}"\n' + CONFIG))
+    by_name = {spec.name: spec for spec in config.tenants}
+    assert by_name["acme"].cache_salt == "acme-prod" and by_name["acme"].requests_per_s == 5
+    assert by_name["acme"].api_keys == ("k1",)  # the route file's own key still works
+    gateway = Gateway(config.tenants)
+    for key, name in (("acme-token", "acme"), ("k1", "acme"), ("globex-token", "globex")):
+        tenant = gateway.authenticate(f"Bearer {key}")
+        assert tenant is not None and tenant.name == name
+    assert gateway.authenticate("Bearer nobody") is None
+    with pytest.raises(ValueError, match="SHA-256"):
+        TenantSpec(name="x", api_key_sha256=("not-a-digest",))
