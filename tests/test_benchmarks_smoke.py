@@ -83,12 +83,15 @@ def test_every_benchmark_has_a_smoke_run() -> None:
     assert {p.name for p in BENCHMARKS.glob("bench_*.py")} == set(TINY)
 
 
-# Scripts that start vLLM engines, external stores or many servers: slow (the
+# Scripts that start vLLM engines, models, external stores or many servers: slow (the
 # quick run skips them); the vLLM ones only run where vLLM is installed, and
 # under -m bench, not in CI (they start 1-2 engines each, and the connector's
 # own tests and the quick bench run the same paths).
 ENGINE_SCRIPTS = {"bench_vllm_ttft.py", "bench_vllm_tiers.py"}
-STORE_SCRIPTS = {
+SLOW_SCRIPTS = {
+    "bench_hf_ttft.py",
+    "bench_server.py",
+    "bench_shadow.py",
     "bench_redis_adapter.py",
     "bench_s3_adapter.py",
     "bench_mooncake_adapter.py",
@@ -105,7 +108,7 @@ def _marks(name: str) -> list[pytest.MarkDecorator]:
             pytest.mark.bench,
             pytest.mark.skipif(not HAS_VLLM, reason="needs vLLM"),
         ]
-    return [pytest.mark.slow] if name in STORE_SCRIPTS else []
+    return [pytest.mark.slow] if name in SLOW_SCRIPTS else []
 
 
 @pytest.mark.parametrize("script", [pytest.param(n, marks=_marks(n)) for n in sorted(TINY)])

@@ -32,6 +32,7 @@ def run_demo(*args: str) -> subprocess.CompletedProcess[str]:
     )
 
 
+@pytest.mark.slow
 def test_demo_runs_and_reports_identical_outputs(tmp_path: Path) -> None:
     out = tmp_path / "out.json"
     done = run_demo(*SHORT_TRACE, "--model-dir", str(tmp_path / "model"), "--json", str(out))
@@ -82,6 +83,7 @@ def test_demo_bad_flag_exits_2_naming_it(
     assert err.startswith("kvtier demo: ") and match in err
 
 
+@pytest.mark.slow
 def test_demo_bad_flag_exits_2_as_a_command(tmp_path: Path) -> None:
     done = run_demo("--doc-tokens", "5:1", "--model-dir", str(tmp_path / "model"))
     assert done.returncode == 2, done.stdout + done.stderr

@@ -276,6 +276,7 @@ def fuzz_server(module_servers: ServerFactory) -> Server:
     return module_servers.start()
 
 
+@pytest.mark.slow
 def test_every_malformed_request_gets_exactly_one_error(fuzz_server: Server) -> None:
     server = fuzz_server
     client = CacheClient(w.client_config(server.rpc, shm=True, client_id="good"))

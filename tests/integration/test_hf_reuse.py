@@ -558,6 +558,7 @@ class PeerOutput:
     logits: torch.Tensor
 
 
+@pytest.mark.slow
 def test_two_engine_processes_share_one_server(
     shared_server: Server, hf_peers: HFPeers, models: dict[str, PreTrainedModel], tmp_path: Path
 ) -> None:

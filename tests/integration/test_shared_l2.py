@@ -162,6 +162,7 @@ def killable(request: pytest.FixtureRequest, tmp_path: Any) -> Iterator[Any]:
         store.stop()
 
 
+@pytest.mark.slow
 def test_backend_killed_mid_stream_then_restarted(killable: Any) -> None:
     spec = killable.spec() if isinstance(killable, MooncakeProcess) else None
     stream = Stream(spec or {"type": "redis", "url": killable.url})
@@ -206,6 +207,7 @@ def test_data_lost_with_a_restart_is_a_miss_not_an_error(tmp_path: Any) -> None:
             store.stop()
 
 
+@pytest.mark.slow
 def test_a_paused_backend_does_not_hold_a_lookup_past_its_deadline(
     redis_server: RedisProcess,
 ) -> None:
@@ -237,6 +239,7 @@ def stoppable(request: pytest.FixtureRequest) -> tuple[dict[str, Any], list[int]
     return server.spec(name="shared", timeout_s=20.0), [server.proc.pid]
 
 
+@pytest.mark.slow
 def test_a_stopped_store_does_not_hold_a_lookup_past_its_deadline(
     stoppable: tuple[dict[str, Any], list[int]],
 ) -> None:
