@@ -92,8 +92,10 @@ class QuotaBook:
         return True
 
     def touch(self, keys: Iterable[ObjectKey]) -> None:
+        salt, order = None, None  # a lookup's keys share a salt: its owner is found once
         for key in keys:
-            order = self._order.get(self.owner(key))
+            if key.salt != salt:
+                salt, order = key.salt, self._order.get(self.owner(key))
             if order is not None and key in order:
                 order.move_to_end(key)
 
