@@ -33,10 +33,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvtier.config import from_mapping, load, read_toml
+from kvtier.keys import salt_label
 from kvtier.router.chunks import MAX_NODES
 from kvtier.router.cost import CostConfig
 from kvtier.router.gateway import TenantSpec
 from kvtier.router.scoring import POLICIES
+from kvtier.server.tenants import ANY_SALT, TenantTable
 
 ENV_PREFIX = "KVTIER_ROUTE_"
 
@@ -146,9 +148,6 @@ def _with_tenants_file(specs: list[TenantSpec], path: str) -> list[TenantSpec]:
     """``specs`` with the tenants of the cache servers' tenants file merged in."""
     if not path:
         return specs
-    from kvtier.keys import salt_label
-    from kvtier.server.tenants import ANY_SALT, TenantTable
-
     by_name = {spec.name: spec for spec in specs}
     merged = []
     for tenant in TenantTable.from_file(path).tenants.values():

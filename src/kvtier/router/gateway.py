@@ -20,13 +20,14 @@ or shown in ``/status``.
 
 from __future__ import annotations
 
-import hashlib
 import hmac
 import math
 import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+
+from kvtier.server.tenants import is_token_digest, token_digest
 
 DEFAULT_TENANT = "default"
 
@@ -58,7 +59,7 @@ class TenantSpec:
         if any(not key for key in self.api_keys):
             raise ValueError(f"tenant {self.name!r}: an API key must not be empty")
         for digest in self.api_key_sha256:
-            if len(digest) != 64 or any(c not in "0123456789abcdef" for c in digest):
+            if not is_token_digest(digest):
                 raise ValueError(
                     f"tenant {self.name!r}: api_key_sha256 {digest[:12]!r}... is not a "
                     "SHA-256 hex digest (kvtier admin token-digest)"
@@ -130,7 +131,7 @@ class Gateway:
         if len(set(names)) != len(names):
             raise ValueError(f"two tenants share a name: {names}")
         self._lock = threading.Lock()
-        self._keys: list[tuple[bytes, Tenant]] = []
+        self._keys: list[tuple[str, Tenant]] = []  # (SHA-256 hex digest, tenant)
         self.tenants: dict[str, Tenant] = {}
         for spec in tenants or [TenantSpec(name=DEFAULT_TENANT)]:
             tenant = Tenant(
@@ -139,8 +140,7 @@ class Gateway:
                 _bucket(spec.prompt_tokens_per_s, spec.prompt_token_burst, 10.0, clock),
             )
             self.tenants[spec.name] = tenant
-            digests = [_digest(key) for key in spec.api_keys]
-            for digest in digests + [bytes.fromhex(d) for d in spec.api_key_sha256]:
+            for digest in [*map(token_digest, spec.api_keys), *spec.api_key_sha256]:
                 if any(hmac.compare_digest(digest, d) for d, _ in self._keys):
                     raise ValueError(f"tenant {spec.name!r}: an API key is given to two tenants")
                 self._keys.append((digest, tenant))
@@ -152,7 +152,7 @@ class Gateway:
             return self.tenants[DEFAULT_TENANT]
         if not authorization or not authorization.startswith("Bearer "):
             return None
-        digest = _digest(authorization[len("Bearer ") :].strip())
+        digest = token_digest(authorization[len("Bearer ") :].strip())
         found = None
         for known, tenant in self._keys:  # every key is compared: no early exit by timing
             if hmac.compare_digest(digest, known):
@@ -202,10 +202,6 @@ def _bucket(
     if rate <= 0:
         return None
     return TokenBucket(rate, burst or max(1.0, rate * default_burst), clock)
-
-
-def _digest(key: str) -> bytes:
-    return hashlib.sha256(key.encode()).digest()
 
 
 __all__ = [

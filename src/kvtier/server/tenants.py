@@ -57,6 +57,11 @@ def token_digest(token: str) -> str:
     return hashlib.sha256(token.encode()).hexdigest()
 
 
+def is_token_digest(text: str) -> bool:
+    """Whether ``text`` has the form ``token_digest`` gives (lowercase hex, 64)."""
+    return _HEX64.fullmatch(text) is not None
+
+
 @dataclass(frozen=True, slots=True)
 class Quota:
     """Bytes a tenant may hold; None: no limit."""
@@ -235,7 +240,7 @@ def _tenant(table: Any, where: _Where) -> Tenant:
         raise where.error("name", "every tenant needs a name")
     digests = _strings(table, "token_sha256", where)
     for digest in digests:
-        if not _HEX64.fullmatch(digest):
+        if not is_token_digest(digest):
             raise where.error(
                 "token_sha256",
                 f"{digest[:12]!r}... is not a lowercase SHA-256 hex digest (64 characters); "
@@ -314,5 +319,6 @@ __all__ = [
     "Quota",
     "Tenant",
     "TenantTable",
+    "is_token_digest",
     "token_digest",
 ]
