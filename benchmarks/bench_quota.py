@@ -12,7 +12,8 @@ batches of 16 KiB objects, L1 big enough that nothing is evicted):
   small enough that global eviction does the same amount of work.
 
 Rounds run the configurations in turn, the order rotated each round, so that
-drift and position effects fall on all.
+drift and position effects fall on all; each ratio is taken within a round
+(paired) and the median of the rounds reported, with their middle half.
 
     python benchmarks/bench_quota.py [--rounds 7] [--batches 200]
 """
@@ -62,6 +63,14 @@ def run(batches: int, owners: dict[str, OwnerLimit] | None, l1_bytes: int) -> tu
     return batches * BATCH / stored, len(survivors) * BATCH / max(looked, 1e-9)
 
 
+def spread(ratios: list[float]) -> str:
+    """The middle half of per-round ratios, e.g. '[0.97-1.02]'."""
+    if len(ratios) < 4:
+        return ""
+    q1, _, q3 = statistics.quantiles(ratios, n=4)
+    return f"[{q1:.2f}-{q3:.2f}]"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--rounds", type=int, default=7)
@@ -84,22 +93,31 @@ def main() -> None:
         for name in names[r % len(names) :] + names[: r % len(names)]:  # rotated each round
             owners, size = configs[name]
             samples[name].append(run(args.batches, owners, size))
-    medians = {
-        name: (statistics.median(s for s, _ in got), statistics.median(lk for _, lk in got))
-        for name, got in samples.items()
-    }
+    baseline = {name: "no owners, L1 evicting" if "evicting" in name or "soft" in name
+                else "no owners" for name in configs}  # fmt: skip
     rows: list[tuple[str, str]] = []
-    results: dict[str, object] = {"object_bytes": OBJECT, "batch": BATCH, "medians": medians}
-    results["samples"] = samples
-    for name, (store, lookup) in medians.items():
-        base = medians["no owners" if "evicting" not in name and "soft" not in name else
-                       "no owners, L1 evicting"]  # fmt: skip
+    results: dict[str, object] = {"object_bytes": OBJECT, "batch": BATCH, "samples": samples}
+    for name, got in samples.items():
+        base = samples[baseline[name]]
+        # ratios paired within a round (the same minute of the machine), then their median
+        store_ratios = [s / b for (s, _), (b, _) in zip(got, base, strict=True)]
+        lookup_ratios = [lk / b for (_, lk), (_, b) in zip(got, base, strict=True)]
+        store = statistics.median(s for s, _ in got)
+        lookup = statistics.median(lk for _, lk in got)
         rows.append(
             (name,
-             f"store {store:,.0f} obj/s ({store / base[0]:.3f}x)  "
-             f"lookup {lookup:,.0f} obj/s ({lookup / base[1]:.3f}x)")
+             f"store {store:,.0f} obj/s ({statistics.median(store_ratios):.3f}x "
+             f"{spread(store_ratios)})  lookup {lookup:,.0f} obj/s "
+             f"({statistics.median(lookup_ratios):.3f}x {spread(lookup_ratios)})")
         )  # fmt: skip
-        results[name] = {"store_ratio": store / base[0], "lookup_ratio": lookup / base[1]}
+        results[name] = {
+            "stores_per_s": store,
+            "lookups_per_s": lookup,
+            "store_ratio": statistics.median(store_ratios),
+            "lookup_ratio": statistics.median(lookup_ratios),
+            "store_ratios": store_ratios,
+            "lookup_ratios": lookup_ratios,
+        }
     report("Tenant quotas in L1: throughput against no owners", rows, results)
 
 

@@ -101,8 +101,12 @@ class StorageManager:
             self._close_adapters()
             self.l1.close()
             raise
+        # Layouts by digest, for the adapters' codecs (they are told digests)
+        self.layouts: dict[str, KVLayout] = {}
+        self._digests: dict[KVLayout, str] = {}
         for adapter in self.adapters:
             adapter.register_memory(self.l1.memory)
+            adapter.share_layouts(self.layouts)
         if residency is not None:
             self._report_residency(residency)
         self.store_controller = StoreController(
@@ -117,6 +121,14 @@ class StorageManager:
         self._temporary: set[ObjectKey] = set()
         self._tags = itertools.count()
         self._lookup_timeouts = 0
+
+    def _remember(self, layout: KVLayout) -> str:
+        """``layout``'s digest, the layout kept for the adapters' codecs."""
+        digest = self._digests.get(layout)
+        if digest is None:
+            digest = self._digests[layout] = layout.digest()
+            self.layouts[digest] = layout
+        return digest
 
     # ---------------------------------------------------------------- write
 
@@ -166,7 +178,7 @@ class StorageManager:
         SUCCESS (write there), NOT_WRITABLE (resident already: skip) or
         OUT_OF_MEMORY. Finish with ``commit_store`` or ``abort_store``."""
         tag = WriterTag(f"store-{next(self._tags)}")
-        digest = layout.digest() if layout else ""
+        digest = self._remember(layout) if layout else ""
         placements = self.l1.reserve_write(keys, sizes, tag, layout=digest)
         staged = [k for k, p in zip(keys, placements, strict=True) if p.result is L1Result.SUCCESS]
         _, fence = self.l1.fence(staged, tag)
@@ -188,7 +200,7 @@ class StorageManager:
             results = self.l1.finish_write(staged, tag)
         admitted = [k for k, r in zip(staged, results, strict=True) if r is L1Result.SUCCESS]
         nbytes = fence.objects[0].size if fence.objects else 0
-        digest = layout.digest() if layout else ""
+        digest = self._remember(layout) if layout else ""
         self.store_controller.on_admitted(admitted, digest, nbytes, pinned=pin)
         return admitted
 
@@ -206,6 +218,8 @@ class StorageManager:
         deadline_s: float | None = None,
     ) -> PrefetchHandle:
         """Start a lookup; take its result with ``collect``."""
+        for layout in (layouts or {}).values():
+            self._remember(layout)
         return self.prefetch.submit(chunks, layouts, deadline_s)
 
     def collect(self, handle: PrefetchHandle, timeout: float | None = None) -> LookupResult | None:

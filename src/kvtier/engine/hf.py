@@ -57,10 +57,10 @@ from kvtier.storage import StorageManager
 ATTENTION_LAYERS = frozenset({"full_attention", "sliding_attention"})
 
 
-def kv_layout(model: PreTrainedModel, chunk_size: int) -> KVLayout:
+def kv_layout(model: PreTrainedModel, chunk_size: int, lossy_codec: str = "") -> KVLayout:
     """The ``KVLayout`` of ``model``'s KV cache (per token: 2 x layers x
     kv_heads x head_dim in the model's dtype); ValueError for a model whose
-    cache is not plain attention KV."""
+    cache is not plain attention KV. ``lossy_codec``: see ``KVLayout``."""
     config = model.config.get_text_config(decoder=True)
     kinds = set(getattr(config, "layer_types", None) or ()) - ATTENTION_LAYERS
     if kinds:
@@ -82,6 +82,7 @@ def kv_layout(model: PreTrainedModel, chunk_size: int) -> KVLayout:
         head_dim=head_dim,
         dtype=str(model.dtype).removeprefix("torch."),
         tokens_per_chunk=chunk_size,
+        lossy_codec=lossy_codec,
     )
 
 
@@ -140,6 +141,9 @@ class KVTierModel:
     ``salt``: see ``model_identity``. ``client_options`` go to ``ClientConfig``.
     ``shadow``: recompute one hit chunk of a sampled fraction of prompts and
     compare it with what was loaded (``kvtier.engine.shadow``).
+    ``lossy_codec``: let slower tiers keep this model's KV with that lossy
+    codec (``"int8"``, ``"int4"``; ``KVLayout.lossy_codec``): its keys are
+    then its own, apart from exact KV's.
     """
 
     def __init__(
@@ -156,6 +160,7 @@ class KVTierModel:
         lookup_timeout_s: float = 5.0,
         client_options: dict[str, Any] | None = None,
         shadow: ShadowCheck | None = None,
+        lossy_codec: str = "",
     ) -> None:
         if server is not None and storage is not None:
             raise ValueError("pass server= or storage=, not both")
@@ -166,6 +171,7 @@ class KVTierModel:
         self._vocab = int(model.config.get_text_config(decoder=True).vocab_size)
         self._hashers: dict[int, tuple[KVLayout, TokenHasher]] = {}
         self._chunk_size = chunk_size
+        self._lossy_codec = lossy_codec
         self._shift: RopeShift | None = None
         self._segment_store: SegmentStore | None = None
         self.link: CacheLink | None = None
@@ -173,15 +179,16 @@ class KVTierModel:
             self.link = ServerLink(
                 server,
                 self.identity,
-                kv_layout(model, 1),  # the server chooses the chunk size
+                kv_layout(model, 1, lossy_codec),  # the server chooses the chunk size
                 auth_token=auth_token,
                 lookup_timeout_s=lookup_timeout_s,
                 **(client_options or {}),
             )
         elif storage is not None:
-            self.link = LocalLink(storage, self.identity, kv_layout(model, chunk_size))
+            layout = kv_layout(model, chunk_size, lossy_codec)
+            self.link = LocalLink(storage, self.identity, layout)
         else:
-            kv_layout(model, chunk_size)  # refuse unsupported models up front
+            kv_layout(model, chunk_size, lossy_codec)  # refuse unsupported models up front
 
     # ------------------------------------------------------------ requests
 
@@ -424,7 +431,7 @@ class KVTierModel:
         link = self.link if chunk_size is not None else None
         size = chunk_size or self._chunk_size
         if self._segment_store is None or self._segment_store.hasher.chunk_size != size:
-            layout = kv_layout(self.model, size)
+            layout = kv_layout(self.model, size, self._lossy_codec)
             hasher = SegmentHasher(self.identity.namespace(layout), size)
             self._segment_store = SegmentStore(link, layout, hasher, self.model.dtype)
         self._segment_store.link = link
@@ -438,7 +445,7 @@ class KVTierModel:
 
     def _hasher(self, chunk_size: int) -> tuple[KVLayout, TokenHasher]:
         if chunk_size not in self._hashers:
-            layout = kv_layout(self.model, chunk_size)
+            layout = kv_layout(self.model, chunk_size, self._lossy_codec)
             namespace = self.identity.namespace(layout)
             self._hashers[chunk_size] = (layout, TokenHasher(namespace, chunk_size))
         return self._hashers[chunk_size]

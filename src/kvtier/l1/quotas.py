@@ -1,6 +1,11 @@
 """``QuotaBook``: what each owner (a tenant) holds in L1, its limits, and
 its objects in recency order, for ``L1Manager``.
 
+Recency is kept only for owners with a soft limit, the only ones whose own
+oldest objects are ever evicted first: a hit on an owner without one costs
+no bookkeeping here. An owner given a soft limit later starts from the
+admission order of what it holds.
+
 An object's owner is ``owner_of(key.salt)`` (the cache server: the tenant
 that owns the salt). Per owner, ``OwnerLimit``:
 
@@ -95,7 +100,8 @@ class QuotaBook:
         salt, order = None, None  # a lookup's keys share a salt: its owner is found once
         for key in keys:
             if key.salt != salt:
-                salt, order = key.salt, self._order.get(self.owner(key))
+                salt, owner = key.salt, self.owner(key)
+                order = self._order.get(owner) if self.limit(owner).soft is not None else None
             if order is not None and key in order:
                 order.move_to_end(key)
 

@@ -69,7 +69,9 @@ import numpy.typing as npt
 
 from kvtier.counters import Counters
 from kvtier.keys import KeySelector, ObjectKey
+from kvtier.l2.codecs import PayloadCodec, codec_named
 from kvtier.l2.format import CorruptObject
+from kvtier.layout import KVLayout
 
 log = logging.getLogger(__name__)
 
@@ -156,6 +158,9 @@ class AdapterConfig:
     shared: bool | None = None
     skip_present: bool = True  # a store of a key stored before asks whether it is still there
     remembered_keys: int = 1 << 16  # keys stored lately, for skip_present (~150 bytes each)
+    # What payloads are stored as (``kvtier.l2.codecs``): none, zstd (lossless),
+    # int8 or int4 (lossy, only for layouts whose lossy_codec asks for it).
+    codec: str = "none"
 
     def __post_init__(self) -> None:
         if self.io_threads <= 0:
@@ -169,6 +174,10 @@ class AdapterConfig:
                 "options must satisfy 0 < backoff_initial_s <= backoff_max_s, got "
                 f"{self.backoff_initial_s} and {self.backoff_max_s}"
             )
+        try:
+            codec_named(self.codec)
+        except (ValueError, RuntimeError) as exc:
+            raise ValueError(f"option 'codec': {exc}") from None
 
 
 class L2Adapter(ABC):
@@ -201,6 +210,11 @@ class L2Adapter(ABC):
     def register_memory(self, buffer: Buffer) -> None:
         """Memory that payload buffers will live in (the L1 arena), offered once
         for backends that transfer without copying from registered memory."""
+        return None
+
+    def share_layouts(self, layouts: Mapping[str, KVLayout]) -> None:
+        """The layouts by digest that the storage manager has seen (lossy
+        codecs need a payload's shape, and the adapter is told only digests)."""
         return None
 
     @property
@@ -288,12 +302,21 @@ class BlockingAdapter(L2Adapter):
     """
 
     inline_lookup: ClassVar[bool] = False
+    # Whether payloads may be stored with a codec (adapters that move payloads
+    # straight between L1 and the backend, without a copy, say False).
+    takes_codecs: ClassVar[bool] = True
 
     def __init__(self, config: AdapterConfig, on_complete: CompletionCallback) -> None:
+        if config.codec != "none" and not self.takes_codecs:
+            raise ValueError(
+                f"option 'codec': {self.type_name} adapters store payloads as they are "
+                "(codec 'none'); codecs are for the redis, valkey, s3 and mock adapters"
+            )
         self.config = config
         self.name = config.name or self.type_name
         self.writable = config.write
         self.shared = self.shared_by_default if config.shared is None else config.shared
+        self.codec = PayloadCodec(config.codec, {})
         self.clock: Callable[[], float] = time.monotonic
         self._on_complete = on_complete
         self._tasks = itertools.count(1)
@@ -314,6 +337,9 @@ class BlockingAdapter(L2Adapter):
         self._part = threading.local()  # the running part's refused copies (_corrupt)
 
     # ------------------------------------------------------------ contract
+
+    def share_layouts(self, layouts: Mapping[str, KVLayout]) -> None:
+        self.codec.layouts = layouts
 
     def submit_store(
         self, keys: Sequence[ObjectKey], buffers: Sequence[Buffer], layout: str = ""
@@ -359,6 +385,7 @@ class BlockingAdapter(L2Adapter):
             return {
                 "type": self.type_name,
                 "name": self.name,
+                "codec": self.codec.writer.name,
                 "healthy": self.clock() >= self._down_until,
                 "closed": self._closed,
                 "recoveries": self._recoveries,

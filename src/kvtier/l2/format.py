@@ -14,6 +14,15 @@ Each object is a header followed by the payload (the chunk's KV bytes)::
     42      n     the object key's string form (``ObjectKey.to_str()``), UTF-8
     42+n    ...   zero padding up to the header length
 
+A payload stored with a codec (``kvtier.l2.codecs``) has a version 2 header:
+the same fields, the payload length and checksum being those of the stored
+(encoded) bytes, then before the key::
+
+    42      1     codec (``Codec.ident``)
+    43      8     the decoded payload's length
+    51      n     the key ...
+
+Uncoded objects keep version 1, which readers of every version read.
 All integers are little-endian. A load whose magic, version, key, layout,
 length or checksum does not match what the reader asked for is a miss, and
 the adapter deletes or quarantines that copy: stale metadata can cost a miss,
@@ -25,6 +34,7 @@ from __future__ import annotations
 import enum
 import struct
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 import numpy.typing as npt
@@ -32,11 +42,16 @@ import xxhash
 
 from kvtier.keys import ObjectKey
 
+if TYPE_CHECKING:
+    from kvtier.l2.codecs import PayloadCodec
+
 MAGIC = b"KVTO"
 VERSION = 1
+CODED_VERSION = 2
 _FIXED = struct.Struct(
     "<4sHH16sQQH"
 )  # magic, version, header_len, layout, length, checksum, keylen
+_CODED = struct.Struct("<BQ")  # version 2: codec, decoded length
 HEADER_ALIGN = 64
 MAX_HEADER_BYTES = 4096
 
@@ -51,6 +66,7 @@ class Corruption(enum.Enum):
     LAYOUT = "layout"
     LENGTH = "length"
     CHECKSUM = "checksum"
+    CODEC = "codec"  # an unknown codec, one this node lacks, or bytes it cannot decode
 
 
 class CorruptObject(Exception):
@@ -82,9 +98,15 @@ def checksum(payload: Payload) -> int:
 class Header:
     header_len: int
     layout: bytes
-    payload_len: int
-    checksum: int
+    payload_len: int  # stored bytes (encoded, if coded)
+    checksum: int  # of the stored bytes
     key: str
+    codec: int = 0
+    decoded_len: int = -1  # the payload's length once decoded (-1: payload_len)
+
+    @property
+    def plain_len(self) -> int:
+        return self.payload_len if self.decoded_len < 0 else self.decoded_len
 
 
 def encode_header(
@@ -92,21 +114,26 @@ def encode_header(
     layout: str,
     payload: Payload,
     align: int = HEADER_ALIGN,
+    codec: int = 0,
+    decoded_len: int = 0,
 ) -> bytes:
-    """The header for ``payload`` stored under ``key`` (checksums the payload)."""
+    """The header for ``payload`` (the stored bytes: encoded by ``codec``
+    from ``decoded_len`` bytes, if not 0) stored under ``key`` (checksums the
+    payload)."""
     key_bytes = key.to_str().encode("utf-8")
-    used = _FIXED.size + len(key_bytes)
+    coded = _CODED.pack(codec, decoded_len) if codec else b""
+    used = _FIXED.size + len(coded) + len(key_bytes)
     header_len = -(-used // align) * align
     fixed = _FIXED.pack(
         MAGIC,
-        VERSION,
+        CODED_VERSION if codec else VERSION,
         header_len,
         layout_bytes(layout),
         payload.nbytes,
         checksum(payload),
         len(key_bytes),
     )
-    return fixed + key_bytes + bytes(header_len - used)
+    return fixed + coded + key_bytes + bytes(header_len - used)
 
 
 def unpack_header(data: bytes | memoryview) -> Header:
@@ -119,12 +146,18 @@ def unpack_header(data: bytes | memoryview) -> Header:
     magic, version, header_len, stored_layout, length, digest, key_len = _FIXED.unpack_from(view)
     if magic != MAGIC:
         raise CorruptObject(Corruption.MAGIC, repr(magic))
-    if version != VERSION:
+    if version not in (VERSION, CODED_VERSION):
         raise CorruptObject(Corruption.VERSION, str(version))
-    if header_len < _FIXED.size + key_len or len(view) < _FIXED.size + key_len:
+    start, codec, decoded = _FIXED.size, 0, -1
+    if version == CODED_VERSION:
+        if len(view) < start + _CODED.size:
+            raise CorruptObject(Corruption.SHORT, f"{len(view)} bytes")
+        codec, decoded = _CODED.unpack_from(view, start)
+        start += _CODED.size
+    if header_len < start + key_len or len(view) < start + key_len:
         raise CorruptObject(Corruption.SHORT, "header shorter than its key")
-    stored_key = bytes(view[_FIXED.size : _FIXED.size + key_len]).decode("utf-8", "replace")
-    return Header(header_len, stored_layout, length, digest, stored_key)
+    stored_key = bytes(view[start : start + key_len]).decode("utf-8", "replace")
+    return Header(header_len, stored_layout, length, digest, stored_key, codec, decoded)
 
 
 def parse_header(data: bytes | memoryview, key: ObjectKey, layout: str) -> Header:
@@ -147,13 +180,25 @@ def verify_payload(header: Header, payload: Payload) -> None:
         raise CorruptObject(Corruption.CHECKSUM)
 
 
-def encode_object(key: ObjectKey, layout: str, payload: Payload) -> bytes:
-    """Header and payload in one ``bytes`` (for stores whose client wants one value)."""
-    return encode_header(key, layout, payload) + payload.tobytes()
+def encode_object(
+    key: ObjectKey, layout: str, payload: Payload, codec: PayloadCodec | None = None
+) -> bytes:
+    """Header and stored payload in one value (for stores whose client wants
+    one value); ``codec`` encodes the payload, if given."""
+    ident, stored = (0, payload) if codec is None else codec.encode(layout, payload)
+    header = encode_header(key, layout, stored, codec=ident, decoded_len=payload.nbytes)
+    return b"".join((header, stored.data))
 
 
-def decode_object(data: bytes | memoryview, key: ObjectKey, layout: str, out: Payload) -> None:
-    """Check a whole stored value and copy its payload into ``out``."""
+def decode_object(
+    data: bytes | memoryview,
+    key: ObjectKey,
+    layout: str,
+    out: Payload,
+    codec: PayloadCodec | None = None,
+) -> None:
+    """Check a whole stored value and write its payload into ``out``
+    (decoded by ``codec`` when it was stored with one)."""
     header = parse_header(data, key, layout)
     view = memoryview(data)
     expected = header.header_len + header.payload_len
@@ -161,8 +206,13 @@ def decode_object(data: bytes | memoryview, key: ObjectKey, layout: str, out: Pa
         raise CorruptObject(Corruption.SHORT, f"{len(view)} of {expected} bytes stored")
     if len(view) > expected:
         raise CorruptObject(Corruption.LENGTH, f"{len(view)} bytes stored, {expected} expected")
-    if out.nbytes != header.payload_len:
+    if out.nbytes != header.plain_len:
         raise CorruptObject(Corruption.LENGTH, f"reader expects {out.nbytes} bytes")
     payload = np.frombuffer(view, dtype=np.uint8, offset=header.header_len)
     verify_payload(header, payload)
-    np.copyto(out, payload)
+    if header.codec == 0:
+        np.copyto(out, payload)
+    elif codec is None:
+        raise CorruptObject(Corruption.CODEC, f"codec {header.codec} where none is read")
+    else:
+        codec.decode(header.codec, layout, payload, out)

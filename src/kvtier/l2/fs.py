@@ -80,6 +80,7 @@ class FSConfig(AdapterConfig):
 class FSAdapter(BlockingAdapter):
     type_name = "fs"
     config_class = FSConfig
+    takes_codecs = False  # payloads go between L1 and the backend as they are
     shared_by_default = False  # a directory on this node (an NFS mount: set shared = true)
     inline_lookup = True  # the index is in memory
 

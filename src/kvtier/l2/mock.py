@@ -35,13 +35,14 @@ from kvtier.l2.base import (
     CompletionCallback,
     PurgeStep,
 )
-from kvtier.l2.format import CorruptObject, decode_object, encode_header
+from kvtier.l2.format import CorruptObject, decode_object, encode_object
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class MockConfig(AdapterConfig):
     latency_s: float = 0.0  # added to every task
-    bandwidth_bytes_per_s: float = 0.0  # 0: unlimited
+    # 0: unlimited; else one link of this rate that parallel parts share
+    bandwidth_bytes_per_s: float = 0.0
     capacity_bytes: int = 0  # 0: unlimited; else oldest objects are dropped
     fail_store_rate: float = 0.0
     fail_load_rate: float = 0.0
@@ -82,6 +83,8 @@ class MockAdapter(BlockingAdapter):
         self._objects: OrderedDict[ObjectKey, bytes] = OrderedDict()
         self._leases: Counter[ObjectKey] = Counter()
         self._used = 0
+        self._link_lock = threading.Lock()
+        self._link_free = 0.0  # when the link has sent what was queued on it
 
     # -------------------------------------------------------- test hooks
 
@@ -125,21 +128,23 @@ class MockAdapter(BlockingAdapter):
     def _store(
         self, keys: Sequence[ObjectKey], buffers: Sequence[Buffer], layout: str
     ) -> list[int | None]:
-        self._delay(sum(b.nbytes for b in buffers))
+        pairs = zip(keys, buffers, strict=True)
+        values = [encode_object(k, layout, b, self.codec) for k, b in pairs]
+        self._delay(sum(len(v) for v in values))  # what goes over the wire
         written: list[int | None] = []
-        for key, buffer in zip(keys, buffers, strict=True):
+        for key, buffer, encoded in zip(keys, buffers, values, strict=True):
             if self._chance(self.faults.fail_store_rate):
                 self._count_failure("error")
                 written.append(None)
                 continue
-            value = bytearray(encode_header(key, layout, buffer) + buffer.tobytes())
+            value = bytearray(encoded)
             cap = self.mock_config.capacity_bytes
             if cap and len(value) > cap:
                 self._count_failure("capacity")
                 written.append(None)
                 continue
             if buffer.nbytes and self._chance(self.faults.corrupt_rate):
-                value[-1 - self._rng.randrange(buffer.nbytes)] ^= 0xFF
+                value[-1 - self._rng.randrange(min(buffer.nbytes, len(value)))] ^= 0xFF
             self._put(key, bytes(value))
             written.append(len(value))
         return written
@@ -154,11 +159,11 @@ class MockAdapter(BlockingAdapter):
     def _load(
         self, keys: Sequence[ObjectKey], buffers: Sequence[Buffer], layout: str
     ) -> list[bool]:
-        self._delay(sum(b.nbytes for b in buffers))
+        with self._data_lock:
+            values = [self._objects.get(key) for key in keys]
+        self._delay(sum(len(v) for v in values if v is not None))
         loaded = []
-        for key, buffer in zip(keys, buffers, strict=True):
-            with self._data_lock:
-                value = self._objects.get(key)
+        for key, buffer, value in zip(keys, buffers, values, strict=True):
             if value is None:
                 self._count_failure("not_found")
                 loaded.append(False)
@@ -193,7 +198,7 @@ class MockAdapter(BlockingAdapter):
 
     def _decode(self, key: ObjectKey, value: bytes, layout: str, buffer: Buffer) -> bool:
         try:
-            decode_object(value, key, layout, buffer)
+            decode_object(value, key, layout, buffer, self.codec)
         except CorruptObject as error:
             self._corrupt(key, error)
             with self._data_lock:
@@ -228,6 +233,11 @@ class MockAdapter(BlockingAdapter):
             time.sleep(self.faults.hang_s)
             raise TimeoutError(f"mock backend hung for {self.faults.hang_s} s")
         rate = self.mock_config.bandwidth_bytes_per_s
-        pause = self.mock_config.latency_s + (nbytes / rate if rate else 0.0)
-        if pause:
+        done = time.monotonic() + self.mock_config.latency_s
+        if rate:
+            with self._link_lock:  # parts queue on the one link
+                self._link_free = max(self._link_free, time.monotonic()) + nbytes / rate
+                done = max(done, self._link_free)
+        pause = done - time.monotonic()
+        if pause > 0:
             time.sleep(pause)

@@ -86,6 +86,7 @@ class MooncakeConfig(AdapterConfig):
 class MooncakeAdapter(BlockingAdapter):
     type_name = "mooncake"
     config_class = MooncakeConfig
+    takes_codecs = False  # payloads go between L1 and the backend as they are
 
     def __init__(self, config: MooncakeConfig, on_complete: CompletionCallback) -> None:
         from mooncake.store import MooncakeDistributedStore, ReplicateConfig

@@ -26,8 +26,6 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
-
 from kvtier.config import redacted
 from kvtier.keys import KeySelector, ObjectKey
 from kvtier.l2.base import (
@@ -38,7 +36,7 @@ from kvtier.l2.base import (
     CompletionCallback,
     PurgeStep,
 )
-from kvtier.l2.format import CorruptObject, decode_object, encode_header
+from kvtier.l2.format import CorruptObject, decode_object, encode_object
 
 log = logging.getLogger(__name__)
 
@@ -107,7 +105,7 @@ class RedisAdapter(BlockingAdapter):
             pipe = self._client.pipeline(transaction=False)
             sizes = []
             for i in part:
-                value = _encode(keys[i], layout, buffers[i])
+                value = encode_object(keys[i], layout, buffers[i], self.codec)
                 pipe.set(self.name_of(keys[i]), value, px=ttl_ms)
                 sizes.append(len(value))
             replies = self._execute(pipe)
@@ -202,7 +200,7 @@ class RedisAdapter(BlockingAdapter):
             self._count_failure("error")
             return False
         try:
-            decode_object(value, key, layout, buffer)
+            decode_object(value, key, layout, buffer, self.codec)
         except CorruptObject as error:
             self._corrupt(key, error)
             self._delete(key)
@@ -234,15 +232,6 @@ class RedisAdapter(BlockingAdapter):
             self._client.delete(self.name_of(key))
         except self._errors + self._timeouts as exc:
             log.warning("L2 %s: could not delete the bad copy of %s: %s", self.name, key, exc)
-
-
-def _encode(key: ObjectKey, layout: str, buffer: Buffer) -> memoryview:
-    """Header and payload in one value (redis-py sends a memoryview as is)."""
-    header = encode_header(key, layout, buffer)
-    value = np.empty(len(header) + buffer.nbytes, dtype=np.uint8)
-    value[: len(header)] = np.frombuffer(header, dtype=np.uint8)
-    value[len(header) :] = buffer
-    return value.data
 
 
 class ValkeyAdapter(RedisAdapter):

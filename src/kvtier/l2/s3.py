@@ -115,7 +115,7 @@ class S3Adapter(BlockingAdapter):
     ) -> list[int | None]:
         written: list[int | None] = []
         for key, buffer in zip(keys, buffers, strict=True):
-            body = encode_object(key, layout, buffer)
+            body = encode_object(key, layout, buffer, self.codec)
             ok = self._call(
                 key, "put_object", Bucket=self.s3_config.bucket, Key=self.name_of(key), Body=body
             )
@@ -139,7 +139,7 @@ class S3Adapter(BlockingAdapter):
                 loaded.append(False)
                 continue
             try:
-                decode_object(reply["Body"].read(), key, layout, buffer)
+                decode_object(reply["Body"].read(), key, layout, buffer, self.codec)
             except CorruptObject as error:
                 self._corrupt(key, error)
                 self._call(

@@ -21,6 +21,10 @@ read (vLLM's CPU backend packs blocks per instruction set) stores its pages
 as they are and names that with ``format`` (e.g. ``"vllm-cpu-vec-bs128"``):
 the format is in the digest, so such objects are only ever read back by an
 engine with the same format.
+
+``lossy_codec`` (``"int8"``, ``"int4"``; ``""`` for none) lets slower tiers
+store the group's KV with that lossy codec (``kvtier.l2.codecs``); it is in
+the digest, so KV that may come back lossy has keys of its own.
 """
 
 from __future__ import annotations
@@ -43,6 +47,8 @@ DTYPE_BYTES: dict[str, int] = {
 }
 
 LayoutKind = Literal["kv", "latent"]
+LOSSY_CODECS = ("int8", "int4")
+_FLOAT_DTYPES = ("float32", "float16", "bfloat16")
 _KIND_FACTOR: dict[str, int] = {"kv": 2, "latent": 1}
 
 
@@ -63,6 +69,7 @@ class KVLayout:
     kind: LayoutKind = "kv"
     num_ranks: int = 1
     format: str = ""  # "": the canonical byte order; else an engine's own page format
+    lossy_codec: str = ""  # a lossy codec slower tiers may store this KV with
 
     def __post_init__(self) -> None:
         for name in ("num_layers", "kv_heads", "head_dim", "tokens_per_chunk", "num_ranks"):
@@ -75,6 +82,20 @@ class KVLayout:
             raise ValueError(
                 "KVLayout.kv_heads must be 1 for kind 'latent' (MLA keeps one latent per "
                 f"token per layer), got {self.kv_heads}"
+            )
+        if self.lossy_codec:
+            self._check_lossy()
+
+    def _check_lossy(self) -> None:
+        if self.lossy_codec not in LOSSY_CODECS:
+            raise ValueError(
+                f"KVLayout.lossy_codec {self.lossy_codec!r} is not one of {list(LOSSY_CODECS)}"
+            )
+        if self.kind != "kv" or self.format or self.dtype not in _FLOAT_DTYPES:
+            raise ValueError(
+                "KVLayout.lossy_codec needs the canonical byte order (no format) of a 'kv' "
+                f"group in one of {list(_FLOAT_DTYPES)}; this one is {self.kind!r}, "
+                f"{self.dtype!r}, format {self.format!r}"
             )
 
     @property
@@ -101,8 +122,9 @@ class KVLayout:
 
     def canonical_json(self) -> bytes:
         fields = dataclasses.asdict(self)
-        if not self.format:
-            del fields["format"]  # canonical layouts keep the digests they always had
+        for name in ("format", "lossy_codec"):
+            if not fields[name]:
+                del fields[name]  # layouts without them keep the digests they always had
         return json.dumps(fields, sort_keys=True, separators=(",", ":")).encode("utf-8")
 
     def digest(self) -> str:
@@ -110,4 +132,4 @@ class KVLayout:
         return blake3(b"kvtier-layout-v1\x00" + self.canonical_json()).hexdigest(length=16)
 
 
-__all__ = ["DTYPE_BYTES", "KVLayout", "LayoutKind"]
+__all__ = ["DTYPE_BYTES", "LOSSY_CODECS", "KVLayout", "LayoutKind"]

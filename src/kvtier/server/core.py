@@ -600,6 +600,7 @@ def _layout(spec: p.LayoutSpec, chunk_size: int, num_ranks: int) -> KVLayout:
             kind=spec.kind,  # type: ignore[arg-type]
             num_ranks=num_ranks,
             format=spec.format,
+            lossy_codec=spec.lossy_codec,
         )
     except ValueError as exc:
         raise RequestError("bad_request", f"layout of group {spec.group}: {exc}") from None

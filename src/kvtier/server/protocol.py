@@ -45,6 +45,7 @@ class LayoutSpec(msgspec.Struct, forbid_unknown_fields=True):
     dtype: str
     kind: str = "kv"
     format: str = ""  # KVLayout.format
+    lossy_codec: str = ""  # KVLayout.lossy_codec
 
     @classmethod
     def of(cls, layout: KVLayout, group: int = 0) -> LayoutSpec:
@@ -58,6 +59,7 @@ class LayoutSpec(msgspec.Struct, forbid_unknown_fields=True):
             layout.dtype,
             layout.kind,
             layout.format,
+            layout.lossy_codec,
         )
 
 

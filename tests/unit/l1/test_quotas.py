@@ -72,6 +72,21 @@ def test_over_a_soft_limit_the_owner_loses_its_own_oldest_objects(
     assert_clean(l1)
 
 
+def test_recency_is_kept_only_under_a_soft_limit(make_l1: MakeL1) -> None:
+    """A hit on an owner without a soft limit costs no bookkeeping: a soft
+    limit set later evicts from the admission order of what it holds."""
+    l1 = owned(make_l1)
+    for i in (1, 2, 3):
+        put(l1, keys("acme", i))
+    l1.touch(keys("acme", 1))  # not recorded: acme has no soft limit yet
+    assert l1.set_limit("acme", OwnerLimit(soft=2 * PAGE)) == PAGE
+    assert [l1.contains(k) for k in keys("acme", 1, 2, 3)] == [False, True, True]
+    l1.touch(keys("acme", 2))  # recorded now: 3 is acme's least recently used
+    put(l1, keys("acme", 4))
+    assert [l1.contains(k) for k in keys("acme", 2, 3, 4)] == [True, False, True]
+    assert_clean(l1)
+
+
 def test_a_locked_object_is_not_a_quota_victim(make_l1: MakeL1) -> None:
     l1 = owned(make_l1, acme=OwnerLimit(soft=2 * PAGE))
     put(l1, keys("acme", 1, 2))

@@ -34,6 +34,7 @@ from kvtier.l2 import (
     make_adapter,
 )
 from kvtier.l2.base import Buffer, CompletionCallback
+from kvtier.l2.codecs import PayloadCodec
 from kvtier.l2.format import decode_object, encode_object
 from kvtier.l2.fs import FSAdapter
 from kvtier.l2.mock import MockAdapter
@@ -141,6 +142,18 @@ ADAPTER_FACTORIES: dict[str, AdapterFactory] = {
     "valkey": AdapterFactory(
         _build_valkey, _tamper_redis, slow={"batch_bytes": 1}, server="valkey_server"
     ),
+    # The contract holds with a codec too: payloads stored with zstd (kvtier.l2.codecs).
+    "mock-zstd": AdapterFactory(
+        lambda *a, **o: _build_mock(*a, **{"codec": "zstd", **o}),
+        _tamper_mock,
+        slow={"latency_s": 0.05},
+    ),
+    "redis-zstd": AdapterFactory(
+        lambda *a, **o: _build_redis(*a, **{"codec": "zstd", **o}),
+        _tamper_redis,
+        slow={"batch_bytes": 1},
+        server="redis_server",
+    ),
 }
 
 # ------------------------------------------------------------ fixtures
@@ -190,6 +203,11 @@ def h(open_adapter: Callable[..., ContractHarness]) -> ContractHarness:
     return open_adapter()
 
 
+def _codec(h: ContractHarness) -> PayloadCodec | None:
+    codec: PayloadCodec | None = getattr(h.adapter, "codec", None)
+    return codec
+
+
 def _blank(*sizes: int) -> list[Buffer]:
     return [np.zeros(n, dtype=np.uint8) for n in sizes]
 
@@ -216,7 +234,7 @@ def test_round_trip_is_bit_identical(h: ContractHarness, layout: str) -> None:
     assert stored.nbytes == sum(len(r) for r in raw)  # the bytes really written
     for key, value, original in zip(keys, raw, data, strict=True):
         copy = np.zeros(original.nbytes, dtype=np.uint8)
-        decode_object(value, key, layout, copy)  # the shared object format
+        decode_object(value, key, layout, copy, _codec(h))  # the shared object format
         assert np.array_equal(copy, original)
 
     found = h.lookup(keys)
@@ -526,7 +544,7 @@ def test_storing_a_key_twice_leaves_one_valid_copy(
     raw = h.raw(key)
     assert stored.nbytes == len(raw)
     copy = np.zeros(2000, dtype=np.uint8)
-    decode_object(raw, key, "", copy)
+    decode_object(raw, key, "", copy, _codec(h))
     assert np.array_equal(copy, second)
 
     out = _blank(2000)
@@ -653,8 +671,10 @@ def test_status_reports_type_name_health_and_failures(
     h: ContractHarness, adapter_type: str
 ) -> None:
     status = h.adapter.status()
-    assert status["type"] == adapter_type
-    assert status["name"] == adapter_type
+    type_name, _, codec = adapter_type.partition("-")
+    assert status["type"] == type_name
+    assert status["name"] == type_name
+    assert status["codec"] == (codec or "none")
     assert status["healthy"] is True
     assert status["failures"] == {}
     h.load([h.key(0)], _blank(1))
@@ -669,7 +689,7 @@ def test_name_option_names_the_adapter(
     h = open_adapter(name="tier-b")
     assert h.adapter.name == "tier-b"
     status = h.adapter.status()
-    assert (status["type"], status["name"]) == (adapter_type, "tier-b")
+    assert (status["type"], status["name"]) == (adapter_type.partition("-")[0], "tier-b")
     assert h.lookup([h.key(0)]).adapter == "tier-b"
 
 

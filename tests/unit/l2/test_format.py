@@ -152,7 +152,7 @@ def test_bad_magic(stored: Stored) -> None:
     assert _corrupt_reason(bad, key, LAYOUT_A, np.zeros(3000, np.uint8)) is Corruption.MAGIC
 
 
-@pytest.mark.parametrize("version", [0, 2, 0xFFFF])
+@pytest.mark.parametrize("version", [0, 3, 0xFFFF])
 def test_wrong_version(stored: Stored, version: int) -> None:
     key, obj = stored.key, stored.obj
     bad = obj[:4] + struct.pack("<H", version) + obj[6:]
