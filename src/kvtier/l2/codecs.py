@@ -82,7 +82,7 @@ class Zstd(Codec):
 
     def encode(self, payload: Payload, layout: KVLayout | None) -> Payload:
         width = _width(layout, payload.nbytes)
-        planes = payload.reshape(-1, width).T.copy() if width > 1 else payload
+        planes = _split(payload, width) if width > 1 else payload
         packed = self._tools()[0].compress(planes.data)
         return np.frombuffer(packed, dtype=np.uint8)
 
@@ -96,7 +96,7 @@ class Zstd(Codec):
         planes = np.frombuffer(raw, dtype=np.uint8)
         width = _width(layout, out.nbytes)
         if width > 1:
-            out.reshape(-1, width)[:] = planes.reshape(width, -1).T
+            _join(planes, width, out)
         else:
             np.copyto(out, planes)
 
@@ -287,6 +287,34 @@ def _zstandard() -> Any:
 def _width(layout: KVLayout | None, nbytes: int) -> int:
     width = layout.dtype_bytes if layout is not None else 2
     return width if nbytes % width == 0 else 1
+
+
+_WORDS = {2: np.uint16, 4: np.uint32}
+
+
+def _split(payload: Payload, width: int) -> Payload:
+    """Byte planes of ``width``-byte elements: every element's byte 0, then
+    byte 1... (shifts of whole words: much faster than a strided copy)."""
+    if width not in _WORDS:
+        return payload.reshape(-1, width).T.copy()
+    words = payload.view(_WORDS[width])
+    planes = np.empty((width, words.size), np.uint8)
+    for i in range(width):
+        planes[i] = words >> words.dtype.type(8 * i)  # the low byte is kept
+    return planes.reshape(-1)
+
+
+def _join(planes: Payload, width: int, out: Payload) -> None:
+    """The inverse of ``_split``, into ``out``."""
+    if width not in _WORDS:
+        out.reshape(-1, width)[:] = planes.reshape(width, -1).T
+        return
+    word = _WORDS[width]
+    rows = planes.reshape(width, -1)
+    words = out.view(word)
+    np.copyto(words, rows[0], casting="unsafe")
+    for i in range(1, width):
+        words |= rows[i].astype(word) << word(8 * i)
 
 
 def _float_view(payload: Payload, layout: KVLayout) -> npt.NDArray[Any]:

@@ -225,6 +225,8 @@ def hello_layout(server: CacheServer, peer: bytes = b"A", **changes: object) -> 
         ({"group": 2**40}, "group 1099511627776 is outside"),
         ({"dtype": "float128"}, "dtype 'float128' is not one of"),
         ({"format": "x" * 300}, "format is 300 characters"),
+        ({"lossy_codec": "int3"}, "lossy_codec 'int3' is not one of ['int8', 'int4']"),
+        ({"lossy_codec": "int8", "dtype": "int8"}, "lossy_codec needs the canonical byte order"),
         # K+V x 4096 layers x 4096 heads x 65536 x fp32 x 16 tokens = 2**47 bytes
         (
             {"num_layers": 4096, "kv_heads": 4096, "head_dim": 65536},

