@@ -216,11 +216,14 @@ class StorageManager:
         chunks: Sequence[Sequence[ObjectKey]],
         layouts: Mapping[int, KVLayout] | None = None,
         deadline_s: float | None = None,
+        recompute_s_per_chunk: float | None = None,
     ) -> PrefetchHandle:
-        """Start a lookup; take its result with ``collect``."""
+        """Start a lookup; take its result with ``collect``. With
+        ``recompute_s_per_chunk`` (the engine's prefill seconds for a chunk)
+        L2 chunks are loaded only as far as that beats recomputing them."""
         for layout in (layouts or {}).values():
             self._remember(layout)
-        return self.prefetch.submit(chunks, layouts, deadline_s)
+        return self.prefetch.submit(chunks, layouts, deadline_s, recompute_s_per_chunk)
 
     def collect(self, handle: PrefetchHandle, timeout: float | None = None) -> LookupResult | None:
         """Wait for a lookup and take over its locks (for retrieve/release).

@@ -61,6 +61,7 @@ from kvtier.l1 import IOFence, L1Manager, L1Result, Placement, WriterTag
 from kvtier.l2.base import L2Adapter, TaskId, TaskKind, TaskResult
 from kvtier.l2.format import Corruption
 from kvtier.layout import KVLayout
+from kvtier.read_or_recompute import LinkEstimate, cheapest_prefix
 
 log = logging.getLogger(__name__)
 
@@ -99,6 +100,7 @@ class MissReason(enum.Enum):
     LOAD_FAILED = "load_failed"  # found, then gone or unreadable when loaded
     NO_ROOM = "no_room"  # L1 could not stage it (larger than L1, or all of it pinned)
     DEADLINE = "deadline"  # still loading when the prefetch deadline passed
+    RECOMPUTE_CHEAPER = "recompute_cheaper"  # loading it would take longer than recomputing
     OVERLOADED = "overloaded"  # the prefetch backlog was full: L1 only
     STOPPED = "stopped"  # the server was shutting down
     ERROR = "error"  # a fault of the server's own (logged)
@@ -188,6 +190,7 @@ class _Request:
     deadline: float
     handle: PrefetchHandle
     limit: int  # no hit can extend past this chunk
+    recompute_s_per_chunk: float | None = None  # the engine's; None: always load
     locked: dict[ObjectKey, Placement] = field(default_factory=dict)
     tier: dict[ObjectKey, str] = field(default_factory=dict)
     waiting_lookups: set[str] = field(default_factory=set)
@@ -218,6 +221,8 @@ class PrefetchController:
         self.config = config
         self._l1 = l1
         self._adapters = {adapter.name: adapter for adapter in adapters}  # cascade order
+        self._links = {name: LinkEstimate() for name in self._adapters}
+        self._started: dict[tuple[str, TaskId], float] = {}  # lookups and loads in flight
         self._events: queue.SimpleQueue[object] = queue.SimpleQueue()
         self._active: set[_Request] = set()
         self._backlog: deque[_Request] = deque()
@@ -244,16 +249,22 @@ class PrefetchController:
         chunks: Sequence[Sequence[ObjectKey]],
         layouts: Mapping[int, KVLayout] | None = None,
         deadline_s: float | None = None,
+        recompute_s_per_chunk: float | None = None,
     ) -> PrefetchHandle:
         """Start a lookup. ``layouts`` maps each object group to its layout;
-        objects of groups without one can only hit in L1."""
+        objects of groups without one can only hit in L1.
+        ``recompute_s_per_chunk``: the engine's prefill seconds for one chunk;
+        given, chunks are loaded from L2 only as far as that beats
+        recomputing them (``kvtier.read_or_recompute``)."""
         frozen = tuple(tuple(chunk) for chunk in chunks)
         flat = [key for chunk in frozen for key in chunk]
         if len(set(flat)) != len(flat):
             raise ValueError("lookup: an object key appears twice in one request")
         handle = PrefetchHandle()
         deadline = time.monotonic() + (deadline_s or self.config.deadline_s)
-        request = _Request(frozen, layouts or {}, deadline, handle, limit=len(frozen))
+        request = _Request(
+            frozen, layouts or {}, deadline, handle, len(frozen), recompute_s_per_chunk
+        )
         self._lock_l1(request)
         self._counters.add("lookups")
         if len(request.locked) == len(flat):  # a full L1 hit: the common, hot case
@@ -280,7 +291,13 @@ class PrefetchController:
         self._thread.join()
 
     def status(self) -> dict[str, object]:
-        return dict(self._counters.snapshot())
+        out: dict[str, object] = dict(self._counters.snapshot())
+        for name, link in self._links.items():  # what read-or-recompute goes by
+            cost = link.cost()
+            if cost is not None:
+                out[f"link_latency_s.{name}"] = cost.latency_s
+                out[f"link_bytes_per_s.{name}"] = cost.bytes_per_s
+        return out
 
     # --------------------------------------------------------------- worker
 
@@ -368,9 +385,14 @@ class PrefetchController:
         for name, adapter in self._adapters.items():
             request.waiting_lookups.add(name)
             request.found[name] = set()
-            self._lookups[(name, adapter.submit_lookup(missing))] = request
+            task = adapter.submit_lookup(missing)
+            self._lookups[(name, task)] = request
+            self._started[(name, task)] = time.monotonic()
 
     def _on_lookup(self, result: TaskResult) -> None:
+        started = self._started.pop((result.adapter, result.task), None)
+        if started is not None and not result.failure:
+            self._links[result.adapter].round_trip(time.monotonic() - started)
         request = self._lookups.pop((result.adapter, result.task), None)
         found = {k for k, ok in zip(result.keys, result.ok, strict=True) if ok}
         if request is None or request.done:
@@ -384,8 +406,9 @@ class PrefetchController:
             self._guarded(request, self._plan)
 
     def _plan(self, request: _Request) -> None:
-        """Pick a source for every object of the loadable prefix, then load."""
-        assigned: dict[tuple[str, int], list[ObjectKey]] = {}
+        """Pick a source for every object of the loadable prefix (as far as
+        loading beats recomputing), then load."""
+        planned: list[dict[ObjectKey, str | None]] = []  # per chunk: key -> adapter
         limit = request.limit
         for index, chunk in enumerate(request.chunks[:limit]):
             sources: dict[ObjectKey, str | None] = {}
@@ -402,16 +425,20 @@ class PrefetchController:
                     break
                 sources[key] = source
             else:
-                for key, source in sources.items():
-                    if source is None:
-                        self._inflight[key].subscribers[key].append(request)
-                        request.pending_loads.add(key)
-                    else:
-                        assigned.setdefault((source, key.group), []).append(key)
+                planned.append(sources)
                 continue
             limit = index
             break
+        limit = self._worth_loading(request, planned)
         request.limit = limit
+        assigned: dict[tuple[str, int], list[ObjectKey]] = {}
+        for sources in planned[:limit]:
+            for key, source in sources.items():
+                if source is None:
+                    self._inflight[key].subscribers[key].append(request)
+                    request.pending_loads.add(key)
+                else:
+                    assigned.setdefault((source, key.group), []).append(key)
         loading = {name: set[ObjectKey]() for name in self._adapters}
         for (name, _group), keys in assigned.items():
             loading[name].update(keys)
@@ -422,6 +449,31 @@ class PrefetchController:
         self._launch_waiting()
         if not request.pending_loads and not self._budget_waiting(request):
             self._finish(request)
+
+    def _worth_loading(self, request: _Request, planned: list[dict[ObjectKey, str | None]]) -> int:
+        """How many of the planned chunks to load: all of them, unless the
+        engine's recompute time says loading some costs more than it saves."""
+        per_chunk = request.recompute_s_per_chunk
+        if per_chunk is None:
+            return len(planned)
+        chunk_bytes: list[dict[str, int]] = []
+        for sources in planned:
+            nbytes: dict[str, int] = {}
+            for key, source in sources.items():
+                if source is not None:
+                    size = request.layouts[key.group].object_bytes()
+                    nbytes[source] = nbytes.get(source, 0) + size
+            chunk_bytes.append(nbytes)
+        costs = {name: link.cost() for name, link in self._links.items()}
+        worth = cheapest_prefix(chunk_bytes, costs, per_chunk)
+        if worth < len(planned):
+            self._counters.add("recompute_cheaper_chunks", len(planned) - worth)
+            for tier in {t for nbytes in chunk_bytes[worth:] for t in nbytes}:
+                chunks = sum(tier in nbytes for nbytes in chunk_bytes[worth:])
+                self._counters.add(f"recompute_cheaper_chunks.{tier}", chunks)
+            first = next(k for k, source in planned[worth].items() if source is not None)
+            request.missed[first] = MissReason.RECOMPUTE_CHEAPER
+        return worth
 
     def _launch_waiting(self) -> None:
         while self._budget_wait:
@@ -481,6 +533,7 @@ class PrefetchController:
             request.pending_loads.add(key)
         self._inflight_bytes += batch.nbytes
         self._loads[(name, task)] = batch
+        self._started[(name, task)] = time.monotonic()
 
     def _take_resident(self, request: _Request, key: ObjectKey) -> None:
         (placement,) = self._l1.reserve_read([key])
@@ -490,9 +543,12 @@ class PrefetchController:
 
     def _on_load(self, result: TaskResult) -> None:
         batch = self._loads.pop((result.adapter, result.task), None)
+        started = self._started.pop((result.adapter, result.task), None)
         if batch is None:
             log.error("prefetch: result for unknown load %s/%d", result.adapter, result.task)
             return
+        if started is not None and all(result.ok):
+            self._links[result.adapter].load(time.monotonic() - started, batch.nbytes)
         self._inflight_bytes -= batch.nbytes
         for key in result.keys:
             del self._inflight[key]

@@ -25,15 +25,15 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any
 
 from kvtier.layout import KVLayout, LayoutKind
 from kvtier.planner.checks import plan_notes, plan_warnings
 from kvtier.planner.shape import ModelShape, require_fraction, require_int, require_positive
+from kvtier.read_or_recompute import LinkCost, Verdict, verdict
 
 BYTES_PER_GBIT = 1e9 / 8
 
-Verdict = Literal["load", "recompute"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -335,14 +335,12 @@ def make_plan(
         * sum(g.stored_bytes_per_prefix for g in new_groups)
         * deployment.replicas
     )
-    load = stored_per_prefix / network.effective_bytes_per_s
+    load = LinkCost(0.0, network.effective_bytes_per_s).seconds(stored_per_prefix)
     recompute = None
     if compute.gpu_tflops is not None and compute.model_params is not None:
         peak = deployment.tp * compute.gpu_tflops * 1e12 * compute.mfu
         recompute = prefill_flops(shape, workload.prefix_tokens, compute.model_params) / peak
-    verdict: Verdict | None = None
-    if recompute is not None:
-        verdict = "load" if load < recompute else "recompute"
+    choice: Verdict | None = None if recompute is None else verdict(load, recompute)
 
     plan = Plan(
         shape=shape,
@@ -374,7 +372,7 @@ def make_plan(
         load_seconds_lower_bound=stored_per_prefix / network.line_bytes_per_s,
         load_seconds_per_prefix=load,
         recompute_seconds_per_prefix=recompute,
-        verdict=verdict,
+        verdict=choice,
         warnings=(),
         notes=(),
     )

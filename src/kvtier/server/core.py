@@ -230,8 +230,12 @@ class CacheServer:
         layout = self._layout(client, req.group)
         keys = self._keys(client, req.hashes, req.group)
         session = self.sessions.open_lookup(client, req.request_id, keys)
+        rate = self.ledger.measured_rate(client.tenant, f"{client.model}@{client.salt}")
+        per_chunk = None if rate is None else rate * layout.tokens_per_chunk
         try:
-            session.handle = self.storage.submit_lookup(keys, {req.group: layout})
+            session.handle = self.storage.submit_lookup(
+                keys, {req.group: layout}, recompute_s_per_chunk=per_chunk
+            )
         except BaseException:
             self.sessions.end(client, req.request_id)
             raise

@@ -77,6 +77,12 @@ class SavingsLedger:
                 )
             entry.reports += 1
 
+    def measured_rate(self, tenant: str, namespace: str) -> float | None:
+        """The prefill seconds per token the namespace's engines reported (None: none yet)."""
+        with self._lock:
+            entry = self._entries.get((tenant, namespace))
+            return None if entry is None else entry.rate
+
     def report(self) -> dict[str, Any]:
         """Every (tenant, namespace): tokens by tier, the rate used, saved,
         spent and net seconds; and the totals per tenant."""
