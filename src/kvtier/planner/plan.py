@@ -35,7 +35,6 @@ from kvtier.read_or_recompute import LinkCost, Verdict, verdict
 BYTES_PER_GBIT = 1e9 / 8
 
 
-
 @dataclass(frozen=True, slots=True)
 class Deployment:
     """How the model is served and the pool kept."""
