@@ -11,6 +11,8 @@ without payload) is a latency sample, each load a bandwidth sample (its
 bytes over its time beyond the latency); both are exponentially weighted.
 ``cheapest_prefix`` picks how far into a prompt to load: the prefix whose
 loads, run in parallel across tiers, save the most prefill time.
+``coded_read_pays`` is the same question for a codec: whether a smaller
+read plus its decode beats the plain read.
 """
 
 from __future__ import annotations
@@ -52,14 +54,14 @@ class LinkEstimate:
 
     def round_trip(self, seconds: float) -> None:
         with self._lock:
-            self._latency = _mix(self._latency, seconds)
+            self._latency = ewma(self._latency, seconds)
 
     def load(self, seconds: float, nbytes: int) -> None:
         if nbytes <= 0:
             return
         with self._lock:
             transfer = max(seconds - (self._latency or 0.0), MIN_TRANSFER_S)
-            self._rate = _mix(self._rate, nbytes / transfer)
+            self._rate = ewma(self._rate, nbytes / transfer)
             self._loads += 1
 
     def cost(self) -> LinkCost | None:
@@ -94,8 +96,23 @@ def cheapest_prefix(
     return best
 
 
-def _mix(old: float | None, sample: float) -> float:
+def coded_read_pays(ratio: float, link_bytes_per_s: float, decode_bytes_per_s: float) -> bool:
+    """Whether reading a payload coded to ``ratio`` of its size and decoding
+    it beats reading it plain over the same link (per byte of payload)."""
+    return ratio / link_bytes_per_s + 1 / decode_bytes_per_s < 1 / link_bytes_per_s
+
+
+def ewma(old: float | None, sample: float) -> float:
+    """An exponentially weighted mean (``EWMA`` on the new sample)."""
     return sample if old is None else (1 - EWMA) * old + EWMA * sample
 
 
-__all__ = ["LinkCost", "LinkEstimate", "Verdict", "cheapest_prefix", "verdict"]
+__all__ = [
+    "LinkCost",
+    "LinkEstimate",
+    "Verdict",
+    "cheapest_prefix",
+    "coded_read_pays",
+    "ewma",
+    "verdict",
+]

@@ -391,6 +391,7 @@ class BlockingAdapter(L2Adapter):
                 "recoveries": self._recoveries,
                 "failures": self._failures.snapshot(),
                 **self._counters.snapshot(),
+                **self.codec.status(),
                 **self._backend_status(),
             }
 
@@ -486,8 +487,11 @@ class BlockingAdapter(L2Adapter):
             if task.kind is TaskKind.STORE:
                 ok, nbytes = self._store_missing(keys, buffers, task.layout)
             elif task.kind is TaskKind.LOAD:
+                started = time.perf_counter()
+                self.codec.start_part()
                 ok = self._load(keys, buffers, task.layout)
                 nbytes = sum(b.nbytes for b, hit in zip(buffers, ok, strict=True) if hit)
+                self.codec.end_part(time.perf_counter() - started, nbytes)
             else:
                 ok = self._lookup(keys)
             self._backend_ok()

@@ -27,6 +27,7 @@ codec stores ``none``.
 from __future__ import annotations
 
 import threading
+import time
 from abc import ABC, abstractmethod
 from collections.abc import Mapping
 from typing import Any, ClassVar
@@ -36,6 +37,7 @@ import numpy.typing as npt
 
 from kvtier.l2.format import Corruption, CorruptObject, Payload
 from kvtier.layout import LOSSY_CODECS, KVLayout
+from kvtier.read_or_recompute import coded_read_pays, ewma
 
 F32 = npt.NDArray[np.float32]
 
@@ -230,17 +232,38 @@ assert set(LOSSY_CODECS) == {n for n, c in CODECS.items() if c.lossy}
 class PayloadCodec:
     """One adapter's codec: the one it writes with (``name``) and every one it
     reads. ``layouts`` maps layout digests to layouts (the storage manager's
-    book of the layouts its engines registered)."""
+    book of the layouts its engines registered).
+
+    It switches itself off where it does not pay: from the adapter's loads it
+    learns the link's rate (stored bytes per second of transfer), the decode
+    rate and the compression ratio, and while a coded read (ratio / link +
+    1 / decode per byte) is slower than a plain one (1 / link) it stores
+    objects plain, coding one store in ``PROBE_EVERY`` to keep measuring."""
+
+    PROBE_EVERY = 64
 
     def __init__(self, name: str, layouts: Mapping[str, KVLayout]) -> None:
         self.writer = codec_named(name)
         self.layouts = layouts
         self._readers: dict[int, Codec] = {0: Plain(), self.writer.ident: self.writer}
+        self._part = threading.local()  # this thread's load part: decode seconds and bytes
+        self._lock = threading.Lock()  # guards the fields below
+        self._link: float | None = None
+        self._decode: float | None = None
+        self._ratio: float | None = None
+        self._encodes = 0
+        self._plain_stores = 0  # objects stored plain because the codec did not pay
 
     def encode(self, layout: str, payload: Payload) -> tuple[int, Payload]:
         """(codec id, stored bytes) for a payload of layout digest ``layout``."""
         shape = self.layouts.get(layout)
         if self.writer.ident == 0 or not self.writer.applies(shape):
+            return 0, payload
+        with self._lock:
+            self._encodes += 1
+            skip = not self._pays() and self._encodes % self.PROBE_EVERY != 0
+            self._plain_stores += skip
+        if skip:
             return 0, payload
         return self.writer.ident, self.writer.encode(payload, shape)
 
@@ -256,7 +279,46 @@ class PayloadCodec:
                     _zstandard()
             except RuntimeError as exc:  # its library is not installed here
                 raise CorruptObject(Corruption.CODEC, str(exc)) from None
+        started = time.perf_counter()
         codec.decode(stored, self.layouts.get(layout), out)
+        part = getattr(self._part, "totals", None)
+        if part is not None:
+            part[0] += time.perf_counter() - started
+            part[1] += out.nbytes
+            part[2] += stored.nbytes
+
+    def start_part(self) -> None:
+        """A load part starts on this thread (the adapter times it)."""
+        self._part.totals = [0.0, 0, 0]  # decode seconds, decoded bytes, their stored bytes
+
+    def end_part(self, seconds: float, loaded_bytes: int) -> None:
+        """The part took ``seconds`` and delivered ``loaded_bytes``: learn from it."""
+        decode_s, decoded, stored = self._part.totals
+        self._part.totals = None
+        transfer_s = seconds - decode_s
+        transfer_bytes = loaded_bytes - decoded + stored
+        with self._lock:
+            if transfer_s > 0 and transfer_bytes > 0:
+                self._link = ewma(self._link, transfer_bytes / transfer_s)
+            if decoded and decode_s > 0:
+                self._decode = ewma(self._decode, decoded / decode_s)
+                self._ratio = ewma(self._ratio, stored / decoded)
+
+    def status(self) -> dict[str, float]:
+        with self._lock:
+            out = {"codec_plain_stores": float(self._plain_stores)}
+            if self._link is not None:
+                out["codec_link_bytes_per_s"] = self._link
+            if self._decode is not None and self._ratio is not None:
+                out["codec_decode_bytes_per_s"] = self._decode
+                out["codec_ratio"] = 1 / self._ratio
+                out["codec_pays"] = float(self._pays())
+            return out
+
+    def _pays(self) -> bool:
+        if self._link is None or self._decode is None or self._ratio is None:
+            return True  # not measured yet: code, and learn
+        return coded_read_pays(self._ratio, self._link, self._decode)
 
 
 def codec_named(name: str) -> Codec:

@@ -10,7 +10,8 @@ import struct
 import numpy as np
 import pytest
 
-from kvtier.l2 import CompletionQueue, make_adapter
+from kvtier.keys import ObjectKey
+from kvtier.l2 import CompletionQueue, L2Adapter, make_adapter
 from kvtier.l2.codecs import CODECS, Int4, Int8, PayloadCodec, Zstd, codec_named
 from kvtier.l2.format import (
     Corruption,
@@ -20,9 +21,10 @@ from kvtier.l2.format import (
     encode_header,
     encode_object,
 )
+from kvtier.l2.mock import MockAdapter
 from kvtier.layout import KVLayout
 from tests.conftest import make_key
-from tests.unit.l2.harness import Harness, payload
+from tests.unit.l2.harness import Change, Harness, payload
 
 SHAPE = dict(num_layers=3, kv_heads=2, head_dim=64, tokens_per_chunk=64)
 
@@ -147,6 +149,11 @@ def test_codec_names_are_checked() -> None:
 # ------------------------------------------------------------ bad copies
 
 
+def _tamper_mock(adapter: L2Adapter, key: ObjectKey, change: Change) -> None:
+    assert isinstance(adapter, MockAdapter)
+    adapter.tamper(key, change)
+
+
 def _coded(codec: str = "zstd", shape: KVLayout | None = None) -> tuple:
     shape = shape or layout()
     key, data = make_key(1), kv(shape)[0]
@@ -228,7 +235,7 @@ def test_a_bad_compressed_copy_is_a_counted_miss_and_removed() -> None:
     queue = CompletionQueue()
     adapter = make_adapter({"type": "mock", "codec": "zstd"}, queue.put)
     adapter.share_layouts({shape.digest(): shape})
-    h = Harness(adapter, queue, lambda a, k, change: a.tamper(k, change))  # type: ignore[attr-defined]
+    h = Harness(adapter, queue, _tamper_mock)
     try:
         key, data = make_key(5), kv(shape)[0]
         assert h.store([key], [data], shape.digest()).ok == (True,)
@@ -255,3 +262,48 @@ def _rechecked(value: bytes, header_len: int) -> bytes:
     """``value`` with its header's checksum made right for its payload."""
     digest = checksum(np.frombuffer(value, np.uint8, offset=header_len))
     return _with_header_field(value, 32, "<Q", digest)
+
+
+# ------------------------------------------------------------ where it pays
+
+
+def _loaded_often(spec: dict, loads: int = 6) -> dict:
+    """Store real-like KV through a mock adapter and load it ``loads`` times;
+    then store a new object. The adapter's status after."""
+    shape = layout()
+    queue = CompletionQueue()
+    adapter = make_adapter({"type": "mock", "codec": "zstd", **spec}, queue.put)
+    adapter.share_layouts({shape.digest(): shape})
+    h = Harness(adapter, queue, _tamper_mock)
+    try:
+        keys = [make_key(i) for i in range(4)]
+        data = [kv(shape, seed=i)[0] for i in range(4)]
+        assert h.store(keys, data, shape.digest()).ok == (True,) * 4
+        out = [np.zeros_like(d) for d in data]
+        for _ in range(loads):
+            assert h.load(keys, out, shape.digest()).ok == (True,) * 4
+        assert [o.tobytes() for o in out] == [d.tobytes() for d in data]
+        later = make_key(9)
+        assert h.store([later], [data[0]], shape.digest()).ok == (True,)
+        status = adapter.status()
+        status["later_bytes"] = len(h.raw(later))
+        status["object_bytes"] = data[0].nbytes
+        return status
+    finally:
+        adapter.close()
+
+
+def test_a_codec_switches_itself_off_where_reading_plain_is_faster() -> None:
+    """In memory, decoding zstd is slower than copying: new stores are plain."""
+    status = _loaded_often({})
+    assert status["codec_pays"] == 0.0
+    assert status["codec_plain_stores"] == 1
+    assert status["later_bytes"] > status["object_bytes"]  # header + the plain payload
+
+
+def test_a_codec_stays_on_where_the_link_is_slow() -> None:
+    """At 20 MB/s the smaller read wins (this KV compresses by ~1.4x)."""
+    status = _loaded_often({"bandwidth_bytes_per_s": 20e6}, loads=3)
+    assert status["codec_pays"] == 1.0
+    assert status["codec_plain_stores"] == 0
+    assert status["later_bytes"] < status["object_bytes"]
