@@ -83,20 +83,24 @@ class Zstd(Codec):
         self._local = threading.local()  # zstandard's (de)compressors are per thread
 
     def encode(self, payload: Payload, layout: KVLayout | None) -> Payload:
+        """One byte, the plane count (the element width: the reader may not
+        know the layout), then the zstd frame."""
         width = _width(layout, payload.nbytes)
         planes = _split(payload, width) if width > 1 else payload
         packed = self._tools()[0].compress(planes.data)
-        return np.frombuffer(packed, dtype=np.uint8)
+        return np.frombuffer(bytes([width]) + packed, dtype=np.uint8)
 
     def decode(self, stored: Payload, layout: KVLayout | None, out: Payload) -> None:
+        width = int(stored[0]) if stored.nbytes else 0
+        if width not in (1, 2, 4, 8) or out.nbytes % width:
+            raise CorruptObject(Corruption.CODEC, f"zstd: {width} byte planes")
         try:
-            raw = self._tools()[1].decompress(stored.data, max_output_size=out.nbytes)
+            raw = self._tools()[1].decompress(stored[1:].data, max_output_size=out.nbytes)
         except Exception as exc:  # zstandard.ZstdError: not a zstd frame, truncated
             raise CorruptObject(Corruption.CODEC, f"zstd: {exc}") from None
         if len(raw) != out.nbytes:
             raise CorruptObject(Corruption.CODEC, f"zstd gave {len(raw)} of {out.nbytes} bytes")
         planes = np.frombuffer(raw, dtype=np.uint8)
-        width = _width(layout, out.nbytes)
         if width > 1:
             _join(planes, width, out)
         else:

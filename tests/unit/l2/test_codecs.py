@@ -69,6 +69,16 @@ def test_zstd_is_bit_exact(dtype: str, size: int) -> None:
     assert stored.nbytes < real.nbytes  # float planes compress
 
 
+def test_zstd_needs_no_layout_to_decode() -> None:
+    """A node that never saw the writer's layout still gets the exact bytes
+    (the plane count travels with the payload)."""
+    shape = layout("float32")
+    data, _ = kv(shape)
+    out = np.zeros_like(data)
+    Zstd().decode(Zstd().encode(data, shape), None, out)
+    assert out.tobytes() == data.tobytes()
+
+
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16", "float32"])
 @pytest.mark.parametrize(("codec", "ratio"), [(Int8(), 1.8), (Int4(), 3.0)])
 def test_quantized_error_is_within_a_step(dtype: str, codec: Int8 | Int4, ratio: float) -> None:
