@@ -247,7 +247,6 @@ def main() -> None:
     parser.add_argument("--gbit", type=float, default=1.0)
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
-    torch.set_num_threads(1)  # per core, and the quality pass is sequential
     model, tokenizer = smollm2()
     prompts = retrieval_prompts(RetrievalSpec(prompts=max(args.prompts, args.speed_prompts)))
     reference = KVTierModel(model)

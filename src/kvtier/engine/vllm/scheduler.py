@@ -96,6 +96,7 @@ class SchedulerSide:
         self._pin_prefixes = settings.pin_prefixes()
         self._pinned: dict[tuple[str, int], float] = {}  # (salt, prefix) -> last pin sent
         self._loading: deque[list[tuple[str, int, int]]] = deque()  # per step: (id, start, end)
+        self._step_wait_s = settings.lookup_wait_s  # what this step's lookups may still block
 
     # ------------------------------------------------------------ admission
 
@@ -115,9 +116,11 @@ class SchedulerSide:
             return 0, False
         wait = self.settings.lookup_wait_s
         if tracked.lookup is None:
+            started = time.perf_counter()  # new requests share one wait budget per step
             tracked.lookup = client.lookup(
-                request.request_id, tracked.hashes, wait_s=wait, block_s=wait
+                request.request_id, tracked.hashes, wait_s=wait, block_s=self._step_wait_s
             )
+            self._step_wait_s = max(0.0, self._step_wait_s - (time.perf_counter() - started))
         if not tracked.lookup.done and client.poll(tracked.lookup, wait) is None:
             return None, False  # pending: asked again next step, without waiting
         end = min((tracked.lookup.hit_chunks or 0) * tracked.chunk_size, request.num_tokens - 1)
@@ -193,6 +196,7 @@ class SchedulerSide:
     # ----------------------------------------------------------------- steps
 
     def build_connector_meta(self, scheduler_output: Any) -> KVTierMetadata:
+        self._step_wait_s = self.settings.lookup_wait_s  # the next step's budget
         with self.timer:
             meta = self._build(scheduler_output)
         if self.timer.step():  # once per step: what this step's connector calls took

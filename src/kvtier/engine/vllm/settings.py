@@ -14,8 +14,10 @@
   ``none`` only loads.
 - ``revision`` (the model config's revision): the weights' revision in the
   namespace.
-- ``lookup_wait_s`` (0.02): the scheduler thread's budget for a request's
-  first lookup; a request whose answer is later is deferred to the next step.
+- ``lookup_wait_s`` (0.02): the scheduler thread's budget, per step, for
+  the first lookups of new requests (together); a request whose answer is
+  later waits for its KV while the engine runs the others, and is asked
+  again next step (without blocking).
 - ``request_timeout_s`` (2.0): a server silent this long is away (misses).
 - ``shadow_fraction`` (0.0): the share of requests with a hit whose last hit
   chunk vLLM computes anyway, to compare with kvtier's copy
