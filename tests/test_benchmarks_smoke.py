@@ -63,6 +63,7 @@ TINY = {
         "0.2",
     ],
     "bench_vllm_tiers.py": ["--prefix", "256", "--rounds", "1"],
+    "bench_codecs.py": ["--prompts", "2", "--speed-prompts", "1"],
     "bench_shadow.py": ["--prompts", "2", "--prefix-chunks", "1", "--model-dir", "{tmp}"],
     "bench_server.py": [
         "--objects",
@@ -89,6 +90,7 @@ def test_every_benchmark_has_a_smoke_run() -> None:
 # own tests and the quick bench run the same paths).
 ENGINE_SCRIPTS = {"bench_vllm_ttft.py", "bench_vllm_tiers.py"}
 SLOW_SCRIPTS = {
+    "bench_codecs.py",
     "bench_hf_ttft.py",
     "bench_server.py",
     "bench_shadow.py",

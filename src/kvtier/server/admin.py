@@ -168,11 +168,14 @@ class AdminHTTP:
                 return tenant is not None and tenant.admin
 
             def _send(self, code: int, body: bytes, kind: str) -> None:
-                self.send_response(code)
-                self.send_header("Content-Type", kind)
-                self.send_header("Content-Length", str(len(body)))
-                self.end_headers()
-                self.wfile.write(body)
+                try:
+                    self.send_response(code)
+                    self.send_header("Content-Type", kind)
+                    self.send_header("Content-Length", str(len(body)))
+                    self.end_headers()
+                    self.wfile.write(body)
+                except (BrokenPipeError, ConnectionResetError):
+                    self.close_connection = True  # the client gave up waiting: not a fault
 
             def log_message(self, format: str, *args: Any) -> None:
                 return None  # no request lines in the server log
