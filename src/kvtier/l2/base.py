@@ -75,6 +75,8 @@ from kvtier.layout import KVLayout
 
 log = logging.getLogger(__name__)
 
+DECODE_PIPELINE = 4  # parts per I/O thread of a coded load
+
 TaskId = NewType("TaskId", int)
 Buffer = npt.NDArray[np.uint8]
 
@@ -448,8 +450,15 @@ class BlockingAdapter(L2Adapter):
             raise ValueError("keys and buffers must have the same length")
 
     def max_parts(self, kind: TaskKind, n: int) -> int:
-        """How many parallel parts a batch of ``n`` keys is split into."""
-        return 1 if kind is TaskKind.LOOKUP else max(1, min(self.config.io_threads, n))
+        """How many parts a batch of ``n`` keys is split into (``io_threads``
+        run at once). A load of coded payloads is cut finer, so that each
+        part's decode overlaps the next part's transfer."""
+        if kind is TaskKind.LOOKUP:
+            return 1
+        parts = min(self.config.io_threads, n)
+        if kind is TaskKind.LOAD and self.codec.writer.ident:
+            parts = min(n, parts * DECODE_PIPELINE)
+        return max(1, parts)
 
     def _submit(self, task: _Task) -> TaskId:
         task.id = TaskId(next(self._tasks))
