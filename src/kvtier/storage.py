@@ -221,8 +221,9 @@ class StorageManager:
         """Start a lookup; take its result with ``collect``. With
         ``recompute_s_per_chunk`` (the engine's prefill seconds for a chunk)
         L2 chunks are loaded only as far as that beats recomputing them."""
-        for layout in (layouts or {}).values():
-            self._remember(layout)
+        if self.adapters:  # only their codecs need the book
+            for layout in (layouts or {}).values():
+                self._remember(layout)
         return self.prefetch.submit(chunks, layouts, deadline_s, recompute_s_per_chunk)
 
     def collect(self, handle: PrefetchHandle, timeout: float | None = None) -> LookupResult | None:

@@ -210,6 +210,7 @@ class _LoadBatch:
     fence: IOFence
     nbytes: int
     subscribers: dict[ObjectKey, list[_Request]]
+    started: float = field(default_factory=time.monotonic)  # its load's cost is learned
 
 
 class PrefetchController:
@@ -222,7 +223,7 @@ class PrefetchController:
         self._l1 = l1
         self._adapters = {adapter.name: adapter for adapter in adapters}  # cascade order
         self._links = {name: LinkEstimate() for name in self._adapters}
-        self._started: dict[tuple[str, TaskId], float] = {}  # lookups and loads in flight
+        self._lookup_started: dict[tuple[str, TaskId], float] = {}
         self._events: queue.SimpleQueue[object] = queue.SimpleQueue()
         self._active: set[_Request] = set()
         self._backlog: deque[_Request] = deque()
@@ -387,10 +388,10 @@ class PrefetchController:
             request.found[name] = set()
             task = adapter.submit_lookup(missing)
             self._lookups[(name, task)] = request
-            self._started[(name, task)] = time.monotonic()
+            self._lookup_started[(name, task)] = time.monotonic()
 
     def _on_lookup(self, result: TaskResult) -> None:
-        started = self._started.pop((result.adapter, result.task), None)
+        started = self._lookup_started.pop((result.adapter, result.task), None)
         if started is not None and not result.failure:
             self._links[result.adapter].round_trip(time.monotonic() - started)
         request = self._lookups.pop((result.adapter, result.task), None)
@@ -533,7 +534,6 @@ class PrefetchController:
             request.pending_loads.add(key)
         self._inflight_bytes += batch.nbytes
         self._loads[(name, task)] = batch
-        self._started[(name, task)] = time.monotonic()
 
     def _take_resident(self, request: _Request, key: ObjectKey) -> None:
         (placement,) = self._l1.reserve_read([key])
@@ -543,12 +543,11 @@ class PrefetchController:
 
     def _on_load(self, result: TaskResult) -> None:
         batch = self._loads.pop((result.adapter, result.task), None)
-        started = self._started.pop((result.adapter, result.task), None)
         if batch is None:
             log.error("prefetch: result for unknown load %s/%d", result.adapter, result.task)
             return
-        if started is not None and all(result.ok):
-            self._links[result.adapter].load(time.monotonic() - started, batch.nbytes)
+        if all(result.ok):
+            self._links[result.adapter].load(time.monotonic() - batch.started, batch.nbytes)
         self._inflight_bytes -= batch.nbytes
         for key in result.keys:
             del self._inflight[key]

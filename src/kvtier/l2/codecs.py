@@ -92,7 +92,7 @@ class Zstd(Codec):
 
     def decode(self, stored: Payload, layout: KVLayout | None, out: Payload) -> None:
         width = int(stored[0]) if stored.nbytes else 0
-        if width not in (1, 2, 4, 8) or out.nbytes % width:
+        if width not in (1, *_WORDS) or out.nbytes % width:
             raise CorruptObject(Corruption.CODEC, f"zstd: {width} byte planes")
         try:
             raw = self._tools()[1].decompress(stored[1:].data, max_output_size=out.nbytes)
@@ -249,7 +249,7 @@ class PayloadCodec:
     def __init__(self, name: str, layouts: Mapping[str, KVLayout]) -> None:
         self.writer = codec_named(name)
         self.layouts = layouts
-        self._readers: dict[int, Codec] = {0: Plain(), self.writer.ident: self.writer}
+        self._readers: dict[int, Codec] = {self.writer.ident: self.writer}
         self._part = threading.local()  # this thread's load part: decode seconds and bytes
         self._lock = threading.Lock()  # guards the fields below
         self._link: float | None = None
@@ -278,9 +278,7 @@ class PayloadCodec:
             if cls is None:
                 raise CorruptObject(Corruption.CODEC, f"unknown codec {ident}")
             try:
-                codec = self._readers[ident] = cls()
-                if isinstance(codec, Zstd):
-                    _zstandard()
+                codec = self._readers[ident] = codec_named(cls.name)
             except RuntimeError as exc:  # its library is not installed here
                 raise CorruptObject(Corruption.CODEC, str(exc)) from None
         started = time.perf_counter()
@@ -350,19 +348,18 @@ def _zstandard() -> Any:
     return zstandard
 
 
-def _width(layout: KVLayout | None, nbytes: int) -> int:
-    width = layout.dtype_bytes if layout is not None else 2
-    return width if nbytes % width == 0 else 1
-
-
 _WORDS = {2: np.uint16, 4: np.uint32}
 
 
+def _width(layout: KVLayout | None, nbytes: int) -> int:
+    """Bytes per element to split planes by: the dtype's (1 when that does not divide)."""
+    width = layout.dtype_bytes if layout is not None else 2
+    return width if width in _WORDS and nbytes % width == 0 else 1
+
+
 def _split(payload: Payload, width: int) -> Payload:
-    """Byte planes of ``width``-byte elements: every element's byte 0, then
-    byte 1... (shifts of whole words: much faster than a strided copy)."""
-    if width not in _WORDS:
-        return payload.reshape(-1, width).T.copy()
+    """Byte planes of ``width``-byte elements (2 or 4): every element's byte
+    0, then byte 1... (shifts of whole words: much faster than a strided copy)."""
     words = payload.view(_WORDS[width])
     planes = np.empty((width, words.size), np.uint8)
     for i in range(width):
@@ -372,9 +369,6 @@ def _split(payload: Payload, width: int) -> Payload:
 
 def _join(planes: Payload, width: int, out: Payload) -> None:
     """The inverse of ``_split``, into ``out``."""
-    if width not in _WORDS:
-        out.reshape(-1, width)[:] = planes.reshape(width, -1).T
-        return
     word = _WORDS[width]
     rows = planes.reshape(width, -1)
     words = out.view(word)
