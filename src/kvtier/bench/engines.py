@@ -64,14 +64,14 @@ class Engine:
         return f"http://{self.address}"
 
 
-def kvtier_transfer(rpc: str) -> dict[str, Any]:
+def kvtier_transfer(rpc: str, load_async: bool = False) -> dict[str, Any]:
     """vLLM's ``--kv-transfer-config`` for kvtier's connector."""
     return {
         "kv_connector": "KVTierConnector",
         "kv_connector_module_path": "kvtier.engine.vllm",
         "kv_role": "kv_both",
         "kv_load_failure_policy": "recompute",
-        "kv_connector_extra_config": {"kvtier.address": rpc},
+        "kv_connector_extra_config": {"kvtier.address": rpc, "kvtier.load_async": load_async},
     }
 
 

@@ -318,7 +318,7 @@ class BlockingAdapter(L2Adapter):
         self.name = config.name or self.type_name
         self.writable = config.write
         self.shared = self.shared_by_default if config.shared is None else config.shared
-        self.codec = PayloadCodec(config.codec, {})
+        self.codec = PayloadCodec(config.codec, {}, where=self.name)
         self.clock: Callable[[], float] = time.monotonic
         self._on_complete = on_complete
         self._tasks = itertools.count(1)

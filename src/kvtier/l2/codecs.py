@@ -26,6 +26,7 @@ codec stores ``none``.
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from abc import ABC, abstractmethod
@@ -38,6 +39,8 @@ import numpy.typing as npt
 from kvtier.l2.format import Corruption, CorruptObject, Payload
 from kvtier.layout import LOSSY_CODECS, KVLayout
 from kvtier.read_or_recompute import coded_read_pays, ewma
+
+log = logging.getLogger(__name__)
 
 F32 = npt.NDArray[np.float32]
 
@@ -242,13 +245,17 @@ class PayloadCodec:
     learns the link's rate (stored bytes per second of transfer), the decode
     rate and the compression ratio, and while a coded read (ratio / link +
     1 / decode per byte) is slower than a plain one (1 / link) it stores
-    objects plain, coding one store in ``PROBE_EVERY`` to keep measuring."""
+    objects plain, coding one store in ``PROBE_EVERY`` to keep measuring.
+    Each change of that verdict is logged with the rates behind it, naming
+    the adapter (``where``)."""
 
     PROBE_EVERY = 64
 
-    def __init__(self, name: str, layouts: Mapping[str, KVLayout]) -> None:
+    def __init__(self, name: str, layouts: Mapping[str, KVLayout], where: str = "") -> None:
         self.writer = codec_named(name)
         self.layouts = layouts
+        self.where = where
+        self._paid: bool | None = None  # the verdict last logged
         self._readers: dict[int, Codec] = {self.writer.ident: self.writer}
         self._part = threading.local()  # this thread's load part: decode seconds and bytes
         self._lock = threading.Lock()  # guards the fields below
@@ -305,6 +312,24 @@ class PayloadCodec:
             if decoded and decode_s > 0:
                 self._decode = ewma(self._decode, decoded / decode_s)
                 self._ratio = ewma(self._ratio, stored / decoded)
+            link, decode, ratio = self._link, self._decode, self._ratio
+            if link is None or decode is None or ratio is None:
+                return
+            pays = coded_read_pays(ratio, link, decode)
+            if pays == self._paid:
+                return
+            self._paid = pays
+        log.info(
+            "L2 %s: codec %s %s: a coded read (ratio %.2f, decode %.2f GB/s) is %s than a "
+            "plain one at %.2f GB/s",
+            self.where,
+            self.writer.name,
+            "pays, coding stores" if pays else "does not pay, storing plain",
+            1 / ratio,
+            decode / 1e9,
+            "faster" if pays else "slower",
+            link / 1e9,
+        )
 
     def status(self) -> dict[str, float]:
         with self._lock:

@@ -5,6 +5,7 @@ a wrong tensor."""
 
 from __future__ import annotations
 
+import logging
 import struct
 
 import numpy as np
@@ -303,9 +304,15 @@ def _loaded_often(spec: dict, loads: int = 6) -> dict:
         adapter.close()
 
 
-def test_a_codec_switches_itself_off_where_reading_plain_is_faster() -> None:
-    """In memory, decoding zstd is slower than copying: new stores are plain."""
-    status = _loaded_often({})
+def test_a_codec_switches_itself_off_where_reading_plain_is_faster(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """In memory, decoding zstd is slower than copying: new stores are plain,
+    and the adapter's log says so once, with the rates behind it."""
+    with caplog.at_level(logging.INFO, logger="kvtier.l2.codecs"):
+        status = _loaded_often({"name": "in-memory"})
+    (line,) = [r.getMessage() for r in caplog.records if "does not pay" in r.getMessage()]
+    assert line.startswith("L2 in-memory: codec zstd does not pay, storing plain: a coded read")
     assert status["codec_pays"] == 0.0
     assert status["codec_plain_stores"] == 1
     assert status["later_bytes"] > status["object_bytes"]  # header + the plain payload

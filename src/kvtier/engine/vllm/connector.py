@@ -100,6 +100,11 @@ class KVTierConnector(KVConnectorBase_V1):  # type: ignore[misc]
         assert self._worker is not None
         self._worker.register_kv_caches(kv_caches)
 
+    def bind_connector_metadata(self, connector_metadata: Any) -> None:
+        super().bind_connector_metadata(connector_metadata)
+        if self._worker is not None:
+            self._worker.begin_step()
+
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
         assert self._worker is not None
         meta = self._get_connector_metadata()
@@ -107,7 +112,7 @@ class KVTierConnector(KVConnectorBase_V1):  # type: ignore[misc]
         self._worker.start_load_kv(meta)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        return  # loads finish in start_load_kv, before the forward
+        return  # synchronous loads finish in start_load_kv, before the forward
 
     def save_kv_layer(
         self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any
@@ -124,7 +129,9 @@ class KVTierConnector(KVConnectorBase_V1):  # type: ignore[misc]
         return  # stores finish inside wait_for_save: no block of a preempted request is in use
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
-        return None, None  # loads and stores are synchronous: nothing finishes later
+        # Stores finish inside wait_for_save; asynchronous loads finish here.
+        received = self._worker.get_finished() if self._worker is not None else set()
+        return None, received or None
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self._worker.get_block_ids_with_load_errors() if self._worker else set()

@@ -9,15 +9,18 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadat
 
 @dataclass(slots=True)
 class LoadSpec:
-    """Copy chunks ``hashes`` of a request into engine blocks before its
-    forward. ``blocks[i]`` maps a block's position within chunk ``i`` to the
-    engine block it goes to (a chunk's leading blocks may be the engine's own)."""
+    """Copy chunks ``hashes`` of a request into engine blocks: before its
+    forward, or, ``asynchronous``, on the worker's load thread while the
+    request waits for remote KV (done when ``get_finished`` names it).
+    ``blocks[i]`` maps a block's position within chunk ``i`` to the engine
+    block it goes to (a chunk's leading blocks may be the engine's own)."""
 
     request_id: str
     salt: str
     first_chunk: int  # the prompt chunk ``hashes[0]`` is
     hashes: list[bytes]
     blocks: list[dict[int, int]]
+    asynchronous: bool = False
 
 
 @dataclass(slots=True)

@@ -10,12 +10,19 @@ request re-admitted after preemption (its KV freed) is looked up afresh.
 Locks: the server read-locks the hit chunks at lookup. Chunks the engine has
 itself or will compute are released at ``update_state_after_alloc``; chunks
 being loaded are released once the step that loaded them has come back
-(``update_connector_output``); ``request_finished`` ends the session, which
+(``update_connector_output``; an asynchronous load's, once every rank has
+finished it); ``request_finished`` ends the session, which
 releases anything left, whether the request finished, was aborted or failed.
 
-Loads are synchronous (the worker copies before the step's forward), so the
-hit offered is at most ``num_tokens - 1``: a full hit still computes the last
-prompt token. Stores are emitted for prompt chunks that this step completes.
+Loads are synchronous by default (the worker copies before the step's
+forward). With ``kvtier.load_async`` the hit is offered as an asynchronous
+load: vLLM allocates its blocks and parks the request (waiting for remote
+KV) while a worker thread copies; the chunks stay locked until every rank
+has reported the load finished, and a request vLLM asks about again after
+its load came back (the load failed and vLLM freed its blocks) is offered
+nothing. Either way the hit offered is at most ``num_tokens - 1``: a full hit
+still computes the last prompt token. Stores are emitted for prompt chunks
+that this step completes.
 
 Each finished lookup is logged at debug level with why its hit ends where it
 does (``LookupState.miss_reason``), and counted; the counts are logged with
@@ -29,9 +36,13 @@ listed prefix (a system prompt) renews that prefix's pin in L1 once its
 lookup shows the prefix's chunks in kvtier (at most every half
 ``pin_ttl_s``; sent without waiting).
 
-The scheduler thread never waits on the network beyond a small budget: a new
-request's lookup waits at most ``kvtier.lookup_wait_s`` for its answer (then
-the request is deferred and polled next step, without waiting), releases and
+The scheduler thread never waits on the network beyond a small budget: the
+new requests of a step wait together at most ``kvtier.lookup_wait_s`` for
+their lookups' answers (then a request is deferred and polled next step,
+without waiting), and not at all while answers have been taking longer than
+that budget (one lookup in ``PROBE_EVERY`` still waits, to notice when they
+speed up again); a request the server cannot be reached for is a miss,
+counted ``no_server``; releases and
 session ends are sent without waiting for their acks, and a client that lost
 its server reconnects on its own thread. ``StepTimer`` measures what the
 connector's scheduler calls take per step and logs a summary every
@@ -53,9 +64,11 @@ from kvtier.engine.vllm.clients import ClientPool
 from kvtier.engine.vllm.metadata import KVTierMetadata, LoadSpec, ShadowSpec, StoreSpec
 from kvtier.engine.vllm.settings import ConnectorSettings
 from kvtier.engine.vllm.timing import StepTimer
+from kvtier.read_or_recompute import ewma
 from kvtier.server.client import CacheClient, LookupState
 
 log = logging.getLogger(__name__)
+PROBE_EVERY = 16  # while lookups are slow, one new lookup in this many still waits
 
 
 @dataclass(slots=True)
@@ -68,11 +81,13 @@ class Tracked:
     prompt_tokens: int
     preemptions: int
     lookup: LookupState | None = None
+    asked_at: float = 0.0  # when the lookup went out (perf_counter)
     settled: bool = False  # the lookup's outcome was counted (and a shadow chunk chosen)
     shadow_chunk: int | None = None  # the hit chunk vLLM computes for the shadow check
     local: int = 0  # tokens the engine had itself when last asked
     stored: int = 0  # chunks [0, stored) are in kvtier (hit, or stored by us)
     block_ids: list[int] = field(default_factory=list)
+    received: bool = False  # an asynchronous load of its hit has come back
     pin: tuple[int, int] | None = None  # a listed prefix it starts with: (index, chunks)
 
 
@@ -96,7 +111,10 @@ class SchedulerSide:
         self._pin_prefixes = settings.pin_prefixes()
         self._pinned: dict[tuple[str, int], float] = {}  # (salt, prefix) -> last pin sent
         self._loading: deque[list[tuple[str, int, int]]] = deque()  # per step: (id, start, end)
+        self._receiving: dict[str, tuple[str, int, int]] = {}  # asynchronous loads, by request
         self._step_wait_s = settings.lookup_wait_s  # what this step's lookups may still block
+        self._answer_s: float | None = None  # how long lookups take to be answered (EWMA)
+        self._new_lookups = 0
 
     # ------------------------------------------------------------ admission
 
@@ -116,13 +134,16 @@ class SchedulerSide:
             return 0, False
         wait = self.settings.lookup_wait_s
         if tracked.lookup is None:
-            started = time.perf_counter()  # new requests share one wait budget per step
+            tracked.asked_at = started = time.perf_counter()
+            block = self._step_wait_s if self._worth_waiting() else 0.0
             tracked.lookup = client.lookup(
-                request.request_id, tracked.hashes, wait_s=wait, block_s=self._step_wait_s
+                request.request_id, tracked.hashes, wait_s=wait, block_s=block
             )
             self._step_wait_s = max(0.0, self._step_wait_s - (time.perf_counter() - started))
         if not tracked.lookup.done and client.poll(tracked.lookup, wait) is None:
             return None, False  # pending: asked again next step, without waiting
+        if tracked.received:
+            return 0, False  # its load came back and vLLM asks again: it failed; recompute
         end = min((tracked.lookup.hit_chunks or 0) * tracked.chunk_size, request.num_tokens - 1)
         if not tracked.settled:
             self._settle(tracked, end)
@@ -131,12 +152,23 @@ class SchedulerSide:
                 tracked.shadow_chunk = None  # the engine has that chunk itself now: no check
             else:
                 end = tracked.shadow_chunk * tracked.chunk_size  # vLLM computes it
-        return max(0, end - num_computed_tokens), False
+        offered = max(0, end - num_computed_tokens)
+        return offered, self.settings.load_async and offered > 0
+
+    def _worth_waiting(self) -> bool:
+        """Whether a new lookup should block (within the step's budget) for
+        its answer: while answers come within the budget. When they take
+        longer, waiting only loses the time (the request is deferred anyway);
+        one lookup in ``PROBE_EVERY`` still waits, to see them speed up."""
+        self._new_lookups += 1
+        fast = self._answer_s is None or self._answer_s <= self.settings.lookup_wait_s
+        return fast or self._new_lookups % PROBE_EVERY == 0
 
     def _settle(self, tracked: Tracked, end: int) -> None:
         """Count a finished lookup and choose whether to shadow-check it."""
         assert tracked.lookup is not None
         tracked.settled = True
+        self._answer_s = ewma(self._answer_s, time.perf_counter() - tracked.asked_at)
         hit, reason = tracked.lookup.hit_chunks or 0, tracked.lookup.miss_reason
         self.outcomes.add(reason or "hit")
         log.debug(
@@ -186,6 +218,7 @@ class SchedulerSide:
                     }
                     for chunk in range(first, end)
                 ],
+                asynchronous=self.settings.load_async,
             )
         )
         if first > 0:  # the engine has these
@@ -207,9 +240,14 @@ class SchedulerSide:
         scheduled = scheduler_output.num_scheduled_tokens
         meta = KVTierMetadata(loads=self._loads, computed_tokens=sum(scheduled.values()))
         self._loads = []
-        self._loading.append(
-            [(s.request_id, s.first_chunk, s.first_chunk + len(s.hashes)) for s in meta.loads]
-        )
+        step: list[tuple[str, int, int]] = []
+        for spec in meta.loads:
+            held = (spec.request_id, spec.first_chunk, spec.first_chunk + len(spec.hashes))
+            if spec.asynchronous:
+                self._receiving[spec.request_id] = held
+            else:
+                step.append(held)
+        self._loading.append(step)
         for new in scheduler_output.scheduled_new_reqs:
             tracked = self.requests.get(new.req_id)
             if tracked is not None:
@@ -233,11 +271,17 @@ class SchedulerSide:
         return meta
 
     def update_connector_output(self, connector_output: Any) -> None:
-        """The step that loaded the oldest batch has come back: unlock it."""
-        if not self._loading:
-            return
+        """The step that loaded the oldest batch has come back, and the
+        asynchronous loads the workers finished (every rank): unlock them."""
         with self.timer:
-            for request_id, start, end in self._loading.popleft():
+            done = list(self._loading.popleft()) if self._loading else []
+            for request_id in getattr(connector_output, "finished_recving", None) or ():
+                held = self._receiving.pop(request_id, None)
+                tracked = self.requests.get(request_id)
+                if held is not None and tracked is not None:
+                    tracked.received = True
+                    done.append(held)
+            for request_id, start, end in done:
                 tracked = self.requests.get(request_id)
                 if tracked is not None and tracked.client is not None:
                     tracked.client.release(request_id, start, end, wait=False)
@@ -245,6 +289,7 @@ class SchedulerSide:
     def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, None]:
         with self.timer:
             tracked = self.requests.pop(request.request_id, None)
+            self._receiving.pop(request.request_id, None)  # the session's end releases it
             if tracked is not None and tracked.client is not None and _looked_up(tracked.lookup):
                 tracked.client.end_session(request.request_id, wait=False)
         return False, None
@@ -269,6 +314,8 @@ class SchedulerSide:
             if chunk_size is not None
             else []
         )
+        if client is None:
+            self.outcomes.add("no_server")
         tracked = Tracked(
             request.request_id,
             salt,

@@ -15,10 +15,15 @@
 - ``revision`` (the model config's revision): the weights' revision in the
   namespace.
 - ``lookup_wait_s`` (0.02): the scheduler thread's budget, per step, for
-  the first lookups of new requests (together); a request whose answer is
-  later waits for its KV while the engine runs the others, and is asked
-  again next step (without blocking).
+  the first lookups of new requests (together; none while answers have been
+  coming later than this); a request whose answer is later waits for its KV
+  while the engine runs the others, and is asked again next step (without
+  blocking).
 - ``request_timeout_s`` (2.0): a server silent this long is away (misses).
+- ``load_async`` (false): ``true`` loads a hit on the worker's own thread
+  while the request waits for remote KV and the engine runs the others
+  (vLLM's async-load path); ``false`` copies it before the step's forward,
+  which measures faster on CPU (BENCHMARKS.md, "Asynchronous loads").
 - ``shadow_fraction`` (0.0): the share of requests with a hit whose last hit
   chunk vLLM computes anyway, to compare with kvtier's copy
   (``kvtier.engine.shadow``); ``shadow_tolerance`` (0.02): the relative error
@@ -61,6 +66,7 @@ class ConnectorSettings:
     revision: str | None = None
     lookup_wait_s: float = 0.02
     request_timeout_s: float = 2.0
+    load_async: bool = False
     shadow_fraction: float = 0.0
     shadow_tolerance: float = 0.02
     pin_prefixes_file: str = ""

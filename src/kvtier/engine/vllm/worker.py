@@ -13,17 +13,28 @@ decides in a later ``schedule()``) while a store still reads it. A shadow
 check (``ShadowSpec``) reads kvtier's copy of a chunk this step computed and
 compares the two there too; its counts are logged at shutdown.
 
+An asynchronous load (``LoadSpec.asynchronous``, ``kvtier.load_async``) is
+the same lookup and copy on the worker's load thread, for a request that is
+not in any forward until it is done: vLLM parked it, waiting for remote KV,
+with its blocks allocated. ``get_finished`` names each one once it is done,
+whether every chunk came back or not; the blocks of chunks that did not are
+among the load errors by then, so vLLM recomputes them.
+
 Rank 0 also tells the server's savings ledger what this engine's prefill
-costs: the time between the end of the loads and ``wait_for_save`` is the
-step's forward (exact on CPU, where the forward is synchronous), over the
-tokens the step computed; with the seconds and tokens each tenant's loads
-took, one ``UsageReport`` per salt the step loaded or stored for.
+costs: the step's forward is the time from ``bind_connector_metadata`` to
+``wait_for_save`` less the time ``start_load_kv`` took (which vLLM calls
+before the forward when the step has synchronous loads, after it otherwise;
+exact on CPU, where the forward is synchronous), over the tokens the step
+computed; with the seconds and tokens each tenant's loads took, one
+``UsageReport`` per salt loaded or stored for.
 """
 
 from __future__ import annotations
 
 import logging
+import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
@@ -50,34 +61,51 @@ class WorkerSide:
         self.block_size = self.clients.block_size
         self._kv_caches: dict[str, torch.Tensor] = {}
         self._paged: dict[int, PagedKV] = {}  # per chunk size
-        self._load_errors: set[int] = set()
         self.stats = {"loaded_chunks": 0, "stored_chunks": 0, "failed_chunks": 0}
         self.shadow = ShadowCheck(settings.shadow_fraction, settings.shadow_tolerance)
-        self._forward_from = time.perf_counter()  # when this step's loads ended
-        self._loaded: dict[str, tuple[float, int]] = {}  # salt -> (seconds, tokens), this step
+        self._step_began = time.perf_counter()  # when this step's metadata was bound
+        self._load_s = 0.0  # what this step's start_load_kv took
+        # Shared with the load thread (under _lock):
+        self._lock = threading.Lock()
+        self._load_errors: set[int] = set()
+        self._received: set[str] = set()  # asynchronous loads done, not yet reported
+        self._loaded: dict[str, tuple[float, int]] = {}  # salt -> (seconds, tokens), unreported
+        self._receiver: ThreadPoolExecutor | None = None  # the load thread, once needed
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         self._kv_caches = dict(kv_caches)
 
+    def begin_step(self) -> None:
+        """The model runner bound this step's metadata: its loads and forward follow."""
+        self._step_began, self._load_s = time.perf_counter(), 0.0
+
     def start_load_kv(self, meta: KVTierMetadata) -> None:
-        self._loaded = {}
+        started = time.perf_counter()
         for spec in meta.loads:
-            started = time.perf_counter()
-            tokens = self._load(spec)
-            seconds, before = self._loaded.get(spec.salt, (0.0, 0))
-            self._loaded[spec.salt] = (seconds + time.perf_counter() - started, before + tokens)
-        self._forward_from = time.perf_counter()
+            if spec.asynchronous:
+                self._load_thread().submit(self._receive, spec)
+            else:
+                self._timed_load(spec)
+        self._load_s += time.perf_counter() - started
 
     def wait_for_save(self, meta: KVTierMetadata) -> None:
         if self.rank == 0:
-            self._report_usage(meta, time.perf_counter() - self._forward_from)
+            forward_s = time.perf_counter() - self._step_began - self._load_s
+            self._report_usage(meta, forward_s)
         for spec in meta.stores:
             self._store(spec)
         for check in meta.shadows:
             self._shadow(check)
 
+    def get_finished(self) -> set[str]:
+        """Requests whose asynchronous load is done (each named once)."""
+        with self._lock:
+            received, self._received = self._received, set()
+        return received
+
     def get_block_ids_with_load_errors(self) -> set[int]:
-        errors, self._load_errors = self._load_errors, set()
+        with self._lock:
+            errors, self._load_errors = self._load_errors, set()
         return errors
 
     def close(self) -> None:
@@ -92,9 +120,39 @@ class WorkerSide:
                 shadow.unavailable_chunks,
                 shadow.worst_error,
             )
+        if self._receiver is not None:
+            self._receiver.shutdown(wait=True, cancel_futures=True)
         self.clients.close()
 
     # ------------------------------------------------------------ internals
+
+    def _load_thread(self) -> ThreadPoolExecutor:
+        if self._receiver is None:
+            self._receiver = ThreadPoolExecutor(1, thread_name_prefix=f"kvtier-load-{self.rank}")
+        return self._receiver
+
+    def _receive(self, spec: LoadSpec) -> None:
+        """An asynchronous load, on the load thread: reported done whatever happens."""
+        try:
+            self._timed_load(spec)
+        except Exception:  # a bug here must not leave vLLM waiting for the request forever
+            log.exception("kvtier: %s: the asynchronous load failed", spec.request_id)
+            self._failed(spec.blocks)
+        finally:
+            with self._lock:
+                self._received.add(spec.request_id)
+
+    def _timed_load(self, spec: LoadSpec) -> None:
+        started = time.perf_counter()
+        tokens = self._load(spec)
+        with self._lock:
+            seconds, before = self._loaded.get(spec.salt, (0.0, 0))
+            self._loaded[spec.salt] = (seconds + time.perf_counter() - started, before + tokens)
+
+    def _failed(self, blocks: list[dict[int, int]]) -> None:
+        with self._lock:
+            for chunk in blocks:
+                self._load_errors.update(chunk.values())
 
     def _paged_kv(self, chunk_size: int) -> PagedKV:
         if chunk_size not in self._paged:
@@ -104,10 +162,12 @@ class WorkerSide:
 
     def _report_usage(self, meta: KVTierMetadata, forward_s: float) -> None:
         rate = prefill_rate(forward_s, meta.computed_tokens)
-        for salt in self._loaded.keys() | {spec.salt for spec in meta.stores}:
+        with self._lock:
+            loaded, self._loaded = self._loaded, {}
+        for salt in loaded.keys() | {spec.salt for spec in meta.stores}:
             client = self.clients.client(salt)
             if client is not None:
-                client.report_usage(rate, *self._loaded.get(salt, (0.0, 0)))
+                client.report_usage(rate, *loaded.get(salt, (0.0, 0)))
 
     def _load(self, spec: LoadSpec) -> int:
         """Tokens copied into engine blocks (not the engine's own leading blocks)."""
@@ -126,10 +186,10 @@ class WorkerSide:
             if hit and client.retrieve_with(spec.request_id, 0, hit, scatter):
                 loaded = hit
             client.end_session(spec.request_id, wait=False)  # even unacked: the ack may be late
-        for blocks in spec.blocks[loaded:]:
-            self._load_errors.update(blocks.values())
-        self.stats["loaded_chunks"] += loaded
-        self.stats["failed_chunks"] += len(spec.blocks) - loaded
+        self._failed(spec.blocks[loaded:])
+        with self._lock:
+            self.stats["loaded_chunks"] += loaded
+            self.stats["failed_chunks"] += len(spec.blocks) - loaded
         if loaded < len(spec.blocks):
             log.warning(
                 "kvtier: %s: %d of %d chunks did not load; vLLM recomputes them",
