@@ -19,7 +19,9 @@ import pytest
 from kvtier.bench.stores import redis_binary
 
 pytestmark = pytest.mark.slow
-CONFIGS = ("apc", "apc+l1", "apc+l1+remote")
+# apc+l1 is left to BENCHMARKS.md's runs: apc+l1+remote and the fault run take
+# every path it does (L1 hits through the connector) and more, and CI's time is short.
+CONFIGS = ("apc", "apc+l1+remote")
 REQUESTS = 12  # of the quick trace's 20: enough for every phase of the fault run
 
 
@@ -51,9 +53,8 @@ def test_quick_bench(tmp_path: Path) -> None:
     results = quick_bench(tmp_path, "--configs", ",".join(CONFIGS))
     out = tmp_path / "bench"
     assert list(results["configurations"]) == list(CONFIGS)
-    kvtier = results["configurations"]["apc+l1"]
-    assert kvtier["hit_tokens_by_tier"]["connector"] > 0
     remote = results["configurations"]["apc+l1+remote"]
+    assert remote["hit_tokens_by_tier"]["connector"] > 0
     assert remote["l2_loaded_tokens"].get("redis", 0) > 0  # the small L1 made it read Redis
     assert remote["l2_bytes"]["redis"]["written_bytes"] > 0
     fault = results["fault"]

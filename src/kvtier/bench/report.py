@@ -10,6 +10,7 @@ from typing import Any
 from kvtier.units import format_size
 
 TARGET_SPEEDUP = 2.0  # apc+l1 TTFT p50 and p95 at least this much better than apc
+REMOTE_P50_WITHIN = 1.1  # apc+l1+remote TTFT p50 at most this many times apc+l1's (issue 20)
 
 
 def _ratio(numerator: float | None, denominator: float | None) -> float | None:
@@ -43,6 +44,19 @@ def targets(
             "lmcache": peer["hit_tokens"],
             "met": l1["hit_tokens"] >= peer["hit_tokens"],
         }
+    for name in ("apc+l1+remote", "apc+l1+remote+async"):
+        remote = configs.get(name)
+        if remote and l1 and apc:  # loads from a slower tier must not cost the engine
+            p50 = _ratio(remote["ttft_p50_s"], l1["ttft_p50_s"])
+            found[f"{name}_ttft_p50_over_apc+l1"] = {
+                "ratio": p50,
+                "met": p50 is not None and p50 <= REMOTE_P50_WITHIN,
+            }
+            found[f"{name}_ttft_p95_vs_apc"] = {
+                "remote_s": remote["ttft_p95_s"],
+                "apc_s": apc["ttft_p95_s"],
+                "met": remote["ttft_p95_s"] <= apc["ttft_p95_s"],
+            }
     runs = {**configs, **({"fault": fault} if fault else {})}
     found["no_output_differences"] = {
         "by_configuration": {name: run["output_mismatches"] for name, run in runs.items()},

@@ -11,6 +11,7 @@ from typing import Any
 
 from kvtier.config import secret
 from kvtier.output import JSON_HELP, report_stream, write_json
+from kvtier.planner.handoff import Handoff, plan_handoff
 from kvtier.planner.hf_config import read_shape_fields
 from kvtier.planner.observed import Observation, observe
 from kvtier.planner.plan import Compute, Deployment, Network, Workload, make_plan
@@ -96,6 +97,18 @@ _INPUTS: dict[str, tuple[str, tuple[_Flag, ...]]] = {
             _Flag("--staging-ms", float, "time a read stays in staging (100)"),
         ),
     ),
+    "handoff": (
+        "prefill/decode hand-off (reported apart from reuse when --pd-qps is given)",
+        (
+            _Flag("--pd-qps", float, "requests per second handed from prefill to decode"),
+            _Flag("--pd-prompt-tokens", int, "tokens of a handed-off prompt (8192)"),
+            _Flag("--pd-output-tokens", int, "tokens the decode side generates (256)"),
+            _Flag("--pd-itl-ms", float, "the decode side's time per output token (30)"),
+            _Flag("--decode-tp", int, "the decode side's TP (--tp)"),
+            _Flag("--handoff-wait-ms", float, "from the commit to the decode's load (50)"),
+            _Flag("--handoff-lease-s", float, "an unconsumed hand-off lives this long (30)"),
+        ),
+    ),
     "compute": (
         "read or recompute",
         (
@@ -179,9 +192,15 @@ def run(args: argparse.Namespace) -> int:
         Network(**_given(args, "network")),
         Compute(**_given(args, "compute")),
     )
-    print(format_plan(plan, observed), file=report_stream(args.json))
+    pd = _given(args, "handoff")
+    if pd and "pd_qps" not in pd:
+        raise ValueError(f"--{next(iter(pd)).replace('_', '-')} needs --pd-qps (the hand-off rate)")
+    handoff = plan_handoff(plan.shape, plan.deployment, plan.network, Handoff(**pd)) if pd else None
+    print(format_plan(plan, observed, handoff), file=report_stream(args.json))
     if args.json:
         report = plan.to_json()
+        if handoff is not None:
+            report["handoff"] = handoff.to_json()
         if observed is not None:
             report["observed"] = {**dataclasses.asdict(observed), **observed.workload_fields()}
         write_json(args.json, report)

@@ -3,6 +3,7 @@ units side by side, the object groups, then warnings and notes."""
 
 from __future__ import annotations
 
+from kvtier.planner.handoff import HandoffPlan
 from kvtier.planner.observed import Observation
 from kvtier.planner.plan import Plan
 from kvtier.planner.quantities import binary, decimal
@@ -87,6 +88,28 @@ def _read_or_recompute(plan: Plan) -> list[Row]:
     ]
 
 
+def _handoff(h: HandoffPlan) -> list[Row]:
+    pd = h.handoff
+    lifetime = f"write + {pd.handoff_wait_ms:g} ms wait + read"
+    lease = f"{pd.handoff_lease_s:g} s lease"
+    return [
+        (f"hand-off ({pd.pd_prompt_tokens:,} tokens, as {h.handoff_tokens:,})",
+         *_size(h.written_bytes)),
+        (f"read by decode, TP {h.prefill_tp} -> {h.decode_tp} ({h.layout})",
+         *_size(h.read_bytes)),
+        (f"writes ({pd.pd_qps:g} hand-offs/s)", *_rate(h.write_bytes_per_s)),
+        ("reads", *_rate(h.read_bytes_per_s)),
+        ("write / read at the effective rate", _ms(h.write_s), _ms(h.read_s)),
+        (f"object lifetime ({lifetime})", _ms(h.lifetime_s), ""),
+        ("resident for hand-offs (rate x lifetime)", *_size(h.resident_bytes)),
+        (f"  if no consumer comes ({lease})", *_size(h.resident_bytes_bound)),
+        ("double-buffered (two copies while moving)", *_size(h.double_buffered_bytes)),
+        (f"decode sequences in flight ({pd.pd_output_tokens} x {pd.pd_itl_ms:g} ms)",
+         f"{h.decode_sequences:,.1f}", ""),
+        ("their KV on the decode side", *_size(h.decode_kv_bytes)),
+    ]  # fmt: skip
+
+
 def _ms(seconds: float) -> str:
     return f"{seconds * 1e3:,.1f} ms"
 
@@ -133,7 +156,9 @@ def _observed(seen: Observation) -> list[str]:
     ]
 
 
-def format_plan(plan: Plan, observed: Observation | None = None) -> str:
+def format_plan(
+    plan: Plan, observed: Observation | None = None, handoff: HandoffPlan | None = None
+) -> str:
     d = plan.deployment
     lines = [
         f"kvtier plan - {describe_shape(plan.shape)}; TP {d.tp}, PP {d.pp}; "
@@ -145,6 +170,9 @@ def format_plan(plan: Plan, observed: Observation | None = None) -> str:
     lines += ["", *_section(capacity, _capacity(plan))]
     lines += ["", *_section("Bandwidth", _bandwidth(plan))]
     lines += ["", *_section("Read or recompute (one prefix)", _read_or_recompute(plan))]
+    if handoff is not None:
+        title = "Prefill/decode hand-off (this request's KV; reuse is above)"
+        lines += ["", *_section(title, _handoff(handoff))]
     lines += ["", *_groups(plan)]
     if plan.warnings:
         lines += ["", "Warnings", *(f"  ! {w}" for w in plan.warnings)]

@@ -131,6 +131,24 @@ def test_targets() -> None:
     assert not worse["no_output_differences"]["met"] and not worse["no_failed_requests"]["met"]
 
 
+def test_remote_targets_compare_with_l1_at_p50_and_with_apc_at_p95() -> None:
+    configs = {
+        "apc": config(1.0, 3.0, 10),
+        "apc+l1": config(0.40, 1.0, 50),
+        "apc+l1+remote": config(0.43, 2.9, 50),
+        "apc+l1+remote+async": config(0.48, 3.1, 50),
+    }
+    found = targets(configs, None)
+    assert found["apc+l1+remote_ttft_p50_over_apc+l1"] == {
+        "ratio": pytest.approx(1.075),
+        "met": True,
+    }
+    assert found["apc+l1+remote_ttft_p95_vs_apc"]["met"] is True
+    assert found["apc+l1+remote+async_ttft_p50_over_apc+l1"]["met"] is False  # 1.2x
+    assert found["apc+l1+remote+async_ttft_p95_vs_apc"]["met"] is False  # 3.1 s > 3.0 s
+    assert "apc+l1+remote_ttft_p50_over_apc+l1" not in targets({"apc": configs["apc"]}, None)
+
+
 def test_fault_summary_against_the_run_without_the_fault() -> None:
     def run(cached: list[int], name: str) -> ConfigRun:
         results = [result(f"r{i}", float(i), 0.1 * (i + 1), [1], c) for i, c in enumerate(cached)]
