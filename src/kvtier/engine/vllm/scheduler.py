@@ -39,7 +39,7 @@ lookup shows the prefix's chunks in kvtier (at most every half
 The scheduler thread never waits on the network beyond a small budget: the
 new requests of a step wait together at most ``kvtier.lookup_wait_s`` for
 their lookups' answers (then a request is deferred and polled next step,
-without waiting), and not at all while answers have been taking longer than
+without waiting), and not at all while hardly any answer has come within
 that budget (one lookup in ``PROBE_EVERY`` still waits, to notice when they
 speed up again); a request the server cannot be reached for is a miss,
 counted ``no_server``; releases and
@@ -69,6 +69,7 @@ from kvtier.server.client import CacheClient, LookupState
 
 log = logging.getLogger(__name__)
 PROBE_EVERY = 16  # while lookups are slow, one new lookup in this many still waits
+MIN_ON_TIME = 0.1  # new lookups wait while at least this share of waits gets its answer
 
 
 @dataclass(slots=True)
@@ -81,7 +82,6 @@ class Tracked:
     prompt_tokens: int
     preemptions: int
     lookup: LookupState | None = None
-    asked_at: float = 0.0  # when the lookup went out (perf_counter)
     settled: bool = False  # the lookup's outcome was counted (and a shadow chunk chosen)
     shadow_chunk: int | None = None  # the hit chunk vLLM computes for the shadow check
     local: int = 0  # tokens the engine had itself when last asked
@@ -113,7 +113,7 @@ class SchedulerSide:
         self._loading: deque[list[tuple[str, int, int]]] = deque()  # per step: (id, start, end)
         self._receiving: dict[str, tuple[str, int, int]] = {}  # asynchronous loads, by request
         self._step_wait_s = settings.lookup_wait_s  # what this step's lookups may still block
-        self._answer_s: float | None = None  # how long lookups take to be answered (EWMA)
+        self._on_time: float | None = None  # the share of waits the answer came within (EWMA)
         self._new_lookups = 0
 
     # ------------------------------------------------------------ admission
@@ -134,12 +134,14 @@ class SchedulerSide:
             return 0, False
         wait = self.settings.lookup_wait_s
         if tracked.lookup is None:
-            tracked.asked_at = started = time.perf_counter()
+            started = time.perf_counter()
             block = self._step_wait_s if self._worth_waiting() else 0.0
             tracked.lookup = client.lookup(
                 request.request_id, tracked.hashes, wait_s=wait, block_s=block
             )
             self._step_wait_s = max(0.0, self._step_wait_s - (time.perf_counter() - started))
+            if block >= wait / 2:  # a fair try: did the answer come while it waited?
+                self._on_time = ewma(self._on_time, float(tracked.lookup.done))
         if not tracked.lookup.done and client.poll(tracked.lookup, wait) is None:
             return None, False  # pending: asked again next step, without waiting
         if tracked.received:
@@ -157,18 +159,20 @@ class SchedulerSide:
 
     def _worth_waiting(self) -> bool:
         """Whether a new lookup should block (within the step's budget) for
-        its answer: while answers come within the budget. When they take
-        longer, waiting only loses the time (the request is deferred anyway);
-        one lookup in ``PROBE_EVERY`` still waits, to see them speed up."""
+        its answer. A request whose answer comes later is deferred a step,
+        and a step can be long (another request's prefill), so waiting pays
+        whenever answers often come within the budget (L1 hits do in well
+        under a millisecond). Only while hardly any has (``MIN_ON_TIME``: the
+        lookup path itself is slow) does a lookup go out without waiting;
+        one in ``PROBE_EVERY`` still waits, to see the path speed up."""
         self._new_lookups += 1
-        fast = self._answer_s is None or self._answer_s <= self.settings.lookup_wait_s
-        return fast or self._new_lookups % PROBE_EVERY == 0
+        on_time = self._on_time is None or self._on_time >= MIN_ON_TIME
+        return on_time or self._new_lookups % PROBE_EVERY == 0
 
     def _settle(self, tracked: Tracked, end: int) -> None:
         """Count a finished lookup and choose whether to shadow-check it."""
         assert tracked.lookup is not None
         tracked.settled = True
-        self._answer_s = ewma(self._answer_s, time.perf_counter() - tracked.asked_at)
         hit, reason = tracked.lookup.hit_chunks or 0, tracked.lookup.miss_reason
         self.outcomes.add(reason or "hit")
         log.debug(

@@ -15,8 +15,8 @@
 - ``revision`` (the model config's revision): the weights' revision in the
   namespace.
 - ``lookup_wait_s`` (0.02): the scheduler thread's budget, per step, for
-  the first lookups of new requests (together; none while answers have been
-  coming later than this); a request whose answer is later waits for its KV
+  the first lookups of new requests (together; none while hardly any answer
+  has come within it); a request whose answer is later waits for its KV
   while the engine runs the others, and is asked again next step (without
   blocking).
 - ``request_timeout_s`` (2.0): a server silent this long is away (misses).
