@@ -28,10 +28,16 @@ def worker_side(monkeypatch: pytest.MonkeyPatch, address: str) -> WorkerSide:
     monkeypatch.setattr("vllm.distributed.parallel_state.get_tensor_model_parallel_rank", lambda: 0)
     settings = ConnectorSettings(address=address, load_async=True, request_timeout_s=0.5)
     side = WorkerSide(vllm_config(), settings)
-    # vLLM-CPU's pages: [blocks, kv heads 2, block size, 2 * head dim 64]
-    side.register_kv_caches(
-        {f"model.layers.{i}.self_attn.attn": torch.zeros(BLOCKS, 2, BLOCK, 128) for i in range(2)}
-    )
+    # vLLM-CPU's pages: [blocks, kv heads 2, block size, 2 * head dim 64], made
+    # as vLLM makes them: inference tensors, whose views only inference mode
+    # may write; the worker's page views are first made in inference mode too
+    # (vLLM runs the step's connector calls in it)
+    with torch.inference_mode():
+        caches = {
+            f"model.layers.{i}.self_attn.attn": torch.zeros(BLOCKS, 2, BLOCK, 128) for i in range(2)
+        }
+        side.register_kv_caches(caches)
+        side._paged_kv(256)
     return side
 
 

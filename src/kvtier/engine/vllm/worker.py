@@ -132,9 +132,12 @@ class WorkerSide:
         return self._receiver
 
     def _receive(self, spec: LoadSpec) -> None:
-        """An asynchronous load, on the load thread: reported done whatever happens."""
+        """An asynchronous load, on the load thread: reported done whatever happens.
+        vLLM's KV tensors are inference tensors, which only inference mode
+        (thread-local) may write."""
         try:
-            self._timed_load(spec)
+            with torch.inference_mode():
+                self._timed_load(spec)
         except Exception:  # a bug here must not leave vLLM waiting for the request forever
             log.exception("kvtier: %s: the asynchronous load failed", spec.request_id)
             self._failed(spec.blocks)
