@@ -180,6 +180,14 @@ def _target_lines(found: Mapping[str, Any]) -> list[str]:
             f"- hit tokens: kvtier {_tokens(hits['kvtier'])}, LMCache {_tokens(hits['lmcache'])}: "
             f"{verdict(hits['met'])}"
         )
+    for name in ("apc+l1+remote", "apc+l1+remote+async"):
+        p50, p95 = found.get(f"{name}_ttft_p50_over_apc+l1"), found.get(f"{name}_ttft_p95_vs_apc")
+        if p50 and p95 and p50["ratio"] is not None:
+            rows.append(
+                f"- {name} TTFT p50 {p50['ratio']:.2f}x apc+l1's (target <= {REMOTE_P50_WITHIN}x): "
+                f"{verdict(p50['met'])}; p95 {_ms(p95['remote_s'])} ms vs apc's "
+                f"{_ms(p95['apc_s'])} ms (target: no worse): {verdict(p95['met'])}"
+            )
     rows.append(
         f"- zero output differences everywhere: {verdict(found['no_output_differences']['met'])}"
     )

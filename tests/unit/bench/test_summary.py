@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from kvtier.bench.replay import RequestResult
-from kvtier.bench.report import targets
+from kvtier.bench.report import _target_lines, targets
 from kvtier.bench.runner import ConfigRun, fault_summary
 from kvtier.bench.sampler import Sample, by_key, parse_counters
 from kvtier.bench.summary import mismatches, percentiles, summarize
@@ -147,6 +147,10 @@ def test_remote_targets_compare_with_l1_at_p50_and_with_apc_at_p95() -> None:
     assert found["apc+l1+remote+async_ttft_p50_over_apc+l1"]["met"] is False  # 1.2x
     assert found["apc+l1+remote+async_ttft_p95_vs_apc"]["met"] is False  # 3.1 s > 3.0 s
     assert "apc+l1+remote_ttft_p50_over_apc+l1" not in targets({"apc": configs["apc"]}, None)
+    shown = "\n".join(_target_lines({**found, "no_output_differences": {"met": True},
+                                      "no_failed_requests": {"met": True}}))  # fmt: skip
+    assert "- apc+l1+remote TTFT p50 1.07x apc+l1's (target <= 1.1x): met; p95 2,900" in shown
+    assert "- apc+l1+remote+async TTFT p50 1.20x apc+l1's (target <= 1.1x): NOT met" in shown
 
 
 def test_fault_summary_against_the_run_without_the_fault() -> None:
