@@ -272,6 +272,8 @@ class _Task:
     remaining: int = 0
     failure: str = ""
     corrupt: dict[ObjectKey, str] = field(default_factory=dict)
+    started: float = 0.0  # perf_counter at submit
+    decoded: int = 0  # of nbytes, what came coded (loads)
 
 
 class BackendUnavailable(Exception):
@@ -462,6 +464,7 @@ class BlockingAdapter(L2Adapter):
 
     def _submit(self, task: _Task) -> TaskId:
         task.id = TaskId(next(self._tasks))
+        task.started = time.perf_counter()
         n = len(task.keys)
         task.ok = [False] * n
         inline = task.kind is TaskKind.LOOKUP and self.inline_lookup
@@ -488,7 +491,7 @@ class BlockingAdapter(L2Adapter):
         keys = task.keys[lo:hi]
         buffers = task.buffers[lo:hi]
         ok: Sequence[bool]
-        nbytes = 0
+        nbytes = decoded = 0
         failure = ""
         self._part.corrupt = {}  # filled by _corrupt, on this thread
         try:
@@ -500,7 +503,7 @@ class BlockingAdapter(L2Adapter):
                 self.codec.start_part()
                 ok = self._load(keys, buffers, task.layout)
                 nbytes = sum(b.nbytes for b, hit in zip(buffers, ok, strict=True) if hit)
-                self.codec.end_part(time.perf_counter() - started, nbytes)
+                decoded = self.codec.end_part(time.perf_counter() - started, nbytes)
             else:
                 ok = self._lookup(keys)
             self._backend_ok()
@@ -518,6 +521,7 @@ class BlockingAdapter(L2Adapter):
         with self._lock:
             task.ok[lo:hi] = ok
             task.nbytes += nbytes
+            task.decoded += decoded
             task.failure = failure or task.failure
             task.corrupt.update(self._part.corrupt)
             task.remaining -= 1
@@ -527,6 +531,8 @@ class BlockingAdapter(L2Adapter):
             self._counters.add(f"{kind}_keys", len(task.keys))
             self._counters.add(f"{kind}_ok", sum(task.ok))
             self._counters.add(f"{kind}_bytes", task.nbytes)
+        if task.kind is TaskKind.LOAD and not task.failure and all(task.ok):
+            self.codec.load_done(time.perf_counter() - task.started, task.nbytes, task.decoded)
         result = TaskResult(
             self.name,
             task.id,

@@ -241,13 +241,18 @@ class PayloadCodec:
     reads. ``layouts`` maps layout digests to layouts (the storage manager's
     book of the layouts its engines registered).
 
-    It switches itself off where it does not pay: from the adapter's loads it
-    learns the link's rate (stored bytes per second of transfer), the decode
-    rate and the compression ratio, and while a coded read (ratio / link +
-    1 / decode per byte) is slower than a plain one (1 / link) it stores
-    objects plain, coding one store in ``PROBE_EVERY`` to keep measuring.
-    Each change of that verdict is logged with the rates behind it, naming
-    the adapter (``where``)."""
+    It switches itself off where it does not pay. Until whole loads have
+    been measured both ways it goes by a model: from the adapter's load parts
+    it learns the link's rate (stored bytes per second of transfer), the
+    decode rate and the compression ratio, and takes a coded read (ratio /
+    link + 1 / decode per byte, on one I/O thread) to be slower than a plain
+    one (1 / link) when that sum says so — cautious, since the adapter's
+    threads overlap one part's decode with others' transfers. Once loads of
+    only coded and of only plain payloads have both been timed (``load_done``:
+    delivered bytes per second of the whole load), those decide. While it
+    does not pay it stores objects plain, coding one store in
+    ``PROBE_EVERY`` to keep measuring. Each change of the verdict is logged
+    with the rates behind it, naming the adapter (``where``)."""
 
     PROBE_EVERY = 64
 
@@ -262,6 +267,8 @@ class PayloadCodec:
         self._link: float | None = None
         self._decode: float | None = None
         self._ratio: float | None = None
+        self._coded_loads: float | None = None  # delivered bytes/s of loads of coded payloads
+        self._plain_loads: float | None = None  # ... and of plain ones
         self._encodes = 0
         self._plain_stores = 0  # objects stored plain because the codec did not pay
 
@@ -300,36 +307,42 @@ class PayloadCodec:
         """A load part starts on this thread (the adapter times it)."""
         self._part.totals = [0.0, 0, 0]  # decode seconds, decoded bytes, their stored bytes
 
-    def end_part(self, seconds: float, loaded_bytes: int) -> None:
-        """The part took ``seconds`` and delivered ``loaded_bytes``: learn from it."""
+    def end_part(self, seconds: float, loaded_bytes: int) -> int:
+        """The part took ``seconds`` and delivered ``loaded_bytes``: learn from
+        it; the bytes of it that were decoded."""
         decode_s, decoded, stored = self._part.totals
         self._part.totals = None
-        transfer_s = seconds - decode_s
-        transfer_bytes = loaded_bytes - decoded + stored
+        self.learn_part(
+            seconds - decode_s, loaded_bytes - decoded + stored, decode_s, decoded, stored
+        )
+        return int(decoded)
+
+    def learn_part(
+        self, transfer_s: float, transfer_bytes: int, decode_s: float, decoded: int, stored: int
+    ) -> None:
+        """One load part's transfer and decode (the model's inputs)."""
         with self._lock:
             if transfer_s > 0 and transfer_bytes > 0:
                 self._link = ewma(self._link, transfer_bytes / transfer_s)
             if decoded and decode_s > 0:
                 self._decode = ewma(self._decode, decoded / decode_s)
                 self._ratio = ewma(self._ratio, stored / decoded)
-            link, decode, ratio = self._link, self._decode, self._ratio
-            if link is None or decode is None or ratio is None:
-                return
-            pays = coded_read_pays(ratio, link, decode)
-            if pays == self._paid:
-                return
-            self._paid = pays
-        log.info(
-            "L2 %s: codec %s %s: a coded read (ratio %.2f, decode %.2f GB/s) is %s than a "
-            "plain one at %.2f GB/s",
-            self.where,
-            self.writer.name,
-            "pays, coding stores" if pays else "does not pay, storing plain",
-            1 / ratio,
-            decode / 1e9,
-            "faster" if pays else "slower",
-            link / 1e9,
-        )
+        self._log_verdict()
+
+    def load_done(self, seconds: float, loaded_bytes: int, decoded_bytes: int) -> None:
+        """A whole load delivered ``loaded_bytes`` in ``seconds``, of which
+        ``decoded_bytes`` came coded: a sample of coded or of plain loads
+        (loads that mixed both teach nothing)."""
+        if self.writer.ident == 0 or seconds <= 0 or loaded_bytes <= 0:
+            return
+        if 0 < decoded_bytes < loaded_bytes:
+            return
+        with self._lock:
+            if decoded_bytes:
+                self._coded_loads = ewma(self._coded_loads, loaded_bytes / seconds)
+            else:
+                self._plain_loads = ewma(self._plain_loads, loaded_bytes / seconds)
+        self._log_verdict()
 
     def status(self) -> dict[str, float]:
         with self._lock:
@@ -340,12 +353,38 @@ class PayloadCodec:
                 out["codec_decode_bytes_per_s"] = self._decode
                 out["codec_ratio"] = 1 / self._ratio
                 out["codec_pays"] = float(self._pays())
+            for name, rate in (("coded", self._coded_loads), ("plain", self._plain_loads)):
+                if rate is not None:
+                    out[f"codec_{name}_load_bytes_per_s"] = rate
             return out
 
     def _pays(self) -> bool:
+        if self._coded_loads is not None and self._plain_loads is not None:
+            return self._coded_loads > self._plain_loads
         if self._link is None or self._decode is None or self._ratio is None:
             return True  # not measured yet: code, and learn
         return coded_read_pays(self._ratio, self._link, self._decode)
+
+    def _log_verdict(self) -> None:
+        """Log a change of the verdict, with what it rests on."""
+        with self._lock:
+            coded, plain = self._coded_loads, self._plain_loads
+            link, decode, ratio = self._link, self._decode, self._ratio
+            if coded is not None and plain is not None:
+                why = f"loads deliver {coded / 1e9:.2f} GB/s coded, {plain / 1e9:.2f} GB/s plain"
+            elif link is not None and decode is not None and ratio is not None:
+                why = (
+                    f"a coded read (ratio {1 / ratio:.2f}, decode {decode / 1e9:.2f} GB/s) "
+                    f"against a plain one at {link / 1e9:.2f} GB/s"
+                )
+            else:
+                return
+            pays = self._pays()
+            if self.writer.ident == 0 or pays == self._paid:
+                return
+            self._paid = pays
+        verdict = "pays, coding stores" if pays else "does not pay, storing plain"
+        log.info("L2 %s: codec %s %s: %s", self.where, self.writer.name, verdict, why)
 
 
 def codec_named(name: str) -> Codec:

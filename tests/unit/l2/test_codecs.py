@@ -324,3 +324,35 @@ def test_a_codec_stays_on_where_the_link_is_slow() -> None:
     assert status["codec_pays"] == 1.0
     assert status["codec_plain_stores"] == 0
     assert status["later_bytes"] < status["object_bytes"]
+
+
+def test_measured_whole_loads_overrule_the_model(caplog: pytest.LogCaptureFixture) -> None:
+    """The model adds a part's transfer and decode; where the adapter's threads
+    overlap them, whole loads of coded payloads can still come in faster.
+    Once loads have been timed both ways, those decide."""
+    codec = PayloadCodec("zstd", {}, where="redis")
+    # 1 GB/s link, decode 0.7 GB/s, ratio 1.47: the model says a coded read is slower
+    codec.learn_part(0.068, 68_000_000, 0.143, 100_000_000, 68_000_000)
+    assert codec.status()["codec_pays"] == 0.0
+    with caplog.at_level(logging.INFO, logger="kvtier.l2.codecs"):
+        codec.load_done(0.20, 130_000_000, 130_000_000)  # a load of coded payloads
+        codec.load_done(0.10, 130_000_000, 60_000_000)  # mixed: teaches nothing
+        assert codec.status()["codec_pays"] == 0.0
+        codec.load_done(0.25, 130_000_000, 0)  # a load of plain ones: slower
+    status = codec.status()
+    assert status["codec_pays"] == 1.0
+    assert status["codec_coded_load_bytes_per_s"] == pytest.approx(0.65e9)
+    assert status["codec_plain_load_bytes_per_s"] == pytest.approx(0.52e9)
+    lines = [r.getMessage() for r in caplog.records]
+    assert lines == [
+        "L2 redis: codec zstd pays, coding stores: loads deliver 0.65 GB/s coded, 0.52 GB/s plain"
+    ]
+    for _ in range(20):  # plain loads speed up (a faster link): the codec goes off again
+        codec.load_done(0.10, 130_000_000, 0)
+    assert codec.status()["codec_pays"] == 0.0
+
+
+def test_a_codec_that_is_off_or_none_ignores_load_times() -> None:
+    plain = PayloadCodec("none", {})
+    plain.load_done(0.1, 1000, 0)
+    assert plain.status() == {"codec_plain_stores": 0.0}
