@@ -423,21 +423,21 @@ def test_a_stolen_routing_id_does_not_inherit_a_registration(fuzz_server: Server
         assert w.call(owner, p.Lookup("mine", HASHES))[0] == p.Ack()
     finally:
         owner.close(linger=0)
-    thief = context.socket(zmq.DEALER)
-    thief.setsockopt(zmq.ROUTING_ID, b"victim-id")
-    thief.setsockopt(zmq.LINGER, 0)
-    thief.connect(fuzz_server.rpc)
 
     def query() -> p.Reply | None:
         # Until the server has dropped the owner's connection, the id is taken
-        # and the thief's messages go nowhere: ask again.
+        # and the thief's connection is refused: ask again, on a new connection
+        # each time (not relying on a refused socket's reconnection).
+        thief = context.socket(zmq.DEALER)
+        thief.setsockopt(zmq.ROUTING_ID, b"victim-id")
+        thief.setsockopt(zmq.LINGER, 0)
+        thief.connect(fuzz_server.rpc)
         try:
             return w.call(thief, p.Query("mine"), timeout_s=2.0)[0]
         except AssertionError:
             return None
+        finally:
+            thief.close(linger=0)
 
-    try:
-        reply = wait_for(query, lambda r: r is not None)
-        assert isinstance(reply, p.Error) and reply.code == "no_hello", reply
-    finally:
-        thief.close(linger=0)
+    reply = wait_for(query, lambda r: r is not None, timeout_s=30.0)
+    assert isinstance(reply, p.Error) and reply.code == "no_hello", reply
