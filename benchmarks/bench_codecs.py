@@ -110,13 +110,15 @@ def speed(objects: list[np.ndarray], layout: KVLayout) -> dict[str, dict[str, fl
 class Bench:
     """One codec's adapter over one L2 spec, for the objects of ``layout``."""
 
-    def __init__(self, spec: dict[str, Any], name: str, layout: KVLayout) -> None:
+    def __init__(
+        self, spec: dict[str, Any], name: str, layout: KVLayout, namespace: str = ""
+    ) -> None:
         lossy = name if codec_named(name).lossy else ""
         self.shape = dataclasses.replace(layout, lossy_codec=lossy)
         self.queue = CompletionQueue()
         self.adapter = make_adapter({**spec, "codec": name}, self.queue.put)
         self.adapter.share_layouts({self.shape.digest(): self.shape})
-        self.namespace = f"bench-{name}"
+        self.namespace = namespace or f"bench-{name}"
 
     def keys(self, first: int, n: int) -> list[ObjectKey]:
         return [ObjectKey(i.to_bytes(32, "big"), self.namespace, 0, 0) for i in range(first, n)]
@@ -177,8 +179,8 @@ def switching(objects: list[np.ndarray], layout: KVLayout, workdir: Path) -> dic
     out: dict[str, Any] = {}
     try:
         for target, spec in targets.items():
-            warm = Bench(spec, "none", layout)  # the store's first writes and reads, unmeasured
-            warm.namespace = "bench-warm-up"
+            # the store's first writes and reads, unmeasured
+            warm = Bench(spec, "none", layout, namespace="bench-warm-up")
             keys = warm.keys(0, len(objects))
             warm.store(keys, objects)
             warm.load_s(keys, objects, times=1)

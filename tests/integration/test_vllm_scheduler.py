@@ -242,8 +242,7 @@ def test_while_answers_come_late_new_lookups_do_not_wait(
 
         monkeypatch.setattr(client, "lookup", spied)
         late = request("late", prompt(700, seed=30))
-        assert side.get_num_new_matched_tokens(late, 0) == (None, False)
-        gated.gate.wait(0.1)  # answered well after the 50 ms budget
+        assert side.get_num_new_matched_tokens(late, 0) == (None, False)  # no answer in 50 ms
         gated.gate.set()
         wait_for(lambda: side.get_num_new_matched_tokens(late, 0), lambda a: a[0] is not None)
         side.request_finished(late, [])
@@ -327,13 +326,18 @@ def async_side(server: Server) -> Any:
     scheduler.close()
 
 
+def stored_request(side: SchedulerSide, request_id: str, n: int, seed: int) -> Any:
+    """A request of ``n`` tokens whose two full chunks kvtier holds."""
+    tokens = prompt(n, seed=seed)
+    assert store_chunks(side, tokens) == 2
+    return request(request_id, tokens)
+
+
 def test_an_asynchronous_load_keeps_its_chunks_locked_until_the_workers_finish_it(
     async_side: SchedulerSide, server: Server
 ) -> None:
     side = async_side
-    tokens = prompt(700, seed=13)
-    assert store_chunks(side, tokens) == 2
-    req = request("async", tokens)
+    req = stored_request(side, "async", 700, seed=13)
     assert side.get_num_new_matched_tokens(req, 0) == (512, True)
     assert side.get_num_new_matched_tokens(req, 128) == (384, True)  # the same lookup
     side.update_state_after_alloc(req, Blocks([10, 11, 12, 13, 14, 15]), 384)
@@ -357,9 +361,7 @@ def test_a_request_aborted_while_its_load_runs_releases_everything(
     async_side: SchedulerSide, server: Server
 ) -> None:
     side = async_side
-    tokens = prompt(600, seed=14)
-    assert store_chunks(side, tokens) == 2
-    req = request("aborted", tokens)
+    req = stored_request(side, "aborted", 600, seed=14)
     assert side.get_num_new_matched_tokens(req, 0) == (512, True)
     side.update_state_after_alloc(req, Blocks([1, 2, 3, 4, 5]), 512)
     assert len(side.build_connector_meta(parked_step()).loads) == 1
