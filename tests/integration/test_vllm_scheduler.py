@@ -199,14 +199,23 @@ def test_server_away_is_a_miss_not_an_error(server: Server) -> None:
         side.close()
 
 
+def connected_side(address: str, lookup_wait_s: float) -> SchedulerSide:
+    """A scheduler side whose client has said HELLO. A new client waits no
+    longer than the lookup budget for it, which a loaded machine can miss;
+    these tests are about the lookups, not the connection."""
+    settings = ConnectorSettings(address=address, lookup_wait_s=lookup_wait_s, request_timeout_s=30)
+    side = SchedulerSide(vllm_config(), settings)
+    wait_for(lambda: side.clients.client(""), lambda client: client is not None)
+    return side
+
+
 def test_a_slow_lookup_defers_the_request_instead_of_blocking(gated: Gated) -> None:
     """Issue 15: the scheduler thread must not wait on the network beyond its
     budget. With the server's L2 lookups held, a new request's lookup is
     deferred (None: asked again next step) instead of waiting for the answer,
     and asking again does not wait either; once the answer is in, the request
     gets it (a miss here: the L2 has nothing)."""
-    settings = ConnectorSettings(address=gated.address, lookup_wait_s=0.05, request_timeout_s=30)
-    side = SchedulerSide(vllm_config(), settings)
+    side = connected_side(gated.address, lookup_wait_s=0.05)
     try:
         req = request("slow", prompt(700, seed=9))
         assert side.get_num_new_matched_tokens(req, 0) == (None, False)  # waited 50 ms at most
@@ -228,8 +237,7 @@ def test_while_answers_come_late_new_lookups_do_not_wait(
     """Waiting for an answer that comes after the budget only loses the
     budget: once lookups have been answered late, new ones are sent without
     blocking (the request is deferred at once), but for one in PROBE_EVERY."""
-    settings = ConnectorSettings(address=gated.address, lookup_wait_s=0.05, request_timeout_s=30)
-    side = SchedulerSide(vllm_config(), settings)
+    side = connected_side(gated.address, lookup_wait_s=0.05)
     try:
         client = side.clients.client("")
         assert client is not None
