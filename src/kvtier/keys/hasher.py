@@ -9,7 +9,14 @@ prose in ``docs/hashing.md``)::
 
 ``canonical_json`` is ``Namespace.canonical_json()``: sorted keys, separators
 ``(",", ":")``, UTF-8, all six fields present. ``C`` is the chunk size in
-tokens. Only full chunks get a hash; a trailing partial chunk gets none.
+tokens. Only full chunks get a chain hash. A prompt's trailing partial chunk
+gets one only where a request's own KV is handed off whole (prefill to
+decode, ``kvtier.server.handoffs``)::
+
+    tail = blake3(b"kvtier-tail-v1\x00" + h_{n-1} + tokens[n*C:] as little-endian uint32).digest()
+
+with ``n`` the full chunks; the domain prefix keeps it apart from every chain
+hash, so no lookup of full chunks can ever name a tail.
 Digests are 32 bytes. Token ids are integers in ``[0, 2**32)``.
 
 Because ``h_i`` folds in ``h_{i-1}``, a chunk's hash names the whole prefix up
@@ -34,6 +41,7 @@ HASH_BYTES = 32
 if array.array("I").itemsize != 4:  # pragma: no cover - no such platform in use
     raise ImportError("kvtier needs a 4-byte C unsigned int for token encoding")
 ROOT_DOMAIN = b"kvtier-ns-v1\x00"
+TAIL_DOMAIN = b"kvtier-tail-v1\x00"
 _TOKEN_LIMIT = 2**32
 
 Tokens: TypeAlias = Sequence[int] | npt.NDArray[np.integer]
@@ -125,6 +133,21 @@ class TokenHasher:
     def chunk_hashes(self, tokens: Tokens) -> list[bytes]:
         """One 32-byte hash per full chunk of ``tokens``, in order."""
         return chain_hashes(self.root, token_array(tokens), self.chunk_size)
+
+    def tail_hash(self, tokens: Tokens, chunk_hashes: Sequence[bytes]) -> bytes | None:
+        """The hash of the trailing partial chunk of ``tokens`` (whose full
+        chunks hash to ``chunk_hashes``), or None when there is none."""
+        data = token_array(tokens)
+        full = len(chunk_hashes) * self.chunk_size
+        if len(data) // self.chunk_size != len(chunk_hashes):
+            raise ValueError(
+                f"{len(chunk_hashes)} chunk hashes for {len(data)} tokens in chunks of "
+                f"{self.chunk_size}: pass the hashes of these tokens' full chunks"
+            )
+        if full == len(data):
+            return None
+        parent = chunk_hashes[-1] if chunk_hashes else self.root
+        return blake3(TAIL_DOMAIN + parent).update(memoryview(data[full:].data).cast("B")).digest()
 
     def stream(self) -> ChunkHashStream:
         return ChunkHashStream(self)

@@ -98,6 +98,11 @@ class _Call:
     retried: bool = False
     lead: Callable[[_Call, float], None] | None = None  # do the I/O for it, if the socket is free
 
+    @property
+    def ready(self) -> bool:
+        """Answered, or given up on (``reply`` None): reading it never blocks."""
+        return self.done.is_set()
+
     def wait(self, timeout_s: float | None = None) -> p.Reply | None:
         """The reply; None if there is none within ``timeout_s`` (default: the
         request's own timeout, which the socket's holder enforces)."""
@@ -107,6 +112,9 @@ class _Call:
             self.lead(self, limit)
         self.done.wait(max(0.0, end - time.monotonic()))
         return self.reply if self.done.is_set() else None
+
+
+PendingReply = _Call  # a request sent without waiting, answered once ``ready``
 
 
 @dataclass(slots=True)
@@ -413,6 +421,12 @@ class CacheClient:
             return None
         reply = self._submit(message).wait()
         return reply if isinstance(reply, p.Pinned) else None
+
+    def handoff(self, message: p.HandoffOffer | p.HandoffTake | p.HandoffDone) -> PendingReply:
+        """Send a hand-off operation without waiting (``kvtier.server.handoffs``);
+        the answer is the returned call's ``reply`` once it is ``ready``: a
+        ``HandoffState``, an ``Error``, or None (no server)."""
+        return self._post(message)
 
     def close(self) -> None:
         """Stop the client's thread and free its descriptors; a second close does nothing."""

@@ -45,6 +45,7 @@ from kvtier.keys import HASH_BYTES, ObjectKey, chunk_keys, model_label
 from kvtier.l1 import L1Result
 from kvtier.layout import KVLayout
 from kvtier.server import protocol as p
+from kvtier.server.handoffs import HandoffTable
 from kvtier.server.ledger import SavingsLedger
 from kvtier.server.limits import RequestError, ServerLimits, check_hello, check_layouts
 from kvtier.server.metrics import ServerMetrics
@@ -115,6 +116,9 @@ class CacheServer:
         self.ledger = SavingsLedger(default_prefill_s_per_token)
         self.l2_usage = L2Usage(storage, self.tenants)
         self.retention = Retention(storage, self.tenants)
+        self.handoffs = HandoffTable(
+            storage.l1, self.counters, clock, max_lease_s=storage.config.l1.read_lease_s
+        )
         storage.store_controller.gate = self.l2_usage.gate
         storage.on_stored = self.l2_usage.on_stored
         self._started = clock()
@@ -139,6 +143,9 @@ class CacheServer:
             p.ShadowReport: self._shadow_report,
             p.Pin: self._pin,
             p.UsageReport: self._usage_report,
+            p.HandoffOffer: self._handoff_offer,
+            p.HandoffTake: self._handoff_take,
+            p.HandoffDone: self._handoff_done,
         }
         storage.l1.set_owners(self.tenants.tenant_of, self.tenants.l1_limits())
 
@@ -428,6 +435,29 @@ class CacheServer:
         )
         return p.Ack(), []
 
+    def _handoff_offer(
+        self, client: Client, req: p.HandoffOffer, frames: Sequence[Buffer]
+    ) -> Outcome:
+        """A producer publishes its committed chunks for one consumer (a writer only)."""
+        self._check_writable(client)
+        keys = [k for chunk in self._keys(client, req.hashes, req.group) for k in chunk]
+        outcome, why = self.handoffs.offer(
+            client, req.handoff_id, req.hashes, keys, req.lease_s, req.consumer
+        )
+        return p.HandoffState(outcome, why), []
+
+    def _handoff_take(
+        self, client: Client, req: p.HandoffTake, frames: Sequence[Buffer]
+    ) -> Outcome:
+        self._keys(client, req.hashes, req.group)  # the same checks as any request's chunks
+        outcome, why = self.handoffs.take(client, req.handoff_id, req.hashes, req.consumer)
+        return p.HandoffState(outcome, why), []
+
+    def _handoff_done(
+        self, client: Client, req: p.HandoffDone, frames: Sequence[Buffer]
+    ) -> Outcome:
+        return p.HandoffState(self.handoffs.done(client, req.handoff_id, req.consumer)), []
+
     def _end_session(self, client: Client, req: p.EndSession, frames: Sequence[Buffer]) -> Outcome:
         self.sessions.end(client, req.request_id)
         return p.Ack(), []
@@ -441,7 +471,8 @@ class CacheServer:
     # ------------------------------------------------------------- upkeep
 
     def tick(self) -> None:
-        """Expire silent clients and idle sessions."""
+        """Expire silent clients, idle sessions and hand-offs past their lease."""
+        self.handoffs.expire()
         clients, sessions = self.sessions.expire()
         if clients:
             log.warning("server: %d client(s) went silent; their sessions were released", clients)
@@ -473,6 +504,7 @@ class CacheServer:
             "ledger": self.ledger.status(),
             "l2_usage": self.l2_usage.status(),
             "retention": self.retention.counters.snapshot(),
+            "handoffs": self.handoffs.status(),
             "server": self.counters.snapshot(),
             "transport": self.transport_counters.snapshot(),
             "storage": self.storage.status(),
@@ -484,6 +516,7 @@ class CacheServer:
         self.purger.close()
         self.l2_usage.close()
         self.retention.close()
+        self.handoffs.close()
         self.sessions.close()
 
     def _purge_counts(self) -> dict[str, int]:

@@ -176,6 +176,36 @@ class UsageReport(Message, tag="usage_report"):
     loaded_tokens: int
 
 
+class HandoffOffer(Message, tag="handoff_offer"):
+    """Publish a request's KV for the engine that decodes it
+    (``kvtier.server.handoffs``): chunks ``hashes`` (the prompt's full chunks,
+    then its tail), every rank's object, held in L1 for ``lease_s`` or until
+    its consumer is done with it. ``consumer``: the only consumer name that
+    may take it ("" for any)."""
+
+    handoff_id: str
+    hashes: list[bytes]
+    lease_s: float
+    consumer: str = ""
+    group: int = 0
+
+
+class HandoffTake(Message, tag="handoff_take"):
+    """Take a hand-off for ``consumer``, naming the chunks it expects."""
+
+    handoff_id: str
+    hashes: list[bytes]
+    consumer: str = ""
+    group: int = 0
+
+
+class HandoffDone(Message, tag="handoff_done"):
+    """The consumer has its copy: the hand-off's hold is dropped."""
+
+    handoff_id: str
+    consumer: str = ""
+
+
 Request = (
     Hello
     | Lookup
@@ -193,6 +223,9 @@ Request = (
     | ShadowReport
     | Pin
     | UsageReport
+    | HandoffOffer
+    | HandoffTake
+    | HandoffDone
 )
 
 # ------------------------------------------------------------------- replies
@@ -245,6 +278,13 @@ class Pinned(Message, tag="pinned"):
     refused: int = 0
 
 
+class HandoffState(Message, tag="handoff_state"):
+    """A hand-off operation's outcome (a ``HandoffOutcome`` value) and why."""
+
+    outcome: str
+    message: str = ""
+
+
 class Pong(Message, tag="pong"):
     boot_id: str
 
@@ -266,6 +306,7 @@ Reply = (
     | Reserved
     | Committed
     | Pinned
+    | HandoffState
     | Pong
     | StatusReply
     | Error

@@ -224,3 +224,20 @@ def test_same_hashes_in_processes_with_different_hash_seeds() -> None:
     (line,) = outputs
     ns = Namespace(model="m", revision="r", salt="s")
     assert line.split(",") == [h.hex() for h in TokenHasher(ns, 3).chunk_hashes(list(range(30)))]
+
+
+def test_a_tail_hash_names_the_partial_chunk_and_never_a_chain_hash() -> None:
+    hasher = TokenHasher(FULL, 4)
+    tokens = list(range(10))
+    full = hasher.chunk_hashes(tokens)
+    tail = hasher.tail_hash(tokens, full)
+    assert tail is not None and tail not in full
+    assert tail == blake3(b"kvtier-tail-v1\x00" + full[-1] + struct.pack("<2I", 8, 9)).digest()
+    assert hasher.tail_hash(tokens[:8], full) is None  # no partial chunk
+    assert hasher.tail_hash(tokens[:9], full) != tail  # other tokens, other tail
+    short = hasher.tail_hash([7, 8], [])
+    assert short == blake3(b"kvtier-tail-v1\x00" + hasher.root + struct.pack("<2I", 7, 8)).digest()
+    # A tail is never the chain hash of a full chunk of the same tokens.
+    assert TokenHasher(FULL, 2).chunk_hashes([7, 8]) != [short]
+    with pytest.raises(ValueError, match="full chunks"):
+        hasher.tail_hash(tokens, full[:1])

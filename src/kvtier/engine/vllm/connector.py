@@ -90,7 +90,9 @@ class KVTierConnector(KVConnectorBase_V1):  # type: ignore[misc]
         if self._scheduler is not None:
             self._scheduler.update_connector_output(connector_output)
 
-    def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, None]:
+    def request_finished(
+        self, request: Any, block_ids: list[int]
+    ) -> tuple[bool, dict[str, Any] | None]:
         assert self._scheduler is not None
         return self._scheduler.request_finished(request, block_ids)
 

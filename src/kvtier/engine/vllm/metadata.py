@@ -21,6 +21,7 @@ class LoadSpec:
     hashes: list[bytes]
     blocks: list[dict[int, int]]
     asynchronous: bool = False
+    failed: bool = False  # a hand-off that did not come, under the error policy: fail every block
 
 
 @dataclass(slots=True)

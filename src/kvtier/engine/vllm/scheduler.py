@@ -61,10 +61,19 @@ from typing import Any
 from kvtier.counters import Counters
 from kvtier.engine.shadow import ShadowCheck
 from kvtier.engine.vllm.clients import ClientPool
+from kvtier.engine.vllm.handoff import (
+    Consume,
+    Produce,
+    consumer_outcome,
+    handoff_params,
+    poll_take,
+    role_of,
+)
 from kvtier.engine.vllm.metadata import KVTierMetadata, LoadSpec, ShadowSpec, StoreSpec
 from kvtier.engine.vllm.settings import ConnectorSettings
 from kvtier.engine.vllm.timing import StepTimer
 from kvtier.read_or_recompute import ewma
+from kvtier.server import protocol as p
 from kvtier.server.client import CacheClient, LookupState
 
 log = logging.getLogger(__name__)
@@ -89,6 +98,9 @@ class Tracked:
     block_ids: list[int] = field(default_factory=list)
     received: bool = False  # an asynchronous load of its hit has come back
     pin: tuple[int, int] | None = None  # a listed prefix it starts with: (index, chunks)
+    role: Produce | Consume | None = None  # its part in a prefill/decode hand-off
+    load_blocks: set[int] = field(default_factory=set)  # the blocks its loads fill
+    loaded: bool = False  # a consumer's hand-off load came back whole
 
 
 class SchedulerSide:
@@ -115,6 +127,8 @@ class SchedulerSide:
         self._step_wait_s = settings.lookup_wait_s  # what this step's lookups may still block
         self._on_time: float | None = None  # the share of waits the answer came within (EWMA)
         self._new_lookups = 0
+        transfer = getattr(vllm_config, "kv_transfer_config", None)
+        self.engine_id = str(getattr(transfer, "engine_id", None) or "")  # a consumer's name
 
     # ------------------------------------------------------------ admission
 
@@ -130,6 +144,13 @@ class SchedulerSide:
             tracked = self._track(request)
         tracked.local = num_computed_tokens
         client = tracked.client
+        role = tracked.role
+        if isinstance(role, Consume):
+            poll_take(role, client, tracked.hashes, time.monotonic())
+            if not role.settled:
+                return None, False  # not offered yet: asked again next step
+            if not role.granted:
+                return self._handoff_failed(tracked, role, request, num_computed_tokens)
         if client is None or not tracked.hashes:
             return 0, False
         wait = self.settings.lookup_wait_s
@@ -155,7 +176,34 @@ class SchedulerSide:
             else:
                 end = tracked.shadow_chunk * tracked.chunk_size  # vLLM computes it
         offered = max(0, end - num_computed_tokens)
-        return offered, self.settings.load_async and offered > 0
+        return offered, self._asynchronous(tracked) and offered > 0
+
+    def _asynchronous(self, tracked: Tracked) -> bool:
+        """A hand-off always loads while its request waits for remote KV."""
+        return self.settings.load_async or isinstance(tracked.role, Consume)
+
+    def _handoff_failed(
+        self, tracked: Tracked, role: Consume, request: Any, num_computed_tokens: int
+    ) -> tuple[int, bool]:
+        """The request's policy for a hand-off that did not come: recompute
+        (nothing offered), or an asynchronous load of the whole prompt that
+        fails every block, which vLLM (``kv_load_failure_policy: fail``)
+        turns into the request's error."""
+        if not tracked.settled:
+            tracked.settled = True
+            self.outcomes.add(f"handoff_{role.policy}.{role.outcome}")
+            log.warning(
+                "kvtier: %s: hand-off %s did not come (%s%s): %s",
+                request.request_id,
+                role.handoff_id,
+                role.outcome,
+                f": {role.cause}" if role.cause else "",
+                "the request fails" if role.policy == "error" else "recomputing its prompt",
+            )
+        if role.policy == "error":
+            offered = max(0, request.num_tokens - 1 - num_computed_tokens)
+            return offered, offered > 0
+        return 0, False
 
     def _worth_waiting(self) -> bool:
         """Whether a new lookup should block (within the step's budget) for
@@ -184,7 +232,10 @@ class SchedulerSide:
         )
         self._pin(tracked, hit)
         last = end // tracked.chunk_size - 1  # the last chunk the hit offers whole
-        if last >= 0 and last * tracked.chunk_size >= tracked.local and self.shadow.sample():
+        checkable = (
+            tracked.role is None and last >= 0 and last * tracked.chunk_size >= tracked.local
+        )
+        if checkable and self.shadow.sample():
             tracked.shadow_chunk = last
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
@@ -193,7 +244,14 @@ class SchedulerSide:
 
     def _allocated(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         tracked = self.requests.get(request.request_id)
-        if tracked is None or tracked.client is None or tracked.lookup is None:
+        if tracked is None:
+            return
+        role = tracked.role
+        if isinstance(role, Consume) and role.settled and not role.granted:
+            if num_external_tokens > 0:  # the error policy: a load whose every block fails
+                self._loads.append(self._failed_load(request, tracked, blocks, num_external_tokens))
+            return
+        if tracked.client is None or tracked.lookup is None:
             return
         hit = tracked.lookup.hit_chunks or 0
         tracked.stored = hit
@@ -202,33 +260,52 @@ class SchedulerSide:
         if num_external_tokens <= 0:
             tracked.client.release(request.request_id, 0, hit, wait=False)
             return
-        c, bs = tracked.chunk_size, self.block_size
-        per_chunk = c // bs
-        first_block = tracked.local // bs
-        end_block = -(-(tracked.local + num_external_tokens) // bs)
-        first, end = first_block // per_chunk, -(-end_block // per_chunk)
-        block_ids = blocks.get_block_ids()[0]
-        self._loads.append(
-            LoadSpec(
-                request.request_id,
-                tracked.salt,
-                first,
-                tracked.hashes[first:end],
-                [
-                    {
-                        j: block_ids[chunk * per_chunk + j]
-                        for j in range(per_chunk)
-                        if first_block <= chunk * per_chunk + j < end_block
-                    }
-                    for chunk in range(first, end)
-                ],
-                asynchronous=self.settings.load_async,
-            )
-        )
+        spec = self._load_spec(request, tracked, blocks, num_external_tokens)
+        self._loads.append(spec)
+        first, end = spec.first_chunk, spec.first_chunk + len(spec.hashes)
         if first > 0:  # the engine has these
             tracked.client.release(request.request_id, 0, first, wait=False)
         if end < hit:  # the engine computes these
             tracked.client.release(request.request_id, end, hit, wait=False)
+
+    def _load_spec(
+        self, request: Any, tracked: Tracked, blocks: Any, num_external_tokens: int
+    ) -> LoadSpec:
+        """Load the chunks that tokens [local, local + num_external_tokens)
+        fall in, into their blocks (a chunk's blocks outside that range are
+        the engine's own, or past the prompt)."""
+        per_chunk = tracked.chunk_size // self.block_size
+        first_block = tracked.local // self.block_size
+        end_block = -(-(tracked.local + num_external_tokens) // self.block_size)
+        first, end = first_block // per_chunk, -(-end_block // per_chunk)
+        block_ids = blocks.get_block_ids()[0]
+        spec = LoadSpec(
+            request.request_id,
+            tracked.salt,
+            first,
+            tracked.hashes[first:end],
+            [
+                {
+                    j: block_ids[chunk * per_chunk + j]
+                    for j in range(per_chunk)
+                    if first_block <= chunk * per_chunk + j < end_block
+                }
+                for chunk in range(first, end)
+            ],
+            asynchronous=self._asynchronous(tracked),
+        )
+        tracked.load_blocks = {b for chunk in spec.blocks for b in chunk.values()}
+        return spec
+
+    def _failed_load(
+        self, request: Any, tracked: Tracked, blocks: Any, num_external_tokens: int
+    ) -> LoadSpec:
+        """A load whose every block is a load error (no chunk is read)."""
+        first = tracked.local // self.block_size
+        end = -(-(tracked.local + num_external_tokens) // self.block_size)
+        ids = blocks.get_block_ids()[0][first:end]
+        mapping = dict(enumerate(ids))
+        return LoadSpec(request.request_id, tracked.salt, 0, [], [mapping], True, failed=True)
 
     # ----------------------------------------------------------------- steps
 
@@ -247,6 +324,8 @@ class SchedulerSide:
         step: list[tuple[str, int, int]] = []
         for spec in meta.loads:
             held = (spec.request_id, spec.first_chunk, spec.first_chunk + len(spec.hashes))
+            if spec.failed:
+                continue  # nothing is locked for a load that is to fail
             if spec.asynchronous:
                 self._receiving[spec.request_id] = held
             else:
@@ -279,24 +358,72 @@ class SchedulerSide:
         asynchronous loads the workers finished (every rank): unlock them."""
         with self.timer:
             done = list(self._loading.popleft()) if self._loading else []
+            invalid = getattr(connector_output, "invalid_block_ids", None) or set()
             for request_id in getattr(connector_output, "finished_recving", None) or ():
                 held = self._receiving.pop(request_id, None)
                 tracked = self.requests.get(request_id)
                 if held is not None and tracked is not None:
                     tracked.received = True
                     done.append(held)
+                    self._consumed(tracked, whole=not tracked.load_blocks & invalid)
             for request_id, start, end in done:
                 tracked = self.requests.get(request_id)
                 if tracked is not None and tracked.client is not None:
                     tracked.client.release(request_id, start, end, wait=False)
 
-    def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, None]:
+    def request_finished(
+        self, request: Any, block_ids: list[int]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        """End the request's session; for a hand-off, offer it (producer) or
+        say how it went (consumer), in the response's ``kv_transfer_params``.
+        Blocks are never held back: every store is committed already."""
         with self.timer:
             tracked = self.requests.pop(request.request_id, None)
             self._receiving.pop(request.request_id, None)  # the session's end releases it
-            if tracked is not None and tracked.client is not None and _looked_up(tracked.lookup):
+            if tracked is None:
+                return False, None
+            if tracked.client is not None and _looked_up(tracked.lookup):
                 tracked.client.end_session(request.request_id, wait=False)
+            role = tracked.role
+            if isinstance(role, Produce):
+                return False, self._offer(tracked, role)
+            if isinstance(role, Consume):
+                self._consumed(tracked, whole=False)  # a load cut short: drop the hold now
+                return False, consumer_outcome(role, tracked.loaded)
         return False, None
+
+    def _offer(self, tracked: Tracked, role: Produce) -> dict[str, Any] | None:
+        """Offer the producer's stored prompt for its consumer (sent without
+        waiting: the consumer polls until it is there)."""
+        complete = tracked.stored == len(tracked.hashes) and (role.tail is None or role.tail_stored)
+        if tracked.client is None or not complete:
+            self.outcomes.add("handoff_not_offered")
+            log.warning(
+                "kvtier: %s: its prompt's KV is not all stored (server away, or it ended "
+                "before its prefill did): no hand-off",
+                tracked.request_id,
+            )
+            return None
+        hashes = tracked.hashes + ([role.tail] if role.tail is not None else [])
+        offer = p.HandoffOffer(
+            role.handoff_id, hashes, self.settings.handoff_lease_s, role.consumer
+        )
+        tracked.client.handoff(offer)
+        self.outcomes.add("handoff_offered")
+        return handoff_params(role, tracked.prompt_tokens)
+
+    def _consumed(self, tracked: Tracked, whole: bool) -> None:
+        """A consumer's load came back (``whole``: every block): drop the
+        server's hold on the hand-off, once."""
+        role = tracked.role
+        if not isinstance(role, Consume) or not role.granted or role.done_sent:
+            return
+        role.done_sent = True
+        hit = tracked.lookup.hit_chunks if tracked.lookup is not None else 0
+        tracked.loaded = whole and hit == len(tracked.hashes)
+        self.outcomes.add("handoff_loaded" if whole else "handoff_partly_loaded")
+        if tracked.client is not None:
+            tracked.client.handoff(p.HandoffDone(role.handoff_id, role.consumer))
 
     def close(self) -> None:
         self.timer.report()
@@ -313,11 +440,26 @@ class SchedulerSide:
         client = self.clients.client(salt)
         chunk_size = client.chunk_size if client is not None else None
         prompt = list(request.prompt_token_ids or [])
-        hashes = (
-            self.clients.hasher(salt, chunk_size).chunk_hashes(prompt)
-            if chunk_size is not None
-            else []
+        role = role_of(
+            getattr(request, "kv_transfer_params", None),
+            request.request_id,
+            len(prompt),
+            self.settings.handoff_failure,
+            self.settings.handoff_wait_s,
+            time.monotonic(),
+            self.engine_id,
         )
+        if isinstance(role, Consume) and role.prompt_tokens:
+            prompt = prompt[: role.prompt_tokens]  # the producer's prompt; its first token follows
+        hashes: list[bytes] = []
+        if chunk_size is not None:
+            hasher = self.clients.hasher(salt, chunk_size)
+            hashes = hasher.chunk_hashes(prompt)
+            tail = hasher.tail_hash(prompt, hashes) if role is not None else None
+            if isinstance(role, Produce):
+                role.tail = tail
+            elif tail is not None:
+                hashes.append(tail)  # a consumer loads the producer's tail too
         if client is None:
             self.outcomes.add("no_server")
         tracked = Tracked(
@@ -328,6 +470,7 @@ class SchedulerSide:
             hashes,
             len(prompt),
             request.num_preemptions,
+            role=role,
         )
         if self._pin_prefixes:
             tracked.pin = self._listed_prefix(prompt, chunk_size or 0)
@@ -360,22 +503,46 @@ class SchedulerSide:
         return best
 
     def _stores(self, tracked: Tracked, done_tokens: int) -> list[StoreSpec]:
-        """Prompt chunks this step completes that kvtier does not have yet."""
-        if self.settings.store == "none" or tracked.client is None or not tracked.chunk_size:
+        """Prompt chunks this step completes that kvtier does not have yet
+        (a producer's always, and its tail; a consumer's never: they came
+        from kvtier)."""
+        role = tracked.role
+        skip = self.settings.store == "none" and not isinstance(role, Produce)
+        if skip or isinstance(role, Consume) or tracked.client is None or not tracked.chunk_size:
             return []
         per_chunk = tracked.chunk_size // self.block_size
         complete = min(done_tokens, tracked.prompt_tokens) // tracked.chunk_size
         complete = min(complete, len(tracked.hashes), len(tracked.block_ids) // per_chunk)
-        if complete <= tracked.stored:
+        specs = []
+        if complete > tracked.stored:
+            specs.append(
+                StoreSpec(
+                    tracked.request_id,
+                    tracked.salt,
+                    tracked.hashes[tracked.stored : complete],
+                    tracked.block_ids[tracked.stored * per_chunk : complete * per_chunk],
+                )
+            )
+            tracked.stored = complete
+        if isinstance(role, Produce) and role.tail is not None and not role.tail_stored:
+            specs += self._tail_store(tracked, role, done_tokens, per_chunk)
+        return specs
+
+    def _tail_store(
+        self, tracked: Tracked, role: Produce, done_tokens: int, per_chunk: int
+    ) -> list[StoreSpec]:
+        """A producer's prompt tail, once computed: its blocks, the last one
+        repeated to fill the object (those pages are past the prompt and never
+        loaded: a consumer's load stops at its last token's block)."""
+        assert role.tail is not None
+        full = len(tracked.hashes) * per_chunk
+        tail_blocks = -(-tracked.prompt_tokens // self.block_size) - full
+        if done_tokens < tracked.prompt_tokens or len(tracked.block_ids) < full + tail_blocks:
             return []
-        spec = StoreSpec(
-            tracked.request_id,
-            tracked.salt,
-            tracked.hashes[tracked.stored : complete],
-            tracked.block_ids[tracked.stored * per_chunk : complete * per_chunk],
-        )
-        tracked.stored = complete
-        return [spec]
+        role.tail_stored = True
+        blocks = tracked.block_ids[full : full + tail_blocks]
+        blocks += [blocks[-1]] * (per_chunk - len(blocks))
+        return [StoreSpec(tracked.request_id, tracked.salt, [role.tail], blocks)]
 
     def _shadows(self, tracked: Tracked, done_tokens: int) -> list[ShadowSpec]:
         """The shadow check of the request's chunk that this step computed, if it did."""

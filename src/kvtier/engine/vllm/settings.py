@@ -32,6 +32,16 @@
   prompts, say): a request whose prompt starts with one keeps that prefix's
   chunks pinned in L1 (renewed as requests come, within the tenant's pin cap);
   ``pin_ttl_s`` (3600): how long a pin lasts after the last renewal.
+- ``handoff_failure`` (``recompute``): what a decode engine does with a
+  request whose prefill hand-off does not come (``docs/disaggregation.md``):
+  ``recompute`` it (counted, and named in the response's
+  ``kv_transfer_params``) or fail it with an ``error`` (needs vLLM's
+  ``kv_load_failure_policy: fail``); a request's ``kvtier_on_failure``
+  transfer parameter overrides it.
+- ``handoff_lease_s`` (30): how long the server holds a prefill engine's
+  hand-off for its decode engine.
+- ``handoff_wait_s`` (10): how long a decode engine waits for a hand-off to
+  be offered before its producer counts as dead.
 - ``log_level`` (``info``): of kvtier's messages in vLLM's log (``debug``
   adds a line per lookup with its hit and why it ends there).
 """
@@ -53,6 +63,7 @@ ENV_PREFIX = "KVTIER_"
 SALT_SOURCES = ("request", "fixed")
 STORE_POLICIES = ("prompt", "none")
 LOG_LEVELS = ("debug", "info", "warning", "error")
+HANDOFF_FAILURES = ("recompute", "error")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -71,6 +82,9 @@ class ConnectorSettings:
     shadow_tolerance: float = 0.02
     pin_prefixes_file: str = ""
     pin_ttl_s: float = 3600.0
+    handoff_failure: str = "recompute"
+    handoff_lease_s: float = 30.0
+    handoff_wait_s: float = 10.0
     log_level: str = "info"
 
     def __post_init__(self) -> None:
@@ -78,7 +92,9 @@ class ConnectorSettings:
             raise ValueError(f"kvtier.salt_source must be one of {SALT_SOURCES}")
         if self.store not in STORE_POLICIES:
             raise ValueError(f"kvtier.store must be one of {STORE_POLICIES}")
-        for name in ("lookup_wait_s", "request_timeout_s"):
+        if self.handoff_failure not in HANDOFF_FAILURES:
+            raise ValueError(f"kvtier.handoff_failure must be one of {HANDOFF_FAILURES}")
+        for name in ("lookup_wait_s", "request_timeout_s", "handoff_lease_s", "handoff_wait_s"):
             if not float(getattr(self, name)) > 0:
                 raise ValueError(f"kvtier.{name} must be a positive number of seconds")
         if not 0.0 <= self.shadow_fraction <= 1.0:

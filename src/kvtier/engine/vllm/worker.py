@@ -175,7 +175,7 @@ class WorkerSide:
     def _load(self, spec: LoadSpec) -> int:
         """Tokens copied into engine blocks (not the engine's own leading blocks)."""
         loaded = 0
-        client = self.clients.client(spec.salt)
+        client = None if spec.failed else self.clients.client(spec.salt)
         if client is not None and client.chunk_size is not None:
             paged = self._paged_kv(client.chunk_size)
             state = client.lookup(
@@ -193,7 +193,7 @@ class WorkerSide:
         with self._lock:
             self.stats["loaded_chunks"] += loaded
             self.stats["failed_chunks"] += len(spec.blocks) - loaded
-        if loaded < len(spec.blocks):
+        if loaded < len(spec.blocks) and not spec.failed:
             log.warning(
                 "kvtier: %s: %d of %d chunks did not load; vLLM recomputes them",
                 spec.request_id,

@@ -1,0 +1,187 @@
+"""Prefill/decode disaggregation through the cache server: the connector's two
+roles in a hand-off (``kvtier.server.handoffs`` holds it in between).
+
+A request's ``kv_transfer_params`` decide, as a proxy (``kvtier pd-proxy``)
+sets them:
+
+- ``{"do_remote_decode": true}``: this engine *produces*. It prefills the
+  prompt (the proxy asks for one token), stores every prompt chunk and the
+  prompt's trailing partial chunk (its tail), and when vLLM finishes the
+  request offers them under a hand-off id. The stores are committed by then
+  (``wait_for_save`` commits before the step returns), so vLLM frees the
+  blocks at once. The response's ``kv_transfer_params`` carry what the
+  consumer needs (``handoff_params``).
+- ``{"do_remote_prefill": true, "kvtier_handoff": id,
+  "kvtier_prompt_tokens": P}``: this engine *consumes*. Its prompt is the
+  producer's P tokens and the first token the producer sampled. It takes the
+  hand-off (one TAKE in flight per request, polled each step: the scheduler
+  never waits for it), loads the P tokens' KV as an asynchronous load (the
+  request waits for remote KV while the engine runs the others), computes
+  only the last token, and tells the server it is done.
+
+A hand-off that does not come (never offered within ``handoff_wait_s``: the
+producer died; expired; taken by another consumer; another layout; the
+server away) ends with the request's policy, ``kvtier_on_failure`` else
+``kvtier.handoff_failure``: ``recompute`` (counted, and named in the
+response's ``kv_transfer_params``) or ``error`` (every block of the load is
+reported failed, and vLLM, with ``kv_load_failure_policy: fail``, fails the
+request).
+"""
+
+from __future__ import annotations
+
+import logging
+import secrets
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from kvtier.server import protocol as p
+from kvtier.server.client import CacheClient, PendingReply
+from kvtier.server.handoffs import WAITING, HandoffOutcome
+
+log = logging.getLogger(__name__)
+
+PRODUCE = "do_remote_decode"  # vLLM's names for the two sides of a P/D request
+CONSUME = "do_remote_prefill"
+HANDOFF_ID = "kvtier_handoff"
+PROMPT_TOKENS = "kvtier_prompt_tokens"
+CONSUMER = "kvtier_consumer"  # the decode engine's id that alone may take it ("" any)
+ON_FAILURE = "kvtier_on_failure"  # "recompute" or "error", for this request
+OUTCOME = "kvtier_handoff_outcome"  # the consumer's response: "loaded", "recomputed", "error"
+CAUSE = "kvtier_handoff_cause"  # why it was not loaded
+POLICIES = ("recompute", "error")
+# The consumer's own reasons, beside the server's ``HandoffOutcome`` values:
+NOT_OFFERED = "not_offered"  # nothing offered within handoff_wait_s: the producer is gone
+SERVER_AWAY = "server_away"
+REFUSED = "refused"  # the server refused the TAKE itself (an error reply)
+BAD_PARAMS = "bad_params"
+INCOMPLETE_LOAD = "incomplete_load"  # granted, but not every chunk came back
+
+
+@dataclass(slots=True)
+class Produce:
+    handoff_id: str
+    consumer: str
+    tail: bytes | None  # the hash of the prompt's partial chunk (None: it has none)
+    tail_stored: bool = False
+
+
+@dataclass(slots=True)
+class Consume:
+    handoff_id: str
+    prompt_tokens: int  # P: the tokens whose KV the producer computed
+    policy: str
+    deadline: float  # when a hand-off still not offered means its producer is gone
+    consumer: str
+    call: PendingReply | None = None  # the TAKE in flight
+    outcome: str = ""  # once settled: "granted", or why not
+    cause: str = ""  # the server's words, if any
+    done_sent: bool = False
+
+    @property
+    def settled(self) -> bool:
+        return bool(self.outcome)
+
+    @property
+    def granted(self) -> bool:
+        return self.outcome == HandoffOutcome.GRANTED
+
+
+def role_of(
+    params: Mapping[str, Any] | None,
+    request_id: str,
+    prompt_tokens: int,
+    default_policy: str,
+    wait_s: float,
+    now: float,
+    consumer: str,
+) -> Produce | Consume | None:
+    """The request's role from its ``kv_transfer_params`` (None: neither).
+    Malformed parameters make a consumer that has already failed
+    (``bad_params``), never an exception in vLLM's scheduler."""
+    if not params:
+        return None
+    if params.get(PRODUCE):
+        suffix = secrets.token_hex(8)
+        return Produce(f"{request_id[:200]}-{suffix}", str(params.get(CONSUMER) or ""), None)
+    if not params.get(CONSUME) or HANDOFF_ID not in params:
+        return None  # another connector's transfer: not ours
+    policy = params.get(ON_FAILURE, default_policy)
+    consume = Consume(
+        str(params.get(HANDOFF_ID)),
+        0,
+        policy if policy in POLICIES else default_policy,
+        now + wait_s,
+        consumer,
+    )
+    tokens = params.get(PROMPT_TOKENS)
+    fits = isinstance(tokens, int) and 0 < tokens < prompt_tokens
+    if not fits or policy not in POLICIES or not consume.handoff_id:
+        log.warning(
+            "kvtier: %s: bad hand-off parameters %s=%r %s=%r %s=%r (the prompt has %d tokens: "
+            "the producer's and its first token)",
+            request_id,
+            HANDOFF_ID,
+            params.get(HANDOFF_ID),
+            PROMPT_TOKENS,
+            tokens,
+            ON_FAILURE,
+            policy,
+            prompt_tokens,
+        )
+        consume.outcome = BAD_PARAMS
+        return consume
+    consume.prompt_tokens = int(tokens)  # type: ignore[arg-type]
+    return consume
+
+
+def poll_take(
+    consume: Consume, client: CacheClient | None, hashes: list[bytes], now: float
+) -> None:
+    """Advance the TAKE one step: read its answer if it came, settle on
+    anything but ``pending``, send another while the wait lasts."""
+    if consume.settled:
+        return
+    if client is None:
+        consume.outcome = SERVER_AWAY
+        return
+    call = consume.call
+    if call is not None and call.ready:
+        consume.call = None
+        reply = call.reply
+        if isinstance(reply, p.HandoffState):
+            if reply.outcome not in WAITING:
+                consume.outcome, consume.cause = reply.outcome, reply.message
+                return
+        elif isinstance(reply, p.Error):
+            consume.outcome, consume.cause = REFUSED, f"{reply.code}: {reply.message}"
+            return
+        else:
+            consume.outcome = SERVER_AWAY
+            return
+    if consume.call is None:
+        if now >= consume.deadline:
+            consume.outcome = NOT_OFFERED
+            return
+        take = p.HandoffTake(consume.handoff_id, hashes, consume.consumer)
+        consume.call = client.handoff(take)
+
+
+def handoff_params(produce: Produce, prompt_tokens: int) -> dict[str, Any]:
+    """What the producer's response tells the proxy to pass the consumer."""
+    return {
+        CONSUME: True,
+        HANDOFF_ID: produce.handoff_id,
+        PROMPT_TOKENS: prompt_tokens,
+        CONSUMER: produce.consumer,
+    }
+
+
+def consumer_outcome(consume: Consume, loaded: bool) -> dict[str, Any]:
+    """What the consumer's response says about its hand-off."""
+    if loaded:
+        return {HANDOFF_ID: consume.handoff_id, OUTCOME: "loaded"}
+    outcome = "error" if consume.policy == "error" else "recomputed"
+    cause = consume.outcome if consume.outcome != HandoffOutcome.GRANTED else INCOMPLETE_LOAD
+    return {HANDOFF_ID: consume.handoff_id, OUTCOME: outcome, CAUSE: cause}

@@ -1,0 +1,219 @@
+"""Prefill-to-decode hand-offs: one request's KV, published by the engine that
+prefilled it and held for the engine that decodes it.
+
+::
+
+    OFFER (producer; its stores committed) ──► held: every object read-locked in L1
+        │
+        ├── TAKE (the expected consumer, once) ──► taken ──DONE──► released ("consumed")
+        └── the lease ends first ──────────────────────────────► released ("expired")
+
+A TAKE before the OFFER answers ``pending``: the consumer asks again, and its
+own deadline decides when the producer is dead. A taker loads the objects
+through an ordinary lookup of the same chunks (the hold keeps them in L1
+until then) and sends DONE once its copy is in; a taker that dies is reclaimed
+by the lease like any other holder. Each ended hand-off leaves its outcome
+behind (the last ``REMEMBERED``), so a late consumer learns what happened
+(expired, consumed, taken by another, incomplete) instead of waiting.
+
+A take names the chunks it expects (its prompt's, under its own namespace):
+another model or tenant, another layout (TP size, block size, page format)
+or another prompt is refused, never loaded. Single-threaded: the server loop
+calls it, like ``SessionTable``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from enum import StrEnum
+
+from kvtier.counters import Counters
+from kvtier.keys import ObjectKey
+from kvtier.l1 import L1Manager, L1Result
+from kvtier.server.limits import RequestError
+from kvtier.server.sessions import Client, shown
+
+REMEMBERED = 4096  # ended hand-offs whose outcome a late taker is told
+MAX_HELD = 4096  # hand-offs held at once
+
+
+class HandoffOutcome(StrEnum):
+    OFFERED = "offered"  # held for its consumer
+    INCOMPLETE = "incomplete"  # some of its objects were not in L1 when offered: nothing held
+    PENDING = "pending"  # not offered (yet): ask again
+    GRANTED = "granted"  # this taker has it: load the chunks, then DONE
+    TAKEN = "taken"  # another consumer has it
+    CONSUMED = "consumed"  # taken and done
+    EXPIRED = "expired"  # the lease ended before it was taken and done
+    WRONG_CONSUMER = "wrong_consumer"  # it is held for another consumer
+    NAMESPACE_MISMATCH = "namespace_mismatch"  # another model or tenant
+    LAYOUT_MISMATCH = "layout_mismatch"  # another TP size, block size or page format
+    PROMPT_MISMATCH = "prompt_mismatch"  # other chunks than the taker's prompt
+    RELEASED = "released"  # DONE's answer: its hold is dropped
+
+
+# What a consumer may still wait for; every other outcome of a TAKE ends its wait.
+WAITING = frozenset({HandoffOutcome.PENDING})
+
+
+@dataclass(eq=False, slots=True)
+class Handoff:
+    handoff_id: str
+    namespace: tuple[str, str, str]  # tenant, model, salt
+    layout: tuple[object, ...]  # the producer's layouts and ranks
+    hashes: list[bytes]
+    keys: list[ObjectKey]
+    consumer: str  # "" for any
+    expires: float
+    held_bytes: int
+    taker: tuple[bytes, str, str] | None = None  # (peer, connection, consumer name)
+
+
+class HandoffTable:
+    def __init__(
+        self,
+        l1: L1Manager,
+        counters: Counters,
+        clock: Callable[[], float],
+        max_lease_s: float,
+    ) -> None:
+        self._l1 = l1
+        self._counters = counters
+        self._clock = clock
+        self.max_lease_s = max_lease_s  # within L1's read lease: the hold never lapses first
+        self._held: dict[str, Handoff] = {}
+        self._ended: OrderedDict[str, HandoffOutcome] = OrderedDict()
+
+    def offer(
+        self,
+        client: Client,
+        handoff_id: str,
+        hashes: list[bytes],
+        keys: Sequence[ObjectKey],
+        lease_s: float,
+        consumer: str,
+    ) -> tuple[HandoffOutcome, str]:
+        self.expire()
+        _check_id(handoff_id)
+        if not (math.isfinite(lease_s) and 0 < lease_s <= self.max_lease_s):
+            raise RequestError(
+                "bad_request", f"hand-off lease_s must be in (0, {self.max_lease_s}] seconds"
+            )
+        if handoff_id in self._held or handoff_id in self._ended:
+            raise RequestError("bad_request", f"hand-off {shown(handoff_id)} was offered already")
+        if len(self._held) >= MAX_HELD:
+            raise RequestError("busy", f"{MAX_HELD} hand-offs are held: take or expire some first")
+        placements = self._l1.reserve_read(keys)
+        locked = [k for k, p in zip(keys, placements, strict=True) if p.result is L1Result.SUCCESS]
+        if len(locked) < len(keys):
+            self._l1.finish_read(locked)
+            self._end(handoff_id, HandoffOutcome.INCOMPLETE)
+            missing = len(keys) - len(locked)
+            return HandoffOutcome.INCOMPLETE, f"{missing} of {len(keys)} objects are not in L1"
+        self._held[handoff_id] = Handoff(
+            handoff_id,
+            (client.tenant, client.model, client.salt),
+            _layout_of(client),
+            list(hashes),
+            list(keys),
+            consumer,
+            self._clock() + lease_s,
+            sum(p.size for p in placements),
+        )
+        self._counters.add("handoffs.offered")
+        return HandoffOutcome.OFFERED, ""
+
+    def take(
+        self, client: Client, handoff_id: str, hashes: list[bytes], consumer: str
+    ) -> tuple[HandoffOutcome, str]:
+        self.expire()
+        _check_id(handoff_id)
+        handoff = self._held.get(handoff_id)
+        if handoff is None:
+            return self._ended.get(handoff_id, HandoffOutcome.PENDING), ""
+        refusal = self._refusal(handoff, client, hashes, consumer)
+        if refusal is not None:
+            self._counters.add(f"handoffs.refused.{refusal[0]}")
+            return refusal
+        taker = (client.peer, client.connection, consumer)
+        if handoff.taker is not None and handoff.taker != taker:
+            self._counters.add("handoffs.refused.taken")
+            return HandoffOutcome.TAKEN, "another consumer took it"
+        if handoff.taker is None:
+            handoff.taker = taker
+            self._counters.add("handoffs.taken")
+        return HandoffOutcome.GRANTED, ""
+
+    def done(self, client: Client, handoff_id: str, consumer: str) -> HandoffOutcome:
+        """The taker has its copy: drop the hold."""
+        self.expire()
+        _check_id(handoff_id)
+        handoff = self._held.get(handoff_id)
+        if handoff is None:
+            return self._ended.get(handoff_id, HandoffOutcome.PENDING)
+        if handoff.taker != (client.peer, client.connection, consumer):
+            return HandoffOutcome.WRONG_CONSUMER
+        self._release(handoff, HandoffOutcome.CONSUMED)
+        return HandoffOutcome.RELEASED
+
+    def expire(self) -> int:
+        """Release the hand-offs whose lease has ended; how many."""
+        now = self._clock()
+        due = [h for h in self._held.values() if h.expires <= now]
+        for handoff in due:
+            self._release(handoff, HandoffOutcome.EXPIRED)
+        return len(due)
+
+    def status(self) -> dict[str, object]:
+        return {
+            "held": len(self._held),
+            "held_bytes": sum(h.held_bytes for h in self._held.values()),
+            "taken": sum(h.taker is not None for h in self._held.values()),
+        }
+
+    def close(self) -> None:
+        """Drop every hold (the server is stopping)."""
+        for handoff in list(self._held.values()):
+            self._release(handoff, HandoffOutcome.EXPIRED)
+
+    # ------------------------------------------------------------ internals
+
+    def _refusal(
+        self, handoff: Handoff, client: Client, hashes: list[bytes], consumer: str
+    ) -> tuple[HandoffOutcome, str] | None:
+        if handoff.consumer and consumer != handoff.consumer:
+            return HandoffOutcome.WRONG_CONSUMER, f"it is held for {shown(handoff.consumer)}"
+        if (client.tenant, client.model, client.salt) != handoff.namespace:
+            return HandoffOutcome.NAMESPACE_MISMATCH, "it was published under another namespace"
+        if _layout_of(client) != handoff.layout:
+            return (
+                HandoffOutcome.LAYOUT_MISMATCH,
+                "the producer's layout (TP size, block size or page format) differs from the "
+                "consumer's; it cannot be loaded as it is",
+            )
+        if hashes != handoff.hashes:
+            return HandoffOutcome.PROMPT_MISMATCH, "its chunks are not the consumer's prompt"
+        return None
+
+    def _release(self, handoff: Handoff, outcome: HandoffOutcome) -> None:
+        del self._held[handoff.handoff_id]
+        self._l1.finish_read(handoff.keys)
+        self._end(handoff.handoff_id, outcome)
+
+    def _end(self, handoff_id: str, outcome: HandoffOutcome) -> None:
+        self._ended[handoff_id] = outcome
+        while len(self._ended) > REMEMBERED:
+            self._ended.popitem(last=False)
+        self._counters.add(f"handoffs.{outcome}")
+
+
+def _check_id(handoff_id: str) -> None:
+    if not 0 < len(handoff_id) <= 256:
+        raise RequestError("bad_request", "a hand-off id has 1 to 256 characters")
+
+
+def _layout_of(client: Client) -> tuple[object, ...]:
+    return (client.num_ranks, client.rank, tuple(sorted(client.layouts.items())))

@@ -1,0 +1,278 @@
+"""The connector's prefill/decode hand-off (``kvtier.engine.vllm.handoff``) at
+the scheduler seam, against a real cache server: a producer's stores and
+offer, a consumer's take and asynchronous load, and each way a hand-off can
+fail ending with the request's policy and nothing left held."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+from typing import Any
+
+import numpy as np
+import pytest
+
+from kvtier.server.client import CacheClient, ClientConfig
+from tests.integration.harness import Server, wait_for
+from tests.integration.test_vllm_scheduler import (
+    BLOCK,
+    CHUNK,
+    Blocks,
+    parked_step,
+    prompt,
+    vllm_config,
+)
+
+pytest.importorskip("vllm")
+from kvtier.engine.vllm.handoff import CAUSE, HANDOFF_ID, OUTCOME, PROMPT_TOKENS  # noqa: E402
+from kvtier.engine.vllm.scheduler import SchedulerSide  # noqa: E402
+from kvtier.engine.vllm.settings import ConnectorSettings  # noqa: E402
+
+pytestmark = [pytest.mark.slow, pytest.mark.engine]  # needs vLLM
+
+PROMPT = 600  # two full chunks (four blocks) and a tail of 88 tokens (one block)
+
+
+def side_for(address: str, **settings: Any) -> SchedulerSide:
+    options = {"lookup_wait_s": 10.0, "handoff_wait_s": 5.0, **settings}
+    side = SchedulerSide(vllm_config(), ConnectorSettings(address=address, **options))
+    wait_for(lambda: side.clients.client(""), lambda client: client is not None)
+    return side
+
+
+def pd_request(request_id: str, tokens: list[int], params: dict[str, Any] | None) -> Any:
+    return SimpleNamespace(
+        request_id=request_id,
+        prompt_token_ids=tokens,
+        num_tokens=len(tokens),
+        num_preemptions=0,
+        cache_salt=None,
+        kv_transfer_params=params,
+    )
+
+
+def prefill_step(request_id: str, blocks: list[int], tokens: int) -> Any:
+    return SimpleNamespace(
+        scheduled_new_reqs=[
+            SimpleNamespace(req_id=request_id, block_ids=(blocks,), num_computed_tokens=0)
+        ],
+        scheduled_cached_reqs=SimpleNamespace(
+            req_ids=[], resumed_req_ids=set(), new_block_ids=[], num_computed_tokens=[]
+        ),
+        num_scheduled_tokens={request_id: tokens},
+    )
+
+
+def store_as_worker(side: SchedulerSide, hashes: list[bytes]) -> int:
+    """Store objects under ``hashes`` as a rank-0 worker would."""
+    client = side.clients.client("")
+    assert client is not None
+    size = side.clients.layout(CHUNK).object_bytes()
+    worker = CacheClient(
+        ClientConfig(
+            address=side.settings.address,
+            model=client.config.model,
+            layouts=client.config.layouts,
+            revision=client.config.revision,
+            rank=0,
+            block_alignment=BLOCK,
+        )
+    )
+    try:
+        objects = [np.full(size, i + 1, np.uint8) for i in range(len(hashes))]
+        stored = worker.store("w", hashes, objects)
+        worker.end_session("w")
+        return stored
+    finally:
+        worker.close()
+
+
+def produce(side: SchedulerSide, tokens: list[int], store: bool = True) -> dict[str, Any] | None:
+    """Run a producer's request through its prefill step; its worker stores
+    what the step asks (unless ``store`` is False: the stores failed)."""
+    req = pd_request("p", tokens, {"do_remote_decode": True})
+    assert side.get_num_new_matched_tokens(req, 0) == (0, False)
+    side.update_state_after_alloc(req, Blocks([10, 11, 12, 13, 14]), 0)
+    meta = side.build_connector_meta(prefill_step("p", [10, 11, 12, 13, 14], len(tokens)))
+    full, tail = meta.stores
+    assert full.block_ids == [10, 11, 12, 13]
+    assert tail.block_ids == [14, 14]  # one block of tail, padded to the chunk's two
+    if store:
+        assert store_as_worker(side, full.hashes + tail.hashes) == 3
+    _, params = side.request_finished(req, [10, 11, 12, 13, 14])
+    return params
+
+
+def status(side: SchedulerSide) -> dict[str, Any]:
+    client = side.clients.client("")
+    assert client is not None
+    answer = client.status()
+    assert answer is not None
+    return answer
+
+
+def consumer_request(tokens: list[int], params: dict[str, Any], rid: str = "d") -> Any:
+    return pd_request(rid, [*tokens, 7], params)  # the producer's first token follows
+
+
+def test_a_hand_off_goes_from_producer_to_consumer_and_is_released(server: Server) -> None:
+    producer, consumer = side_for(server.rpc), side_for(server.rpc)
+    try:
+        tokens = prompt(PROMPT, seed=40)
+        params = produce(producer, tokens)
+        assert params is not None and params[PROMPT_TOKENS] == PROMPT
+        req = consumer_request(tokens, params)
+        answer = wait_for(
+            lambda: consumer.get_num_new_matched_tokens(req, 0), lambda a: a[0] is not None
+        )
+        assert answer == (PROMPT, True)  # every prompt token, loaded while the request waits
+        consumer.update_state_after_alloc(req, Blocks([30, 31, 32, 33, 34]), PROMPT)
+        (load,) = consumer.build_connector_meta(parked_step()).loads
+        assert load.asynchronous and not load.failed
+        assert len(load.hashes) == 3  # two chunks and the tail
+        assert load.blocks == [{0: 30, 1: 31}, {0: 32, 1: 33}, {0: 34}]
+        assert status(consumer)["handoffs"]["held"] == 1
+        consumer.update_connector_output(SimpleNamespace(finished_recving={"d"}))
+        assert wait_for(lambda: status(consumer)["handoffs"]["held"], lambda n: n == 0) == 0
+        _, outcome = consumer.request_finished(req, [30, 31, 32, 33, 34])
+        assert outcome == {HANDOFF_ID: params[HANDOFF_ID], OUTCOME: "loaded"}
+        server_counts = status(consumer)["server"]
+        assert server_counts["handoffs.offered"] == server_counts["handoffs.consumed"] == 1
+        assert status(consumer)["storage"]["held_lookup_locks"] == 0
+    finally:
+        producer.close()
+        consumer.close()
+
+
+def test_a_hand_off_never_offered_ends_with_the_policy(server: Server) -> None:
+    """The producer died before its offer: the consumer waits handoff_wait_s
+    (deferred, never blocking), then recomputes, or fails the request."""
+    tokens = prompt(PROMPT, seed=41)
+    params = {"do_remote_prefill": True, HANDOFF_ID: "never", PROMPT_TOKENS: PROMPT}
+    for policy in ("recompute", "error"):
+        consumer = side_for(server.rpc, handoff_wait_s=0.3, handoff_failure=policy)
+        try:
+            req = consumer_request(tokens, params, rid=policy)
+            assert consumer.get_num_new_matched_tokens(req, 0) == (None, False)
+            answer = wait_for(
+                lambda req=req, side=consumer: side.get_num_new_matched_tokens(req, 0),
+                lambda a: a[0] is not None,
+            )
+            if policy == "recompute":
+                assert answer == (0, False)
+            else:  # a load that fails every block: vLLM (kv_load_failure_policy fail) errors it
+                assert answer == (PROMPT, True)
+                consumer.update_state_after_alloc(req, Blocks([1, 2, 3, 4, 5]), PROMPT)
+                (load,) = consumer.build_connector_meta(parked_step()).loads
+                assert load.failed and load.blocks == [{0: 1, 1: 2, 2: 3, 3: 4, 4: 5}]
+            _, outcome = consumer.request_finished(req, [])
+            expected = "recomputed" if policy == "recompute" else "error"
+            assert outcome == {HANDOFF_ID: "never", OUTCOME: expected, CAUSE: "not_offered"}
+            assert consumer.outcomes.snapshot()[f"handoff_{policy}.not_offered"] == 1
+        finally:
+            consumer.close()
+
+
+def test_a_request_can_choose_its_own_policy(server: Server) -> None:
+    consumer = side_for(server.rpc, handoff_wait_s=0.1)  # the deployment recomputes
+    try:
+        tokens = prompt(PROMPT, seed=42)
+        params = {"do_remote_prefill": True, HANDOFF_ID: "gone", PROMPT_TOKENS: PROMPT}
+        req = consumer_request(tokens, {**params, "kvtier_on_failure": "error"})
+        answer = wait_for(
+            lambda: consumer.get_num_new_matched_tokens(req, 0), lambda a: a[0] is not None
+        )
+        assert answer == (PROMPT, True)  # the request asked for an error
+        consumer.request_finished(req, [])
+    finally:
+        consumer.close()
+
+
+def test_two_consumers_racing_for_one_hand_off(server: Server) -> None:
+    producer, first, second = (side_for(server.rpc) for _ in range(3))
+    try:
+        tokens = prompt(PROMPT, seed=43)
+        params = produce(producer, tokens)
+        assert params is not None
+        a, b = consumer_request(tokens, params, "a"), consumer_request(tokens, params, "b")
+        got_a = wait_for(lambda: first.get_num_new_matched_tokens(a, 0), lambda x: x[0] is not None)
+        got_b = wait_for(
+            lambda: second.get_num_new_matched_tokens(b, 0), lambda x: x[0] is not None
+        )
+        assert got_a == (PROMPT, True) and got_b == (0, False)  # the loser recomputes
+        _, lost = second.request_finished(b, [])
+        assert lost is not None and lost[CAUSE] == "taken"
+        first.update_state_after_alloc(a, Blocks([1, 2, 3, 4, 5]), PROMPT)
+        first.build_connector_meta(parked_step())
+        _, won = first.request_finished(a, [])  # aborted mid-load: the hold is dropped now
+        assert won is not None and won[OUTCOME] == "recomputed"
+        assert wait_for(lambda: status(first)["handoffs"]["held"], lambda n: n == 0) == 0
+        assert wait_for(
+            lambda: status(first)["storage"]["held_lookup_locks"], lambda n: n == 0
+        ) == 0
+    finally:
+        for side in (producer, first, second):
+            side.close()
+
+
+def test_an_expired_or_incomplete_hand_off_is_recomputed(server: Server) -> None:
+    producer = side_for(server.rpc, handoff_lease_s=0.2)
+    consumer = side_for(server.rpc)
+    try:
+        tokens = prompt(PROMPT, seed=44)
+        params = produce(producer, tokens)
+        assert params is not None
+        # The decode engine is late: the lease ends first (the server's tick reclaims it).
+        assert wait_for(lambda: status(producer)["handoffs"]["held"], lambda n: n == 0) == 0
+        req = consumer_request(tokens, params)
+        answer = wait_for(
+            lambda: consumer.get_num_new_matched_tokens(req, 0),
+            lambda a: a[0] is not None,
+            timeout_s=5,
+        )
+        assert answer == (0, False)
+        _, outcome = consumer.request_finished(req, [])
+        assert outcome is not None and outcome[CAUSE] == "expired"
+        # A producer whose stores did not land offers nothing the consumer could load.
+        other = prompt(PROMPT, seed=45)
+        missing = produce(producer, other, store=False)
+        assert missing is not None  # offered: the server finds it incomplete
+        req = consumer_request(other, missing, "d2")
+        answer = wait_for(
+            lambda: consumer.get_num_new_matched_tokens(req, 0), lambda a: a[0] is not None
+        )
+        assert answer == (0, False)
+        _, outcome = consumer.request_finished(req, [])
+        assert outcome is not None and outcome[CAUSE] == "incomplete"
+        assert status(consumer)["storage"]["held_lookup_locks"] == 0
+    finally:
+        producer.close()
+        consumer.close()
+
+
+def test_bad_hand_off_parameters_and_an_absent_server_are_policy_outcomes(
+    server: Server,
+) -> None:
+    consumer = side_for(server.rpc)
+    try:
+        tokens = prompt(PROMPT, seed=46)
+        bad = {"do_remote_prefill": True, HANDOFF_ID: "x", PROMPT_TOKENS: PROMPT + 5}
+        req = consumer_request(tokens, bad)
+        assert consumer.get_num_new_matched_tokens(req, 0) == (0, False)
+        _, outcome = consumer.request_finished(req, [])
+        assert outcome is not None and outcome[CAUSE] == "bad_params"
+    finally:
+        consumer.close()
+    away = SchedulerSide(
+        vllm_config(), ConnectorSettings(address="tcp://127.0.0.1:9", lookup_wait_s=0.05)
+    )
+    try:
+        params = {"do_remote_prefill": True, HANDOFF_ID: "x", PROMPT_TOKENS: PROMPT}
+        req = consumer_request(prompt(PROMPT, seed=47), params)
+        assert away.get_num_new_matched_tokens(req, 0) == (0, False)
+        _, outcome = away.request_finished(req, [])
+        assert outcome is not None and outcome[CAUSE] == "server_away"
+        producer_req = pd_request("p", prompt(PROMPT, seed=47), {"do_remote_decode": True})
+        assert away.get_num_new_matched_tokens(producer_req, 0) == (0, False)
+        assert away.request_finished(producer_req, []) == (False, None)  # nothing to offer
+    finally:
+        away.close()

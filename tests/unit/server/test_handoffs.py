@@ -1,0 +1,222 @@
+"""Hand-offs through the cache server (``kvtier.server.handoffs``): a producer
+offers committed chunks, one consumer takes them once and loads them with an
+ordinary lookup, and the lease reclaims whatever a dead party leaves; every
+scenario ends with nothing locked."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+
+from kvtier.l1 import L1Config
+from kvtier.server import protocol as p
+from kvtier.server.core import CacheServer
+from kvtier.server.handoffs import MAX_HELD, REMEMBERED
+from kvtier.server.limits import ServerLimits
+from kvtier.storage import StorageConfig, StorageManager
+from tests.conftest import FakeClock
+from tests.ledger import assert_clean
+from tests.unit.server.test_core import call, hashes, hello, store
+
+
+@pytest.fixture
+def storage() -> Iterator[StorageManager]:
+    manager = StorageManager(StorageConfig(l1=L1Config(size_bytes=1 << 20, populate=False)))
+    yield manager
+    manager.close()
+
+
+@pytest.fixture
+def server(storage: StorageManager, clock: FakeClock) -> CacheServer:
+    limits = ServerLimits(session_ttl_s=100, client_ttl_s=1000)
+    return CacheServer(storage, chunk_size=16, limits=limits, clock=clock)
+
+
+def offer(
+    server: CacheServer, hs: list[bytes], hid: str = "h1", lease_s: float = 30, consumer: str = ""
+) -> p.Reply:
+    return call(server, b"P", p.HandoffOffer(hid, hs, lease_s, consumer))
+
+
+def take(
+    server: CacheServer, peer: bytes, hs: list[bytes], hid: str = "h1", consumer: str = ""
+) -> str:
+    reply = call(server, peer, p.HandoffTake(hid, hs, consumer))
+    assert isinstance(reply, p.HandoffState), reply
+    return reply.outcome
+
+
+def done(server: CacheServer, peer: bytes, hid: str = "h1", consumer: str = "") -> str:
+    reply = call(server, peer, p.HandoffDone(hid, consumer))
+    assert isinstance(reply, p.HandoffState), reply
+    return reply.outcome
+
+
+@pytest.fixture
+def parties(server: CacheServer) -> list[bytes]:
+    """A producer P and two consumers D and E, all of one namespace; P stored 3 chunks."""
+    for peer in (b"P", b"D", b"E"):
+        assert isinstance(hello(server, peer), p.Welcome)
+    return hashes(3)
+
+
+def test_offer_take_load_done_releases_everything(
+    server: CacheServer, storage: StorageManager, parties: list[bytes]
+) -> None:
+    hs = parties
+    assert take(server, b"D", hs) == "pending"  # before the offer: ask again
+    store(server, b"P", hs)
+    assert offer(server, hs) == p.HandoffState("offered")
+    assert storage.l1.status()["locked_objects"] == 3  # held for the consumer
+    assert take(server, b"D", hs) == "granted"
+    assert take(server, b"D", hs) == "granted"  # the same taker asking again (a lost reply)
+    call(server, b"D", p.Lookup("r", hs))
+    assert call(server, b"D", p.Query("r")) == p.QueryResult(3, {"L1": 3})
+    assert isinstance(call(server, b"D", p.Retrieve("r", 0, 3)), p.Objects)
+    call(server, b"D", p.EndSession("r"))
+    assert done(server, b"D") == "released"
+    assert take(server, b"D", hs) == "consumed"  # ended: its outcome is remembered
+    assert server.status()["handoffs"] == {"held": 0, "held_bytes": 0, "taken": 0}
+    counters = server.counters.snapshot()
+    assert counters["handoffs.offered"] == counters["handoffs.consumed"] == 1
+    assert_clean(storage.l1)
+
+
+def test_the_hold_keeps_the_chunks_in_l1_against_eviction(clock: FakeClock) -> None:
+    small = StorageManager(StorageConfig(l1=L1Config(size_bytes=1 << 18, populate=False)))
+    try:
+        server = CacheServer(small, chunk_size=16, clock=clock)
+        for peer in (b"P", b"D"):
+            hello(server, peer)
+        hs = hashes(2)
+        store(server, b"P", hs)
+        assert offer(server, hs) == p.HandoffState("offered")
+        for seed in range(1, 5):  # 4 x 32 chunks (4 KiB slots) through a 256 KiB arena
+            store(server, b"P", hashes(32, seed=seed))
+        assert small.l1.status()["evictions"] > 0
+        assert take(server, b"D", hs) == "granted"
+        call(server, b"D", p.Lookup("r", hs))
+        assert call(server, b"D", p.Query("r")).hit_chunks == 2
+        call(server, b"D", p.EndSession("r"))
+        assert done(server, b"D") == "released"
+        assert_clean(small.l1)
+    finally:
+        small.close()
+
+
+def test_two_consumers_racing_one_wins_the_other_is_told(
+    server: CacheServer, storage: StorageManager, parties: list[bytes]
+) -> None:
+    store(server, b"P", parties)
+    offer(server, parties)
+    assert take(server, b"D", parties) == "granted"
+    assert take(server, b"E", parties) == "taken"
+    assert done(server, b"E") == "wrong_consumer"  # not its hand-off to end
+    assert done(server, b"D") == "released"
+    assert take(server, b"E", parties) == "consumed"
+    assert_clean(storage.l1)
+
+
+def test_an_expected_consumer_is_the_only_taker(
+    server: CacheServer, storage: StorageManager, parties: list[bytes]
+) -> None:
+    store(server, b"P", parties)
+    offer(server, parties, consumer="decode-0")
+    assert take(server, b"D", parties, consumer="decode-1") == "wrong_consumer"
+    assert take(server, b"D", parties) == "wrong_consumer"  # no name at all
+    assert take(server, b"E", parties, consumer="decode-0") == "granted"
+    assert done(server, b"E", consumer="decode-0") == "released"
+    assert server.counters.snapshot()["handoffs.refused.wrong_consumer"] == 2
+    assert_clean(storage.l1)
+
+
+def test_the_lease_reclaims_what_a_dead_consumer_leaves(
+    server: CacheServer, storage: StorageManager, clock: FakeClock, parties: list[bytes]
+) -> None:
+    store(server, b"P", parties)
+    offer(server, parties, lease_s=5)
+    assert take(server, b"D", parties) == "granted"  # ... and the consumer dies here
+    clock.advance(4)
+    server.tick()
+    assert server.status()["handoffs"]["held"] == 1
+    clock.advance(1)
+    server.tick()
+    assert server.status()["handoffs"]["held"] == 0
+    assert take(server, b"E", parties) == "expired"
+    assert done(server, b"D") == "expired"
+    assert server.counters.snapshot()["handoffs.expired"] == 1
+    assert_clean(storage.l1)
+    # The chunks stay in L1 as ordinary cache entries, for later requests' prefixes.
+    call(server, b"E", p.Lookup("later", parties))
+    assert call(server, b"E", p.Query("later")).hit_chunks == 3
+    call(server, b"E", p.EndSession("later"))
+
+
+def test_an_offer_of_chunks_not_all_in_l1_holds_nothing_and_is_remembered(
+    server: CacheServer, storage: StorageManager, parties: list[bytes]
+) -> None:
+    store(server, b"P", parties[:2])  # the last store did not land
+    reply = offer(server, parties)
+    assert reply == p.HandoffState("incomplete", "1 of 3 objects are not in L1")
+    assert take(server, b"D", parties) == "incomplete"  # the consumer's wait ends at once
+    assert_clean(storage.l1)
+
+
+def test_a_take_of_another_prompt_namespace_or_layout_is_refused(
+    server: CacheServer, storage: StorageManager, parties: list[bytes]
+) -> None:
+    store(server, b"P", parties)
+    offer(server, parties)
+    assert take(server, b"D", hashes(3, seed=1)) == "prompt_mismatch"
+    assert take(server, b"D", parties[:2]) == "prompt_mismatch"
+    hello(server, b"T", salt="other")
+    assert take(server, b"T", parties) == "namespace_mismatch"
+    hello(server, b"W", ranks=2)  # another TP size
+    assert take(server, b"W", parties) == "layout_mismatch"
+    wide = p.LayoutSpec(0, num_layers=1, kv_heads=2, head_dim=8, dtype="float32")
+    call(server, b"X", p.Hello(p.PROTOCOL_VERSION, "X", "org/m", [wide], 1, 16))
+    assert take(server, b"X", parties) == "layout_mismatch"
+    assert take(server, b"D", parties) == "granted"  # refusals took nothing
+    assert done(server, b"D") == "released"
+    assert_clean(storage.l1)
+
+
+def test_bad_offers_are_refused_with_the_field_to_change(
+    server: CacheServer, parties: list[bytes]
+) -> None:
+    store(server, b"P", parties)
+    for lease in (0, -1, float("nan"), 301):
+        err = offer(server, parties, lease_s=lease)
+        assert isinstance(err, p.Error) and "lease_s" in err.message
+    err = offer(server, parties, hid="")
+    assert isinstance(err, p.Error) and "id" in err.message
+    assert offer(server, parties) == p.HandoffState("offered")
+    err = offer(server, parties)
+    assert isinstance(err, p.Error) and "offered already" in err.message
+    err = call(server, b"P", p.HandoffOffer("h2", [b"short"], 30))
+    assert isinstance(err, p.Error) and "32" in err.message
+
+
+def test_held_and_remembered_hand_offs_are_bounded(
+    server: CacheServer, storage: StorageManager, parties: list[bytes]
+) -> None:
+    store(server, b"P", parties[:1])
+    for i in range(MAX_HELD):
+        assert offer(server, parties[:1], hid=f"h{i}") == p.HandoffState("offered")
+    err = offer(server, parties[:1], hid="one-more")
+    assert isinstance(err, p.Error) and err.code == "busy"
+    server.close()  # a stopping server drops every hold
+    assert_clean(storage.l1)
+    assert len(server.handoffs._ended) == min(MAX_HELD, REMEMBERED)
+
+
+def test_a_draining_server_takes_no_offers(storage: StorageManager, clock: FakeClock) -> None:
+    server = CacheServer(storage, chunk_size=16, clock=clock)
+    hello(server, b"P")
+    hs = hashes(1)
+    store(server, b"P", hs)
+    server.draining = True
+    err = offer(server, hs)
+    assert isinstance(err, p.Error) and err.code == "draining"
+    assert_clean(storage.l1)
