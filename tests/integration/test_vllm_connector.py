@@ -12,11 +12,9 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
 import signal
 import subprocess
 import sys
-import urllib.request
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,6 +29,7 @@ from kvtier.l2.fs import SUFFIX
 from kvtier.process import clean_env, read_line, stop_process
 from kvtier.server.admin_command import call
 from tests.integration.harness import ROOT, Server, ServerFactory, tenants_toml, wait_for
+from tests.integration.vllm_api import ApiServers, connector, post
 
 pytest.importorskip("vllm")
 pytestmark = [pytest.mark.slow, pytest.mark.engine]
@@ -320,51 +319,21 @@ def test_shadow_check_confirms_reuse_and_catches_kv_that_passes_its_checksums(
 def test_openai_server_reports_kvtier_hits_as_cached_tokens(
     model_dir: Path, kv_server: Server, tmp_path: Path
 ) -> None:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    transfer = {
-        "kv_connector": "KVTierConnector",
-        "kv_connector_module_path": "kvtier.engine.vllm",
-        "kv_role": "kv_both",
-        "kv_load_failure_policy": "recompute",
-        "kv_connector_extra_config": {"kvtier.address": kv_server.rpc},
-    }
-    command = [PYTHON, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir)]
-    command += ["--host", "127.0.0.1", "--port", str(port), "--dtype", "float32", "--seed", "0"]
-    command += ["--enforce-eager", "--max-model-len", "4096", "--no-enable-prefix-caching"]
-    command += ["--enable-prompt-tokens-details", "--kv-transfer-config", json.dumps(transfer)]
-    log = tmp_path / "api.log"
-    env = clean_env({"VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1"})
-    with log.open("w") as log_file:
-        proc = subprocess.Popen(
-            command, stdout=log_file, stderr=subprocess.STDOUT, cwd=ROOT, env=env, text=True
-        )
-    base = f"http://127.0.0.1:{port}"
+    servers = ApiServers(model_dir, tmp_path)
     try:
-
-        def healthy() -> bool:
-            try:
-                with urllib.request.urlopen(base + "/health", timeout=2) as response:
-                    return bool(response.status == 200)
-            except OSError:
-                return proc.poll() is not None  # died: stop waiting
-
-        assert wait_for(healthy, bool, timeout_s=START_TIMEOUT_S, every_s=1.0), log.read_text()
-        assert proc.poll() is None, log.read_text()[-6000:]
-        body = {"model": str(model_dir), "max_tokens": NEW_TOKENS, "temperature": 0}
+        api = servers.start(
+            connector(kv_server.rpc),
+            "--no-enable-prefix-caching",
+            "--enable-prompt-tokens-details",
+        )
+        servers.wait(api)
+        body = {"model": "m", "max_tokens": NEW_TOKENS, "temperature": 0}
 
         def complete(prompt: list[int]) -> dict[str, Any]:
-            request = urllib.request.Request(
-                base + "/v1/completions",
-                json.dumps({**body, "prompt": prompt}).encode(),
-                {"Content-Type": "application/json"},
-            )
-            with urllib.request.urlopen(request, timeout=RUN_TIMEOUT_S) as response:
-                usage: dict[str, Any] = json.loads(response.read())["usage"]
-                return usage
+            status, answer = post(api.url + "/v1/completions", {**body, "prompt": prompt})
+            assert status == 200, answer
+            usage: dict[str, Any] = answer["usage"]
+            return usage
 
         fresh = tokens(50, 700)
         assert complete(fresh)["prompt_tokens_details"]["cached_tokens"] == 0  # stores it
@@ -372,9 +341,7 @@ def test_openai_server_reports_kvtier_hits_as_cached_tokens(
         assert usage["prompt_tokens"] == len(fresh)
         assert usage["prompt_tokens_details"]["cached_tokens"] == kvtier_hit(len(fresh))
     finally:
-        stop_process(proc, signal.SIGTERM, timeout_s=30)
-        if os.environ.get("KVTIER_KEEP_LOGS"):
-            print(log.read_text()[-6000:])
+        servers.close()
 
 
 def test_tenants_through_the_connector_and_a_pinned_system_prompt(

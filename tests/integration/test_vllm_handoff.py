@@ -13,6 +13,11 @@ import pytest
 
 from kvtier.server.client import CacheClient, ClientConfig
 from tests.integration.harness import Server, wait_for
+
+pytest.importorskip("vllm")
+from kvtier.engine.vllm.handoff import CAUSE, HANDOFF_ID, OUTCOME, PROMPT_TOKENS
+from kvtier.engine.vllm.scheduler import SchedulerSide
+from kvtier.engine.vllm.settings import ConnectorSettings
 from tests.integration.test_vllm_scheduler import (
     BLOCK,
     CHUNK,
@@ -21,11 +26,6 @@ from tests.integration.test_vllm_scheduler import (
     prompt,
     vllm_config,
 )
-
-pytest.importorskip("vllm")
-from kvtier.engine.vllm.handoff import CAUSE, HANDOFF_ID, OUTCOME, PROMPT_TOKENS  # noqa: E402
-from kvtier.engine.vllm.scheduler import SchedulerSide  # noqa: E402
-from kvtier.engine.vllm.settings import ConnectorSettings  # noqa: E402
 
 pytestmark = [pytest.mark.slow, pytest.mark.engine]  # needs vLLM
 
@@ -206,9 +206,9 @@ def test_two_consumers_racing_for_one_hand_off(server: Server) -> None:
         _, won = first.request_finished(a, [])  # aborted mid-load: the hold is dropped now
         assert won is not None and won[OUTCOME] == "recomputed"
         assert wait_for(lambda: status(first)["handoffs"]["held"], lambda n: n == 0) == 0
-        assert wait_for(
-            lambda: status(first)["storage"]["held_lookup_locks"], lambda n: n == 0
-        ) == 0
+        assert (
+            wait_for(lambda: status(first)["storage"]["held_lookup_locks"], lambda n: n == 0) == 0
+        )
     finally:
         for side in (producer, first, second):
             side.close()

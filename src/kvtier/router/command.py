@@ -18,6 +18,14 @@ def _run(args: argparse.Namespace) -> int:
     return run(args)
 
 
+def _run_pd(args: argparse.Namespace) -> int:
+    try:
+        from kvtier.router.pd import run
+    except ImportError as exc:
+        return missing_extra("route", exc, '"kvtier[route]"')
+    return run(args)
+
+
 def add_parser(commands: Any) -> None:
     route = commands.add_parser(
         "route",
@@ -44,6 +52,29 @@ def add_parser(commands: Any) -> None:
         help="an engine: its URL, or a JSON object of [[engines]] options (repeatable)",
     )
     route.set_defaults(run=_run)
+    pd = commands.add_parser(
+        "pd-proxy",
+        help="serve completions by prefill on one engine and decode on another",
+        description="An OpenAI-compatible /v1/completions that prefills each prompt on a "
+        "--prefill engine (one token), hands its KV to a --decode engine through the kvtier "
+        "cache server and streams the decode's tokens after the first. Both engines run the "
+        "kvtier connector (docs/disaggregation.md).",
+    )
+    pd.add_argument("--prefill", action="append", metavar="URL", help="a prefill engine")
+    pd.add_argument("--decode", action="append", metavar="URL", help="a decode engine")
+    pd.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1)")
+    pd.add_argument("--port", type=int, default=8000, help="HTTP port (default 8000; 0 picks)")
+    pd.add_argument(
+        "--on-failure",
+        choices=("recompute", "error"),
+        default="recompute",
+        help="a failed hand-off: recompute on the decode engine, or answer an error "
+        "(a request's kvtier_on_failure field overrides it)",
+    )
+    pd.add_argument(
+        "--timeout-s", type=float, default=600.0, help="one engine request's limit (600)"
+    )
+    pd.set_defaults(run=_run_pd)
 
 
 __all__ = ["add_parser"]

@@ -53,11 +53,19 @@ class KVTierConnector(KVConnectorBase_V1):  # type: ignore[misc]
         transfer = vllm_config.kv_transfer_config
         settings = ConnectorSettings.from_extra_config(transfer.kv_connector_extra_config or {})
         show_logs(settings.log_level)
-        if getattr(transfer, "kv_load_failure_policy", "recompute") != "recompute":
+        policy = getattr(transfer, "kv_load_failure_policy", "recompute")
+        if policy != "recompute" and settings.handoff_failure != "error":
             log.warning(
                 "kvtier: kv_load_failure_policy is %r: a chunk that fails to load fails its "
-                'request. Set "kv_load_failure_policy": "recompute" so it is recomputed instead.',
-                transfer.kv_load_failure_policy,
+                'request. Set "kv_load_failure_policy": "recompute" so it is recomputed instead '
+                "(keep it only on a decode engine whose failed hand-offs should be errors).",
+                policy,
+            )
+        if policy == "recompute" and settings.handoff_failure == "error":
+            log.warning(
+                'kvtier: kvtier.handoff_failure is "error" but kv_load_failure_policy is '
+                '"recompute": vLLM recomputes failed hand-offs instead. Set '
+                '"kv_load_failure_policy": "fail" for errors.'
             )
         self._scheduler: SchedulerSide | None = None
         self._worker: WorkerSide | None = None

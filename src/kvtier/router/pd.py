@@ -1,0 +1,378 @@
+"""``kvtier pd-proxy``: prefill on one engine, decode on another, the KV handed
+over through the cache server (``kvtier.engine.vllm.handoff``).
+
+Each ``POST /v1/completions`` (vLLM's disaggregated-serving proxy API):
+
+1. the least busy prefill engine gets the request with ``max_tokens`` 1,
+   ``return_token_ids`` and ``kv_transfer_params: {"do_remote_decode":
+   true}``; its one token is the answer's first, and its response's
+   ``kv_transfer_params`` name the hand-off;
+2. if that token ends the answer (``max_tokens`` 1, or a stop), the answer
+   is the prefill's; otherwise the least busy decode engine gets the
+   request with the prompt as token ids *followed by that first token*, one
+   token fewer to generate, and the hand-off's parameters: it loads the
+   prompt's KV and computes only the first token's, so no token is
+   generated twice;
+3. the client gets the first token, then the decode's stream (or one body
+   joining both), with ``usage`` counting the prompt once and every
+   generated token, and ``usage.kvtier_handoff`` saying whether the KV was
+   loaded or recomputed, and why.
+
+A hand-off that fails ends with the request's policy (``kvtier_on_failure``
+in the body, else ``--on-failure``): ``recompute`` on the decode engine, or
+an ``error`` answer (502) naming the cause. Chat completions are not proxied
+(the decode engine takes the prompt as token ids: ``/v1/completions``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import signal
+from dataclasses import dataclass
+from typing import Any
+
+import aiohttp
+from aiohttp import web
+
+from kvtier.engine.vllm.handoff import CAUSE, HANDOFF_ID, ON_FAILURE, OUTCOME, POLICIES
+from kvtier.router.app import error
+
+log = logging.getLogger(__name__)
+DEFAULT_MAX_TOKENS = 16  # vLLM's, for a completion that names none
+
+
+@dataclass(eq=False)
+class Instance:
+    url: str
+    in_flight: int = 0
+
+
+class HandoffFailed(Exception):
+    """The request's policy is ``error`` and its hand-off failed."""
+
+
+class PDProxy:
+    def __init__(
+        self,
+        prefill: list[str],
+        decode: list[str],
+        on_failure: str = "recompute",
+        timeout_s: float = 600.0,
+    ) -> None:
+        if not prefill or not decode:
+            raise ValueError("pd-proxy needs at least one --prefill and one --decode engine")
+        if on_failure not in POLICIES:
+            raise ValueError(f"--on-failure must be one of {POLICIES}")
+        self.prefill = [Instance(url.rstrip("/")) for url in prefill]
+        self.decode = [Instance(url.rstrip("/")) for url in decode]
+        self.on_failure = on_failure
+        self.timeout = aiohttp.ClientTimeout(total=timeout_s)
+        self.session: aiohttp.ClientSession | None = None
+        self.counts: dict[str, int] = {}
+
+    def app(self) -> web.Application:
+        app = web.Application()
+        app.router.add_post("/v1/completions", self._completions)
+        app.router.add_get("/health", self._health)
+        app.router.add_get("/status", self._status)
+        app.on_startup.append(self._start)
+        app.on_cleanup.append(self._stop)
+        return app
+
+    async def _start(self, app: web.Application) -> None:
+        self.session = aiohttp.ClientSession(timeout=self.timeout)
+
+    async def _stop(self, app: web.Application) -> None:
+        if self.session is not None:
+            await self.session.close()
+
+    async def _health(self, request: web.Request) -> web.Response:
+        return web.json_response({"status": "ok"})
+
+    async def _status(self, request: web.Request) -> web.Response:
+        engines = {
+            "prefill": [vars(i) for i in self.prefill],
+            "decode": [vars(i) for i in self.decode],
+        }
+        return web.json_response({**engines, "requests": self.counts})
+
+    def _count(self, outcome: str) -> None:
+        self.counts[outcome] = self.counts.get(outcome, 0) + 1
+
+    # ----------------------------------------------------------- requests
+
+    async def _completions(self, request: web.Request) -> web.StreamResponse:
+        try:
+            body = await request.json()
+        except ValueError:
+            return error(400, "the body is not JSON", "invalid_request_error")
+        if not isinstance(body, dict):
+            return error(400, "the body must be a JSON object", "invalid_request_error")
+        problem = _check(body)
+        if problem:
+            return error(400, problem, "invalid_request_error")
+        policy = body.pop(ON_FAILURE, self.on_failure)
+        if policy not in POLICIES:
+            return error(400, f"{ON_FAILURE} must be one of {POLICIES}", "invalid_request_error")
+        max_tokens = int(body.get("max_tokens") or DEFAULT_MAX_TOKENS)
+        try:
+            first = await self._prefill(body)
+        except HandoffFailed as exc:
+            self._count("prefill_failed")
+            return error(502, str(exc), "engine_error")
+        choice = first["choices"][0]
+        if max_tokens == 1 or choice.get("finish_reason") == "stop":
+            self._count("prefill_only")
+            return await self._answer_alone(request, body, first)
+        params = first.get("kv_transfer_params") or {}
+        if HANDOFF_ID not in params:  # the producer could not publish its KV
+            if policy == "error":
+                self._count("error.not_offered")
+                message = "the hand-off failed: the prefill engine could not publish its KV"
+                return error(502, f"{message} (cache server away or stores failed)", "engine_error")
+            params = {}
+        decode_body = dict(body)
+        decode_body["prompt"] = list(choice["prompt_token_ids"]) + list(choice["token_ids"])
+        decode_body["max_tokens"] = max_tokens - 1
+        if isinstance(body.get("min_tokens"), int):
+            decode_body["min_tokens"] = max(0, body["min_tokens"] - 1)
+        if params:
+            decode_body["kv_transfer_params"] = {**params, ON_FAILURE: policy}
+        decode_body["return_token_ids"] = bool(body.get("return_token_ids"))
+        if body.get("stream"):
+            return await self._stream(request, first, decode_body, params)
+        return await self._joined(first, decode_body, params)
+
+    async def _prefill(self, body: dict[str, Any]) -> dict[str, Any]:
+        prefill_body = {k: v for k, v in body.items() if k not in ("stream", "stream_options")}
+        prefill_body.update(
+            max_tokens=1,
+            return_token_ids=True,
+            kv_transfer_params={"do_remote_decode": True},
+        )
+        status, data = await self._post(self.prefill, prefill_body)
+        if status != 200:
+            raise HandoffFailed(f"the prefill engine answered {status}: {data[:500]!r}")
+        answer: dict[str, Any] = json.loads(data)
+        return answer
+
+    async def _post(self, pool: list[Instance], body: dict[str, Any]) -> tuple[int, bytes]:
+        assert self.session is not None
+        instance = min(pool, key=lambda i: i.in_flight)
+        instance.in_flight += 1
+        try:
+            async with self.session.post(instance.url + "/v1/completions", json=body) as resp:
+                return resp.status, await resp.read()
+        except (TimeoutError, aiohttp.ClientError) as exc:
+            return 503, f"{instance.url} unreachable: {exc}".encode()
+        finally:
+            instance.in_flight -= 1
+
+    async def _joined(
+        self, first: dict[str, Any], decode_body: dict[str, Any], params: dict[str, Any]
+    ) -> web.Response:
+        status, data = await self._post(self.decode, decode_body)
+        if status != 200:
+            self._count(f"decode_failed.{status}")
+            return error(502, _decode_failure(status, data, params), "engine_error")
+        rest = json.loads(data)
+        answer = dict(rest)
+        head, tail = first["choices"][0], rest["choices"][0]
+        joined = dict(tail)
+        joined["text"] = head["text"] + tail["text"]
+        if decode_body["return_token_ids"]:
+            joined["token_ids"] = list(head["token_ids"]) + list(tail.get("token_ids") or [])
+            joined["prompt_token_ids"] = head["prompt_token_ids"]
+        else:
+            joined.pop("token_ids", None)
+            joined.pop("prompt_token_ids", None)
+        joined["logprobs"] = _join_logprobs(head.get("logprobs"), tail.get("logprobs"), head)
+        answer["choices"] = [joined]
+        answer["usage"] = _usage(first, rest, rest.get("kv_transfer_params"))
+        answer.pop("kv_transfer_params", None)
+        self._count(_outcome(rest.get("kv_transfer_params"), params))
+        return web.json_response(answer)
+
+    async def _stream(
+        self,
+        request: web.Request,
+        first: dict[str, Any],
+        decode_body: dict[str, Any],
+        params: dict[str, Any],
+    ) -> web.StreamResponse:
+        assert self.session is not None
+        instance = min(self.decode, key=lambda i: i.in_flight)
+        instance.in_flight += 1
+        try:
+            async with self.session.post(
+                instance.url + "/v1/completions", json=decode_body
+            ) as upstream:
+                if upstream.status != 200:
+                    data = await upstream.read()
+                    self._count(f"decode_failed.{upstream.status}")
+                    return error(
+                        502, _decode_failure(upstream.status, data, params), "engine_error"
+                    )
+                response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+                await response.prepare(request)
+                await response.write(_event(_first_chunk(first, decode_body)))
+                async for line in upstream.content:
+                    await response.write(_patched(line, first))
+                await response.write_eof()
+                self._count("streamed")
+                return response
+        except (TimeoutError, aiohttp.ClientError) as exc:
+            return error(502, f"the decode engine failed: {exc}", "engine_error")
+        finally:
+            instance.in_flight -= 1
+
+    async def _answer_alone(
+        self, request: web.Request, body: dict[str, Any], first: dict[str, Any]
+    ) -> web.StreamResponse:
+        """The first token was the whole answer."""
+        answer = {k: v for k, v in first.items() if k != "kv_transfer_params"}
+        if not body.get("return_token_ids"):
+            for choice in answer["choices"]:
+                choice.pop("token_ids", None)
+                choice.pop("prompt_token_ids", None)
+        if not body.get("stream"):
+            return web.json_response(answer)
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await response.prepare(request)
+        await response.write(_event(answer))
+        await response.write(b"data: [DONE]\n\n")
+        await response.write_eof()
+        return response
+
+
+def _check(body: dict[str, Any]) -> str:
+    prompt = body.get("prompt")
+    single = isinstance(prompt, str) or (
+        isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt)
+    )
+    if not single:
+        return "prompt must be one string or one list of token ids (pd-proxy takes one prompt)"
+    if body.get("n", 1) != 1 or body.get("best_of", 1) != 1:
+        return "pd-proxy serves n = 1 and best_of = 1 only"
+    max_tokens = body.get("max_tokens")
+    if max_tokens is not None and (not isinstance(max_tokens, int) or max_tokens < 1):
+        return "max_tokens must be a positive integer"
+    if body.get("echo"):
+        return "pd-proxy does not echo the prompt"
+    return ""
+
+
+def _decode_failure(status: int, data: bytes, params: dict[str, Any]) -> str:
+    handoff = params.get(HANDOFF_ID, "(none)")
+    return (
+        f"the decode engine answered {status} for hand-off {handoff}: under the error policy a "
+        "hand-off that did not come (expired, producer gone, taken, another layout, server "
+        f"away; the decode engine's log names which) fails the request. {data[:300]!r}"
+    )
+
+
+def _outcome(decoded: dict[str, Any] | None, params: dict[str, Any]) -> str:
+    if not params:
+        return "recomputed.not_offered"
+    if not decoded:
+        return "unknown"
+    outcome = str(decoded.get(OUTCOME, "unknown"))
+    return outcome if outcome == "loaded" else f"{outcome}.{decoded.get(CAUSE, '')}"
+
+
+def _usage(
+    first: dict[str, Any], rest: dict[str, Any], decoded: dict[str, Any] | None
+) -> dict[str, Any]:
+    prompt = int(first["usage"]["prompt_tokens"])
+    generated = int(first["usage"]["completion_tokens"]) + int(rest["usage"]["completion_tokens"])
+    usage: dict[str, Any] = {"prompt_tokens": prompt, "completion_tokens": generated}
+    usage["total_tokens"] = prompt + generated
+    handoff = {k: v for k, v in (decoded or {}).items() if k in (HANDOFF_ID, OUTCOME, CAUSE)}
+    usage["kvtier_handoff"] = handoff or {OUTCOME: "recomputed", CAUSE: "not_offered"}
+    return usage
+
+
+def _join_logprobs(
+    head: dict[str, Any] | None, tail: dict[str, Any] | None, first: dict[str, Any]
+) -> dict[str, Any] | None:
+    if head is None or tail is None:
+        return head or tail
+    shift = len(first["text"])
+    return {
+        "tokens": head["tokens"] + tail["tokens"],
+        "token_logprobs": head["token_logprobs"] + tail["token_logprobs"],
+        "top_logprobs": (head.get("top_logprobs") or []) + (tail.get("top_logprobs") or []),
+        "text_offset": head["text_offset"] + [o + shift for o in tail["text_offset"]],
+    }
+
+
+def _first_chunk(first: dict[str, Any], decode_body: dict[str, Any]) -> dict[str, Any]:
+    """The prefill's token as the stream's first event."""
+    choice = first["choices"][0]
+    chunk: dict[str, Any] = {"index": 0, "text": choice["text"], "finish_reason": None}
+    chunk["logprobs"] = choice.get("logprobs")
+    if decode_body["return_token_ids"]:
+        chunk["token_ids"] = choice["token_ids"]
+        chunk["prompt_token_ids"] = choice["prompt_token_ids"]
+    return {
+        "id": first["id"],
+        "object": "text_completion",
+        "created": first["created"],
+        "model": first["model"],
+        "choices": [chunk],
+    }
+
+
+def _patched(line: bytes, first: dict[str, Any]) -> bytes:
+    """A decode stream's line, its usage (if any) counting the prompt as the
+    client sent it and the prefill's token."""
+    if not line.startswith(b"data: {") or b'"usage"' not in line:
+        return line
+    event = json.loads(line[len(b"data: ") :])
+    usage = event.get("usage")
+    if usage:
+        usage["prompt_tokens"] = int(first["usage"]["prompt_tokens"])
+        usage["completion_tokens"] = int(usage["completion_tokens"]) + 1
+        usage["total_tokens"] = usage["prompt_tokens"] + usage["completion_tokens"]
+    return _event(event)
+
+
+def _event(data: dict[str, Any]) -> bytes:
+    return b"data: " + json.dumps(data).encode() + b"\n\n"
+
+
+# ------------------------------------------------------------ the command
+
+
+async def serve(proxy: PDProxy, host: str, port: int, stop: asyncio.Event | None = None) -> None:
+    stop = stop or asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        try:
+            loop.add_signal_handler(sig, stop.set)
+        except (NotImplementedError, RuntimeError):  # not the main thread
+            break
+    runner = web.AppRunner(proxy.app(), access_log=None)
+    await runner.setup()
+    try:
+        site = web.TCPSite(runner, host, port)
+        await site.start()
+        bound = runner.addresses[0][1]
+        print(
+            f"kvtier pd-proxy: http://{host}:{bound} prefill {len(proxy.prefill)} "
+            f"decode {len(proxy.decode)} on failure {proxy.on_failure}",
+            flush=True,
+        )
+        await stop.wait()
+    finally:
+        await runner.cleanup()
+
+
+def run(args: argparse.Namespace) -> int:
+    proxy = PDProxy(args.prefill or [], args.decode or [], args.on_failure, args.timeout_s)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
+    asyncio.run(serve(proxy, args.host, args.port))
+    return 0

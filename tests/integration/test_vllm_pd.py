@@ -1,0 +1,203 @@
+"""Prefill/decode disaggregation end to end on vLLM's CPU build: a prefill
+engine and a decode engine (each bound to its own core), both with the
+kvtier connector, behind ``kvtier pd-proxy``, against one real
+``kvtier serve``. Outputs equal the colocated engine's (same tokens,
+|Δlogprob| <= 1e-4); failed hand-offs end with the request's policy; nothing
+stays held on the server.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.integration.harness import Server, ServerFactory, wait_for
+from tests.integration.vllm_api import ApiServer, ApiServers, connector, post
+
+pytest.importorskip("vllm")
+from kvtier.router.pd import PDProxy, serve
+from tests.integration.test_vllm_connector import TOLERANCE, tokens
+from tests.integration.vllm_api import free_port
+
+pytestmark = [pytest.mark.slow, pytest.mark.engine]
+
+NEW_TOKENS = 8
+# A tail after whole chunks, a longer one, an exact number of chunks, shorter than a chunk.
+PROMPTS = [tokens(60 + i, n) for i, n in enumerate((700, 1100, 512, 200))]
+
+
+@pytest.fixture(scope="module")
+def kv_server(module_servers: ServerFactory) -> Server:
+    return module_servers.start("--l1-size", "256MiB")
+
+
+@pytest.fixture(scope="module")
+def engines(
+    model_dir: Path, kv_server: Server, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[tuple[ApiServer, ApiServer]]:
+    servers = ApiServers(model_dir, tmp_path_factory.mktemp("pd"))
+    try:
+        common = ["--no-enable-prefix-caching"]
+        prefill = servers.start(
+            connector(kv_server.rpc), *common, env={"VLLM_CPU_OMP_THREADS_BIND": "0"}
+        )
+        decode_transfer = connector(kv_server.rpc, handoff_wait_s=2.0)
+        decode_transfer["kv_load_failure_policy"] = "fail"  # the error policy's errors
+        decode = servers.start(decode_transfer, *common, env={"VLLM_CPU_OMP_THREADS_BIND": "1"})
+        servers.wait(prefill, decode)
+        yield prefill, decode
+    finally:
+        servers.close()
+
+
+@pytest.fixture(scope="module")
+def proxy(engines: tuple[ApiServer, ApiServer]) -> Iterator[str]:
+    prefill, decode = engines
+    port = free_port()
+    pd = PDProxy([prefill.url], [decode.url])
+    loop = asyncio.new_event_loop()
+    stop = asyncio.Event()
+    thread = threading.Thread(
+        target=loop.run_until_complete, args=(serve(pd, "127.0.0.1", port, stop),), daemon=True
+    )
+    thread.start()
+    url = f"http://127.0.0.1:{port}"
+    assert wait_for(lambda: _health(url), bool)
+    yield url
+    loop.call_soon_threadsafe(stop.set)
+    thread.join(timeout=10)
+
+
+def _health(url: str) -> bool:
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen(url + "/health", timeout=2) as response:
+            return bool(response.status == 200)
+    except OSError:
+        return False
+
+
+def body(prompt: list[int], **extra: Any) -> dict[str, Any]:
+    return {
+        "model": "m",
+        "prompt": prompt,
+        "max_tokens": NEW_TOKENS,
+        "temperature": 0,
+        "logprobs": 1,
+        "return_token_ids": True,
+        **extra,
+    }
+
+
+def generated(answer: dict[str, Any]) -> tuple[list[int], list[float]]:
+    choice = answer["choices"][0]
+    return choice["token_ids"], choice["logprobs"]["token_logprobs"]
+
+
+def assert_same(want: dict[str, Any], got: dict[str, Any], what: str) -> None:
+    want_tokens, want_logprobs = generated(want)
+    got_tokens, got_logprobs = generated(got)
+    assert got_tokens == want_tokens, f"{what}: tokens differ"
+    worst = max(abs(a - b) for a, b in zip(want_logprobs, got_logprobs, strict=True))
+    assert worst <= TOLERANCE, f"{what}: |Δlogprob| {worst:.2e}"
+
+
+def handoffs(server: Server) -> dict[str, Any]:
+    return dict(server.status()["handoffs"])
+
+
+def test_pd_outputs_equal_colocated_and_the_first_token_comes_once(
+    engines: tuple[ApiServer, ApiServer], proxy: str, kv_server: Server
+) -> None:
+    prefill, _ = engines
+    for i, prompt in enumerate(PROMPTS):
+        # Colocated: the whole request on one engine (its own tenant salt, so the
+        # P/D run below reuses nothing of it).
+        status, colocated = post(prefill.url + "/v1/completions", body(prompt, cache_salt="ref"))
+        assert status == 200, colocated
+        status, pd = post(proxy + "/v1/completions", body(prompt))
+        assert status == 200, pd
+        assert_same(colocated, pd, f"prompt {i} ({len(prompt)} tokens)")
+        usage = pd["usage"]
+        assert usage["prompt_tokens"] == len(prompt)
+        assert usage["completion_tokens"] == NEW_TOKENS  # the first token once, not twice
+        assert usage["kvtier_handoff"]["kvtier_handoff_outcome"] == "loaded", usage
+        assert pd["choices"][0]["prompt_token_ids"] == prompt
+    # The server's status is a snapshot taken each tick: wait for the last DONE in it.
+    status = wait_for(kv_server.status, lambda s: consumed(s) == len(PROMPTS))
+    assert consumed(status) == len(PROMPTS)
+    assert status["handoffs"]["held"] == 0
+    assert status["storage"]["held_lookup_locks"] == 0
+
+
+def consumed(status: dict[str, Any]) -> int:
+    return int(status["server"].get("handoffs.consumed", 0))
+
+
+def test_a_stream_gives_the_prefill_token_then_the_decode_tokens(
+    engines: tuple[ApiServer, ApiServer], proxy: str
+) -> None:
+    import json
+    import urllib.request
+
+    prefill, _ = engines
+    prompt = tokens(70, 900)
+    status, colocated = post(prefill.url + "/v1/completions", body(prompt, cache_salt="ref"))
+    assert status == 200
+    request = urllib.request.Request(
+        proxy + "/v1/completions",
+        json.dumps(body(prompt, stream=True, stream_options={"include_usage": True})).encode(),
+        {"Content-Type": "application/json"},
+    )
+    events = []
+    with urllib.request.urlopen(request, timeout=300) as response:
+        for line in response:
+            if line.startswith(b"data: {"):
+                events.append(json.loads(line[len(b"data: ") :]))
+    streamed = [t for e in events for c in e["choices"] for t in c.get("token_ids") or []]
+    assert streamed == colocated["choices"][0]["token_ids"]
+    usage = [e["usage"] for e in events if e.get("usage")][-1]
+    assert (usage["prompt_tokens"], usage["completion_tokens"]) == (len(prompt), NEW_TOKENS)
+
+
+def test_a_hand_off_that_never_comes_recomputes_or_fails_as_asked(
+    engines: tuple[ApiServer, ApiServer], kv_server: Server
+) -> None:
+    """The producer died before its offer: the decode engine waits
+    handoff_wait_s, then recomputes (same output) or fails the request."""
+    prefill, decode = engines
+    prompt = tokens(80, 700)
+    status, colocated = post(prefill.url + "/v1/completions", body(prompt, cache_salt="ref"))
+    assert status == 200
+    forged = {"do_remote_prefill": True, "kvtier_handoff": "gone", "kvtier_prompt_tokens": 700}
+    decode_prompt = prompt + colocated["choices"][0]["token_ids"][:1]
+    status, recomputed = post(
+        decode.url + "/v1/completions",
+        body(decode_prompt, max_tokens=NEW_TOKENS - 1, kv_transfer_params=forged),
+    )
+    assert status == 200, recomputed
+    assert recomputed["choices"][0]["token_ids"] == colocated["choices"][0]["token_ids"][1:]
+    assert recomputed["kv_transfer_params"] == {
+        "kvtier_handoff": "gone",
+        "kvtier_handoff_outcome": "recomputed",
+        "kvtier_handoff_cause": "not_offered",
+    }
+    status, failed = post(
+        decode.url + "/v1/completions",
+        body(
+            decode_prompt,
+            max_tokens=NEW_TOKENS - 1,
+            kv_transfer_params={**forged, "kvtier_on_failure": "error"},
+        ),
+    )
+    assert status >= 500, failed  # vLLM's error for a failed KV load: the client is told
+    assert decode.healthy()  # and the engine keeps serving
+    status, again = post(decode.url + "/v1/completions", body(decode_prompt, max_tokens=2))
+    assert status == 200, again
+    assert handoffs(kv_server)["held"] == 0
