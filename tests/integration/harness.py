@@ -34,6 +34,18 @@ SHM_DIR = Path("/dev/shm")
 T = TypeVar("T")
 
 
+def post_json(url: str, body: dict[str, Any], timeout_s: float = 300.0) -> tuple[int, Any]:
+    """POST JSON; the status and the JSON answer (an error's body too)."""
+    request = urllib.request.Request(
+        url, json.dumps(body).encode(), {"Content-Type": "application/json"}
+    )
+    try:
+        with urllib.request.urlopen(request, timeout=timeout_s) as response:
+            return int(response.status), json.loads(response.read())
+    except urllib.error.HTTPError as exc:
+        return int(exc.code), json.loads(exc.read() or b"{}")
+
+
 def wait_for(
     probe: Callable[[], T],
     done: Callable[[T], bool],

@@ -23,13 +23,20 @@ from typing import Any
 import numpy as np
 import pytest
 
+from kvtier.bench.engines import EngineOptions, kvtier_transfer, vllm_server
 from kvtier.keys import ObjectKey
 from kvtier.l2.format import encode_object, unpack_header
 from kvtier.l2.fs import SUFFIX
 from kvtier.process import clean_env, read_line, stop_process
 from kvtier.server.admin_command import call
-from tests.integration.harness import ROOT, Server, ServerFactory, tenants_toml, wait_for
-from tests.integration.vllm_api import ApiServers, connector, post
+from tests.integration.harness import (
+    ROOT,
+    Server,
+    ServerFactory,
+    post_json,
+    tenants_toml,
+    wait_for,
+)
 
 pytest.importorskip("vllm")
 pytestmark = [pytest.mark.slow, pytest.mark.engine]
@@ -319,18 +326,12 @@ def test_shadow_check_confirms_reuse_and_catches_kv_that_passes_its_checksums(
 def test_openai_server_reports_kvtier_hits_as_cached_tokens(
     model_dir: Path, kv_server: Server, tmp_path: Path
 ) -> None:
-    servers = ApiServers(model_dir, tmp_path)
-    try:
-        api = servers.start(
-            connector(kv_server.rpc),
-            "--no-enable-prefix-caching",
-            "--enable-prompt-tokens-details",
-        )
-        servers.wait(api)
-        body = {"model": "m", "max_tokens": NEW_TOKENS, "temperature": 0}
+    options = EngineOptions(model_dir, 4096, 1 << 30, prefix_caching=False)
+    with vllm_server(options, kvtier_transfer(kv_server.rpc), tmp_path / "api.log") as api:
+        body = {"model": str(model_dir), "max_tokens": NEW_TOKENS, "temperature": 0}
 
         def complete(prompt: list[int]) -> dict[str, Any]:
-            status, answer = post(api.url + "/v1/completions", {**body, "prompt": prompt})
+            status, answer = post_json(api.url + "/v1/completions", {**body, "prompt": prompt})
             assert status == 200, answer
             usage: dict[str, Any] = answer["usage"]
             return usage
@@ -340,8 +341,6 @@ def test_openai_server_reports_kvtier_hits_as_cached_tokens(
         usage = complete(fresh)  # vLLM's prefix caching is off: any hit is kvtier's
         assert usage["prompt_tokens"] == len(fresh)
         assert usage["prompt_tokens_details"]["cached_tokens"] == kvtier_hit(len(fresh))
-    finally:
-        servers.close()
 
 
 def test_tenants_through_the_connector_and_a_pinned_system_prompt(

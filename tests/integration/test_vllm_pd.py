@@ -9,23 +9,26 @@ stays held on the server.
 from __future__ import annotations
 
 import asyncio
+import json
 import threading
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from tests.integration.harness import Server, ServerFactory, wait_for
-from tests.integration.vllm_api import ApiServer, ApiServers, connector, post
+from kvtier.bench.engines import Engine, EngineOptions, kvtier_transfer, vllm_servers
+from kvtier.bench.stores import free_port
+from tests.integration.harness import Server, ServerFactory, post_json, wait_for
 
 pytest.importorskip("vllm")
 from kvtier.router.pd import PDProxy, serve
 from tests.integration.test_vllm_connector import TOLERANCE, tokens
-from tests.integration.vllm_api import free_port
 
 pytestmark = [pytest.mark.slow, pytest.mark.engine]
 
+MODEL = "m"
 NEW_TOKENS = 8
 # A tail after whole chunks, a longer one, an exact number of chunks, shorter than a chunk.
 PROMPTS = [tokens(60 + i, n) for i, n in enumerate((700, 1100, 512, 200))]
@@ -39,24 +42,26 @@ def kv_server(module_servers: ServerFactory) -> Server:
 @pytest.fixture(scope="module")
 def engines(
     model_dir: Path, kv_server: Server, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[tuple[ApiServer, ApiServer]]:
-    servers = ApiServers(model_dir, tmp_path_factory.mktemp("pd"))
-    try:
-        common = ["--no-enable-prefix-caching"]
-        prefill = servers.start(
-            connector(kv_server.rpc), *common, env={"VLLM_CPU_OMP_THREADS_BIND": "0"}
-        )
-        decode_transfer = connector(kv_server.rpc, handoff_wait_s=2.0)
-        decode_transfer["kv_load_failure_policy"] = "fail"  # the error policy's errors
-        decode = servers.start(decode_transfer, *common, env={"VLLM_CPU_OMP_THREADS_BIND": "1"})
-        servers.wait(prefill, decode)
-        yield prefill, decode
-    finally:
-        servers.close()
+) -> Iterator[tuple[Engine, Engine]]:
+    """A prefill engine on core 0 and a decode engine on core 1; the decode's
+    failed loads fail their request (the error policy's errors)."""
+    logs = tmp_path_factory.mktemp("pd")
+    prefill = (EngineOptions(model_dir, 4096, 1 << 30, prefix_caching=False, cpus="0", name=MODEL),)
+    decode = (EngineOptions(model_dir, 4096, 1 << 30, prefix_caching=False, cpus="1", name=MODEL),)
+    configs = [
+        (*prefill, kvtier_transfer(kv_server.rpc), logs / "prefill.log"),
+        (
+            *decode,
+            kvtier_transfer(kv_server.rpc, load_failure="fail", handoff_wait_s=2.0),
+            logs / "decode.log",
+        ),
+    ]
+    with vllm_servers(configs) as (prefill_engine, decode_engine):
+        yield prefill_engine, decode_engine
 
 
 @pytest.fixture(scope="module")
-def proxy(engines: tuple[ApiServer, ApiServer]) -> Iterator[str]:
+def proxy(engines: tuple[Engine, Engine]) -> Iterator[str]:
     prefill, decode = engines
     port = free_port()
     pd = PDProxy([prefill.url], [decode.url])
@@ -74,8 +79,6 @@ def proxy(engines: tuple[ApiServer, ApiServer]) -> Iterator[str]:
 
 
 def _health(url: str) -> bool:
-    import urllib.request
-
     try:
         with urllib.request.urlopen(url + "/health", timeout=2) as response:
             return bool(response.status == 200)
@@ -85,7 +88,7 @@ def _health(url: str) -> bool:
 
 def body(prompt: list[int], **extra: Any) -> dict[str, Any]:
     return {
-        "model": "m",
+        "model": MODEL,
         "prompt": prompt,
         "max_tokens": NEW_TOKENS,
         "temperature": 0,
@@ -113,15 +116,17 @@ def handoffs(server: Server) -> dict[str, Any]:
 
 
 def test_pd_outputs_equal_colocated_and_the_first_token_comes_once(
-    engines: tuple[ApiServer, ApiServer], proxy: str, kv_server: Server
+    engines: tuple[Engine, Engine], proxy: str, kv_server: Server
 ) -> None:
     prefill, _ = engines
     for i, prompt in enumerate(PROMPTS):
         # Colocated: the whole request on one engine (its own tenant salt, so the
         # P/D run below reuses nothing of it).
-        status, colocated = post(prefill.url + "/v1/completions", body(prompt, cache_salt="ref"))
+        status, colocated = post_json(
+            prefill.url + "/v1/completions", body(prompt, cache_salt="ref")
+        )
         assert status == 200, colocated
-        status, pd = post(proxy + "/v1/completions", body(prompt))
+        status, pd = post_json(proxy + "/v1/completions", body(prompt))
         assert status == 200, pd
         assert_same(colocated, pd, f"prompt {i} ({len(prompt)} tokens)")
         usage = pd["usage"]
@@ -141,14 +146,11 @@ def consumed(status: dict[str, Any]) -> int:
 
 
 def test_a_stream_gives_the_prefill_token_then_the_decode_tokens(
-    engines: tuple[ApiServer, ApiServer], proxy: str
+    engines: tuple[Engine, Engine], proxy: str
 ) -> None:
-    import json
-    import urllib.request
-
     prefill, _ = engines
     prompt = tokens(70, 900)
-    status, colocated = post(prefill.url + "/v1/completions", body(prompt, cache_salt="ref"))
+    status, colocated = post_json(prefill.url + "/v1/completions", body(prompt, cache_salt="ref"))
     assert status == 200
     request = urllib.request.Request(
         proxy + "/v1/completions",
@@ -167,17 +169,17 @@ def test_a_stream_gives_the_prefill_token_then_the_decode_tokens(
 
 
 def test_a_hand_off_that_never_comes_recomputes_or_fails_as_asked(
-    engines: tuple[ApiServer, ApiServer], kv_server: Server
+    engines: tuple[Engine, Engine], kv_server: Server
 ) -> None:
     """The producer died before its offer: the decode engine waits
     handoff_wait_s, then recomputes (same output) or fails the request."""
     prefill, decode = engines
     prompt = tokens(80, 700)
-    status, colocated = post(prefill.url + "/v1/completions", body(prompt, cache_salt="ref"))
+    status, colocated = post_json(prefill.url + "/v1/completions", body(prompt, cache_salt="ref"))
     assert status == 200
     forged = {"do_remote_prefill": True, "kvtier_handoff": "gone", "kvtier_prompt_tokens": 700}
     decode_prompt = prompt + colocated["choices"][0]["token_ids"][:1]
-    status, recomputed = post(
+    status, recomputed = post_json(
         decode.url + "/v1/completions",
         body(decode_prompt, max_tokens=NEW_TOKENS - 1, kv_transfer_params=forged),
     )
@@ -188,7 +190,7 @@ def test_a_hand_off_that_never_comes_recomputes_or_fails_as_asked(
         "kvtier_handoff_outcome": "recomputed",
         "kvtier_handoff_cause": "not_offered",
     }
-    status, failed = post(
+    status, failed = post_json(
         decode.url + "/v1/completions",
         body(
             decode_prompt,
@@ -197,7 +199,7 @@ def test_a_hand_off_that_never_comes_recomputes_or_fails_as_asked(
         ),
     )
     assert status >= 500, failed  # vLLM's error for a failed KV load: the client is told
-    assert decode.healthy()  # and the engine keeps serving
-    status, again = post(decode.url + "/v1/completions", body(decode_prompt, max_tokens=2))
+    assert _health(decode.url)  # and the engine keeps serving
+    status, again = post_json(decode.url + "/v1/completions", body(decode_prompt, max_tokens=2))
     assert status == 200, again
     assert handoffs(kv_server)["held"] == 0

@@ -50,6 +50,7 @@ class EngineOptions:
     kv_events: dict[str, Any] | None = None
     cpus: str = ""  # VLLM_CPU_OMP_THREADS_BIND, e.g. "0" (one engine per core); "" vLLM's choice
     dev_mode: bool = False  # VLLM_SERVER_DEV_MODE: POST /reset_prefix_cache, between runs
+    name: str = ""  # --served-model-name ("": the model's path)
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,14 +65,20 @@ class Engine:
         return f"http://{self.address}"
 
 
-def kvtier_transfer(rpc: str, load_async: bool = False) -> dict[str, Any]:
-    """vLLM's ``--kv-transfer-config`` for kvtier's connector."""
+def kvtier_transfer(
+    rpc: str, load_async: bool = False, load_failure: str = "recompute", **options: Any
+) -> dict[str, Any]:
+    """vLLM's ``--kv-transfer-config`` for kvtier's connector; ``options``
+    are more ``kvtier.<option>`` settings, ``load_failure`` vLLM's
+    ``kv_load_failure_policy``."""
+    extra = {"kvtier.address": rpc, "kvtier.load_async": load_async}
+    extra |= {f"kvtier.{name}": value for name, value in options.items()}
     return {
         "kv_connector": "KVTierConnector",
         "kv_connector_module_path": "kvtier.engine.vllm",
         "kv_role": "kv_both",
-        "kv_load_failure_policy": "recompute",
-        "kv_connector_extra_config": {"kvtier.address": rpc, "kvtier.load_async": load_async},
+        "kv_load_failure_policy": load_failure,
+        "kv_connector_extra_config": extra,
     }
 
 
@@ -105,11 +112,44 @@ def vllm_server(
     python: Path | str = sys.executable,
 ) -> Iterator[Engine]:
     """Start a vLLM OpenAI server, wait until it is healthy, stop it at exit."""
+    with vllm_servers([(options, transfer, log)], python) as (engine,):
+        yield engine
+
+
+@contextmanager
+def vllm_servers(
+    configs: list[tuple[EngineOptions, dict[str, Any] | None, Path]],
+    python: Path | str = sys.executable,
+) -> Iterator[list[Engine]]:
+    """Start several vLLM OpenAI servers at once (each ``(options, transfer,
+    log)``), wait until every one is healthy, stop them all at exit."""
+    started: list[tuple[subprocess.Popen[Any], str, Path]] = []
+    try:
+        for options, transfer, log in configs:
+            started.append(_launch(options, transfer, log, python))
+        deadline = time.monotonic() + START_TIMEOUT_S
+        for proc, address, log in started:
+            while not healthy(address):
+                if proc.poll() is not None or time.monotonic() > deadline:
+                    tail = log.read_text()[-4000:]
+                    raise RuntimeError(f"vLLM did not start (log {log}):\n{tail}")
+                time.sleep(0.5)
+        yield [Engine(address, proc.pid) for proc, address, _ in started]
+    finally:
+        for proc, _, _ in started:
+            stop_group(proc, timeout_s=30)
+
+
+def _launch(
+    options: EngineOptions, transfer: dict[str, Any] | None, log: Path, python: Path | str
+) -> tuple[subprocess.Popen[Any], str, Path]:
     port = free_port()
     command = [str(python), "-m", "vllm.entrypoints.openai.api_server"]
     command += ["--model", str(options.model), "--host", "127.0.0.1", "--port", str(port)]
     command += ["--dtype", "float32", "--seed", "0", "--enforce-eager"]
     command += ["--max-model-len", str(options.max_model_len)]
+    if options.name:
+        command += ["--served-model-name", options.name]
     command += ["--kv-cache-memory-bytes", str(options.kv_cache_bytes)]
     command += ["--max-num-seqs", str(options.max_num_seqs)]
     command += ["--max-num-batched-tokens", str(options.max_num_batched_tokens)]
@@ -136,17 +176,7 @@ def vllm_server(
         proc = subprocess.Popen(
             command, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True
         )
-    address = f"127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + START_TIMEOUT_S
-        while not healthy(address):
-            if proc.poll() is not None or time.monotonic() > deadline:
-                tail = log.read_text()[-4000:]
-                raise RuntimeError(f"vLLM did not start (log {log}):\n{tail}")
-            time.sleep(0.5)
-        yield Engine(address, proc.pid)
-    finally:
-        stop_group(proc, timeout_s=30)
+    return proc, f"127.0.0.1:{port}", log
 
 
 def stop_group(proc: subprocess.Popen[Any], timeout_s: float) -> None:

