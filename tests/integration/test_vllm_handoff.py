@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from kvtier.server.client import CacheClient, ClientConfig
-from tests.integration.harness import Server, wait_for
+from tests.integration.harness import Server, ServerFactory, wait_for
 
 pytest.importorskip("vllm")
 from kvtier.engine.vllm.handoff import CAUSE, HANDOFF_ID, OUTCOME, PROMPT_TOKENS
@@ -114,8 +114,13 @@ def consumer_request(tokens: list[int], params: dict[str, Any], rid: str = "d") 
     return pd_request(rid, [*tokens, 7], params)  # the producer's first token follows
 
 
-def test_a_hand_off_goes_from_producer_to_consumer_and_is_released(server: Server) -> None:
-    producer, consumer = side_for(server.rpc), side_for(server.rpc)
+@pytest.mark.parametrize("load_async", [False, True])
+def test_a_hand_off_goes_from_producer_to_consumer_and_is_released(
+    server: Server, load_async: bool
+) -> None:
+    """Loaded like any hit: before the step's forward, or (``load_async``)
+    on the worker's load thread while the request waits for remote KV."""
+    producer, consumer = side_for(server.rpc), side_for(server.rpc, load_async=load_async)
     try:
         tokens = prompt(PROMPT, seed=40)
         params = produce(producer, tokens)
@@ -124,13 +129,14 @@ def test_a_hand_off_goes_from_producer_to_consumer_and_is_released(server: Serve
         answer = wait_for(
             lambda: consumer.get_num_new_matched_tokens(req, 0), lambda a: a[0] is not None
         )
-        assert answer == (PROMPT, True)  # every prompt token, loaded while the request waits
+        assert answer == (PROMPT, load_async)  # every prompt token
         consumer.update_state_after_alloc(req, Blocks([30, 31, 32, 33, 34]), PROMPT)
         (load,) = consumer.build_connector_meta(parked_step()).loads
-        assert load.asynchronous and not load.failed
+        assert load.asynchronous == load_async and not load.failed
         assert len(load.hashes) == 3  # two chunks and the tail
         assert load.blocks == [{0: 30, 1: 31}, {0: 32, 1: 33}, {0: 34}]
         assert status(consumer)["handoffs"]["held"] == 1
+        # The load's step came back (or the workers report the asynchronous load done).
         consumer.update_connector_output(SimpleNamespace(finished_recving={"d"}))
         assert wait_for(lambda: status(consumer)["handoffs"]["held"], lambda n: n == 0) == 0
         _, outcome = consumer.request_finished(req, [30, 31, 32, 33, 34])
@@ -160,7 +166,7 @@ def test_a_hand_off_never_offered_ends_with_the_policy(server: Server) -> None:
             if policy == "recompute":
                 assert answer == (0, False)
             else:  # a load that fails every block: vLLM (kv_load_failure_policy fail) errors it
-                assert answer == (PROMPT, True)
+                assert answer == (PROMPT, False)
                 consumer.update_state_after_alloc(req, Blocks([1, 2, 3, 4, 5]), PROMPT)
                 (load,) = consumer.build_connector_meta(parked_step()).loads
                 assert load.failed and load.blocks == [{0: 1, 1: 2, 2: 3, 3: 4, 4: 5}]
@@ -181,7 +187,7 @@ def test_a_request_can_choose_its_own_policy(server: Server) -> None:
         answer = wait_for(
             lambda: consumer.get_num_new_matched_tokens(req, 0), lambda a: a[0] is not None
         )
-        assert answer == (PROMPT, True)  # the request asked for an error
+        assert answer == (PROMPT, False)  # the request asked for an error
         consumer.request_finished(req, [])
     finally:
         consumer.close()
@@ -198,7 +204,7 @@ def test_two_consumers_racing_for_one_hand_off(server: Server) -> None:
         got_b = wait_for(
             lambda: second.get_num_new_matched_tokens(b, 0), lambda x: x[0] is not None
         )
-        assert got_a == (PROMPT, True) and got_b == (0, False)  # the loser recomputes
+        assert got_a == (PROMPT, False) and got_b == (0, False)  # the loser recomputes
         _, lost = second.request_finished(b, [])
         assert lost is not None and lost[CAUSE] == "taken"
         first.update_state_after_alloc(a, Blocks([1, 2, 3, 4, 5]), PROMPT)
@@ -276,3 +282,125 @@ def test_bad_hand_off_parameters_and_an_absent_server_are_policy_outcomes(
         assert away.request_finished(producer_req, []) == (False, None)  # nothing to offer
     finally:
         away.close()
+
+
+def take_and_load(consumer: SchedulerSide, req: Any, blocks: list[int]) -> None:
+    """A consumer's first steps: the take, then its asynchronous load's step."""
+    answer = wait_for(
+        lambda: consumer.get_num_new_matched_tokens(req, 0), lambda a: a[0] is not None
+    )
+    assert answer == (PROMPT, False)
+    consumer.update_state_after_alloc(req, Blocks(blocks), PROMPT)
+    (load,) = consumer.build_connector_meta(parked_step()).loads
+    assert not load.failed
+
+
+def test_the_hand_off_outlives_its_producer(server: Server) -> None:
+    """The prefill engine dies once vLLM has finished its request: its KV is
+    the server's, and the decode engine still loads it."""
+    producer, consumer = side_for(server.rpc), side_for(server.rpc)
+    try:
+        tokens = prompt(PROMPT, seed=50)
+        params = produce(producer, tokens)
+        assert params is not None
+        wait_for(lambda: status(consumer)["handoffs"]["held"], lambda n: n == 1)
+        producer.close()  # its connections go; the hold stays
+        req = consumer_request(tokens, params)
+        take_and_load(consumer, req, [1, 2, 3, 4, 5])
+        consumer.update_connector_output(SimpleNamespace(finished_recving={"d"}))
+        _, outcome = consumer.request_finished(req, [])
+        assert outcome is not None and outcome[OUTCOME] == "loaded"
+        assert wait_for(lambda: status(consumer)["handoffs"]["held"], lambda n: n == 0) == 0
+    finally:
+        consumer.close()
+
+
+def test_a_consumer_that_dies_after_taking_is_reclaimed_by_the_lease(
+    kvtier_server: ServerFactory,
+) -> None:
+    """Its hold ends with the lease; its lookup's locks with its client's
+    time-to-live (short here): the ledger ends at zero."""
+    server = kvtier_server.start("--set", "limits.client_ttl_s=2")
+    producer, consumer = side_for(server.rpc, handoff_lease_s=1.0), side_for(server.rpc)
+    try:
+        tokens = prompt(PROMPT, seed=51)
+        params = produce(producer, tokens)
+        assert params is not None
+        take_and_load(consumer, consumer_request(tokens, params), [1, 2, 3, 4, 5])
+        consumer.close()  # dies mid-load: no DONE
+        held = 3 * producer.clients.layout(CHUNK).object_bytes()  # two chunks and the tail
+        assert status(producer)["handoffs"] == {"held": 1, "held_bytes": held, "taken": 1}
+        assert wait_for(lambda: status(producer)["handoffs"]["held"], lambda n: n == 0) == 0
+        assert status(producer)["server"]["handoffs.expired"] == 1
+        assert (
+            wait_for(lambda: status(producer)["storage"]["held_lookup_locks"], lambda n: n == 0)
+            == 0
+        )
+    finally:
+        producer.close()
+
+
+def test_the_cache_server_killed_mid_hand_off(kvtier_server: ServerFactory) -> None:
+    """Killed after the offer: the decode engine's take finds no server (a
+    recompute); restarted, the new server never heard of the hand-off, and
+    the wait for it ends as the producer's death would."""
+    first = kvtier_server.start()
+    producer = side_for(first.rpc)
+    consumer = side_for(first.rpc, handoff_wait_s=1.0, request_timeout_s=0.5)
+    try:
+        tokens = prompt(PROMPT, seed=52)
+        params = produce(producer, tokens)
+        assert params is not None
+        wait_for(lambda: status(consumer)["handoffs"]["held"], lambda n: n == 1)
+        second = kvtier_server.restart(first)
+        req = consumer_request(tokens, params)
+        answer = wait_for(
+            lambda: consumer.get_num_new_matched_tokens(req, 0), lambda a: a[0] is not None
+        )
+        assert answer == (0, False)
+        _, outcome = consumer.request_finished(req, [])
+        assert outcome is not None and outcome[CAUSE] in ("server_away", "not_offered")
+        wait_for(lambda: consumer.clients.client(""), lambda client: client is not None)
+        later = consumer_request(tokens, params, "d2")
+        answer = wait_for(
+            lambda: consumer.get_num_new_matched_tokens(later, 0), lambda a: a[0] is not None
+        )
+        assert answer == (0, False)
+        _, outcome = consumer.request_finished(later, [])
+        assert outcome is not None and outcome[CAUSE] == "not_offered"
+        assert second.status()["handoffs"]["held"] == 0
+    finally:
+        producer.close()
+        consumer.close()
+
+
+def test_a_preempted_consumer_reloads_its_prompt_without_taking_again(server: Server) -> None:
+    producer = side_for(server.rpc)
+    consumer = side_for(server.rpc, handoff_failure="error")
+    try:
+        tokens = prompt(PROMPT, seed=53)
+        params = produce(producer, tokens)
+        assert params is not None
+        req = consumer_request(tokens, params)
+        take_and_load(consumer, req, [1, 2, 3, 4, 5])
+        consumer.update_connector_output(SimpleNamespace(finished_recving={"d"}))
+        preempted = consumer_request(tokens, params)
+        preempted.num_preemptions = 1  # its blocks were freed: vLLM asks again
+        answer = wait_for(
+            lambda: consumer.get_num_new_matched_tokens(preempted, 0), lambda a: a[0] is not None
+        )
+        assert answer == (PROMPT, False)  # its chunks, looked up as a prefix: no second TAKE
+        consumer.update_state_after_alloc(preempted, Blocks([6, 7, 8, 9, 10]), PROMPT)
+        (load,) = consumer.build_connector_meta(parked_step()).loads
+        assert not load.failed and len(load.hashes) == 3
+        consumer.update_connector_output(SimpleNamespace(finished_recving={"d"}))
+        consumer.request_finished(preempted, [])
+        counters = status(consumer)["server"]
+        assert counters["handoffs.taken"] == counters["handoffs.consumed"] == 1
+        assert (
+            wait_for(lambda: status(consumer)["storage"]["held_lookup_locks"], lambda n: n == 0)
+            == 0
+        )
+    finally:
+        producer.close()
+        consumer.close()

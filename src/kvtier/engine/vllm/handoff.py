@@ -137,35 +137,39 @@ def role_of(
 
 
 def poll_take(
-    consume: Consume, client: CacheClient | None, hashes: list[bytes], now: float
+    consume: Consume,
+    client: CacheClient | None,
+    hashes: list[bytes],
+    now: float,
+    block_s: float = 0.0,
 ) -> None:
-    """Advance the TAKE one step: read its answer if it came, settle on
-    anything but ``pending``, send another while the wait lasts."""
+    """Advance the TAKE one step: send one if none is in flight (while the
+    wait for an offer lasts), read its answer if it came (within
+    ``block_s``), and settle on anything but ``pending``."""
     if consume.settled:
         return
     if client is None:
         consume.outcome = SERVER_AWAY
         return
-    call = consume.call
-    if call is not None and call.ready:
-        consume.call = None
-        reply = call.reply
-        if isinstance(reply, p.HandoffState):
-            if reply.outcome not in WAITING:
-                consume.outcome, consume.cause = reply.outcome, reply.message
-                return
-        elif isinstance(reply, p.Error):
-            consume.outcome, consume.cause = REFUSED, f"{reply.code}: {reply.message}"
-            return
-        else:
-            consume.outcome = SERVER_AWAY
-            return
     if consume.call is None:
         if now >= consume.deadline:
             consume.outcome = NOT_OFFERED
             return
-        take = p.HandoffTake(consume.handoff_id, hashes, consume.consumer)
-        consume.call = client.handoff(take)
+        consume.call = client.handoff(p.HandoffTake(consume.handoff_id, hashes, consume.consumer))
+    call = consume.call
+    if block_s > 0 and not call.ready:
+        call.wait(block_s)
+    if not call.ready:
+        return
+    consume.call = None
+    reply = call.reply
+    if isinstance(reply, p.HandoffState):
+        if reply.outcome not in WAITING:
+            consume.outcome, consume.cause = reply.outcome, reply.message
+    elif isinstance(reply, p.Error):
+        consume.outcome, consume.cause = REFUSED, f"{reply.code}: {reply.message}"
+    else:
+        consume.outcome = SERVER_AWAY
 
 
 def handoff_params(produce: Produce, prompt_tokens: int) -> dict[str, Any]:

@@ -62,6 +62,7 @@ from kvtier.counters import Counters
 from kvtier.engine.shadow import ShadowCheck
 from kvtier.engine.vllm.clients import ClientPool
 from kvtier.engine.vllm.handoff import (
+    NOT_OFFERED,
     Consume,
     Produce,
     consumer_outcome,
@@ -146,7 +147,9 @@ class SchedulerSide:
         client = tracked.client
         role = tracked.role
         if isinstance(role, Consume):
-            poll_take(role, client, tracked.hashes, time.monotonic())
+            started = time.perf_counter()
+            poll_take(role, client, tracked.hashes, time.monotonic(), self._step_wait_s)
+            self._step_wait_s = max(0.0, self._step_wait_s - (time.perf_counter() - started))
             if not role.settled:
                 return None, False  # not offered yet: asked again next step
             if not role.granted:
@@ -176,11 +179,7 @@ class SchedulerSide:
             else:
                 end = tracked.shadow_chunk * tracked.chunk_size  # vLLM computes it
         offered = max(0, end - num_computed_tokens)
-        return offered, self._asynchronous(tracked) and offered > 0
-
-    def _asynchronous(self, tracked: Tracked) -> bool:
-        """A hand-off always loads while its request waits for remote KV."""
-        return self.settings.load_async or isinstance(tracked.role, Consume)
+        return offered, self.settings.load_async and offered > 0
 
     def _handoff_failed(
         self, tracked: Tracked, role: Consume, request: Any, num_computed_tokens: int
@@ -202,7 +201,7 @@ class SchedulerSide:
             )
         if role.policy == "error":
             offered = max(0, request.num_tokens - 1 - num_computed_tokens)
-            return offered, offered > 0
+            return offered, self.settings.load_async and offered > 0
         return 0, False
 
     def _worth_waiting(self) -> bool:
@@ -292,7 +291,7 @@ class SchedulerSide:
                 }
                 for chunk in range(first, end)
             ],
-            asynchronous=self._asynchronous(tracked),
+            asynchronous=self.settings.load_async,
         )
         tracked.load_blocks = {b for chunk in spec.blocks for b in chunk.values()}
         return spec
@@ -305,7 +304,8 @@ class SchedulerSide:
         end = -(-(tracked.local + num_external_tokens) // self.block_size)
         ids = blocks.get_block_ids()[0][first:end]
         mapping = dict(enumerate(ids))
-        return LoadSpec(request.request_id, tracked.salt, 0, [], [mapping], True, failed=True)
+        asynchronous = self.settings.load_async
+        return LoadSpec(request.request_id, tracked.salt, 0, [], [mapping], asynchronous, True)
 
     # ----------------------------------------------------------------- steps
 
@@ -358,18 +358,18 @@ class SchedulerSide:
         asynchronous loads the workers finished (every rank): unlock them."""
         with self.timer:
             done = list(self._loading.popleft()) if self._loading else []
-            invalid = getattr(connector_output, "invalid_block_ids", None) or set()
             for request_id in getattr(connector_output, "finished_recving", None) or ():
                 held = self._receiving.pop(request_id, None)
                 tracked = self.requests.get(request_id)
                 if held is not None and tracked is not None:
                     tracked.received = True
                     done.append(held)
-                    self._consumed(tracked, whole=not tracked.load_blocks & invalid)
+            invalid = getattr(connector_output, "invalid_block_ids", None) or set()
             for request_id, start, end in done:
                 tracked = self.requests.get(request_id)
                 if tracked is not None and tracked.client is not None:
                     tracked.client.release(request_id, start, end, wait=False)
+                    self._consumed(tracked, whole=not tracked.load_blocks & invalid)
 
     def request_finished(
         self, request: Any, block_ids: list[int]
@@ -449,6 +449,8 @@ class SchedulerSide:
             time.monotonic(),
             self.engine_id,
         )
+        if old is not None and isinstance(old.role, Consume) and isinstance(role, Consume):
+            self._resume(old, role)
         if isinstance(role, Consume) and role.prompt_tokens:
             prompt = prompt[: role.prompt_tokens]  # the producer's prompt; its first token follows
         hashes: list[bytes] = []
@@ -476,6 +478,16 @@ class SchedulerSide:
             tracked.pin = self._listed_prefix(prompt, chunk_size or 0)
         self.requests[request.request_id] = tracked
         return tracked
+
+    def _resume(self, old: Tracked, role: Consume) -> None:
+        """A consumer preempted after its hand-off: what it lost is its own
+        blocks, not the hand-off. It takes nothing again: it looks its
+        chunks up like any prompt (they stay in kvtier as cache entries),
+        and recomputes what is gone, whatever its policy."""
+        assert isinstance(old.role, Consume)
+        self._consumed(old, whole=old.loaded)  # drop the server's hold if still held
+        role.outcome, role.cause = old.role.outcome or NOT_OFFERED, old.role.cause
+        role.done_sent, role.policy = True, "recompute"
 
     def _pin(self, tracked: Tracked, hit: int) -> None:
         """Renew the pin of a listed prefix this request starts with, once its
