@@ -76,6 +76,7 @@ from kvtier.engine.vllm.timing import StepTimer
 from kvtier.read_or_recompute import ewma
 from kvtier.server import protocol as p
 from kvtier.server.client import CacheClient, LookupState
+from kvtier.server.handoffs import HandoffOutcome
 
 log = logging.getLogger(__name__)
 PROBE_EVERY = 16  # while lookups are slow, one new lookup in this many still waits
@@ -393,22 +394,32 @@ class SchedulerSide:
         return False, None
 
     def _offer(self, tracked: Tracked, role: Produce) -> dict[str, Any] | None:
-        """Offer the producer's stored prompt for its consumer (sent without
-        waiting: the consumer polls until it is there)."""
+        """Offer the producer's stored prompt for its consumer. The answer is
+        awaited within the lookup budget, so that the offer is in before the
+        response reaches the proxy (a later one only makes the consumer poll)
+        and an offer the server finds incomplete is no hand-off at all."""
         complete = tracked.stored == len(tracked.hashes) and (role.tail is None or role.tail_stored)
-        if tracked.client is None or not complete:
+        reply = None
+        if tracked.client is not None and complete:
+            hashes = tracked.hashes + ([role.tail] if role.tail is not None else [])
+            offer = p.HandoffOffer(
+                role.handoff_id, hashes, self.settings.handoff_lease_s, role.consumer
+            )
+            reply = tracked.client.handoff(offer).wait(self.settings.lookup_wait_s)
+        refused = isinstance(reply, p.Error) or (
+            isinstance(reply, p.HandoffState) and reply.outcome != HandoffOutcome.OFFERED
+        )
+        if tracked.client is None or not complete or refused:
             self.outcomes.add("handoff_not_offered")
             log.warning(
-                "kvtier: %s: its prompt's KV is not all stored (server away, or it ended "
-                "before its prefill did): no hand-off",
+                "kvtier: %s: no hand-off: %s",
                 tracked.request_id,
+                f"the server refused it ({reply})"
+                if refused
+                else "its prompt's KV is not all stored (server away, or the request ended "
+                "before its prefill did)",
             )
             return None
-        hashes = tracked.hashes + ([role.tail] if role.tail is not None else [])
-        offer = p.HandoffOffer(
-            role.handoff_id, hashes, self.settings.handoff_lease_s, role.consumer
-        )
-        tracked.client.handoff(offer)
         self.outcomes.add("handoff_offered")
         return handoff_params(role, tracked.prompt_tokens)
 
