@@ -76,7 +76,9 @@ def complete(address: str, body: dict[str, Any], stream: bool) -> tuple[float, d
     return first, last
 
 
-def measure(prefill: str, decode: str, sizes: list[int], rounds: int) -> dict[str, Any]:
+def measure(
+    prefill: str, decode: str, sizes: list[int], rounds: int, settle_s: float
+) -> dict[str, Any]:
     rng = random.Random(0)
 
     def tokens(n: int) -> list[int]:
@@ -105,6 +107,7 @@ def measure(prefill: str, decode: str, sizes: list[int], rounds: int) -> dict[st
             )
             choice, params = produced["choices"][0], produced["kv_transfer_params"]
             handoff_prompt = choice["prompt_token_ids"] + choice["token_ids"]
+            time.sleep(settle_s)
             handoff = first_token_wait(handoff_prompt, kv_transfer_params=params)
             if round_:
                 samples["full_prefill"].append(full)
@@ -123,6 +126,12 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--tokens", type=int, nargs="+", default=[4096, 4000])
     parser.add_argument("--rounds", type=int, default=10)
+    parser.add_argument(
+        "--settle-s",
+        type=float,
+        default=0.0,
+        help="wait this long between the prefill's answer and the decode request",
+    )
     parser.add_argument("--model-dir", type=Path, help="where the model is cached")
     args = parser.parse_args()
     _, model = demo_model(args.model_dir, max_position_embeddings=MAX_MODEL_LEN)
@@ -140,9 +149,12 @@ def main() -> None:
             for role, cpus in (("prefill", "0"), ("decode", "1"))
         ]
         with vllm_servers(configs) as (prefill, decode):
-            results = measure(prefill.address, decode.address, args.tokens, args.rounds)
+            results = measure(
+                prefill.address, decode.address, args.tokens, args.rounds, args.settle_s
+            )
         time.sleep(1.5)  # the admin's status is a snapshot taken each tick
         status = kvtier.status_json()
+    results["settle_s"] = args.settle_s
     results["server"] = {
         "handoffs": status["handoffs"],
         "counters": {k: v for k, v in status["server"].items() if k.startswith("handoffs.")},

@@ -229,3 +229,37 @@ def test_the_savings_ledger_counts_what_engines_were_served(
     assert row["net_s"] == pytest.approx(row["saved_s"] - row["load_s"])
     totals = api(server, "GET", "/admin/ledger")["tenants"]["acme"]
     assert totals["served_tokens"] == 512
+
+
+def test_the_admin_api_says_what_became_of_a_hand_off(
+    admin_server: tuple[Server, list[str]],
+) -> None:
+    from kvtier.server import protocol as p
+
+    server, _ = admin_server
+    producer = client(server, "acme-token")
+    try:
+        hashes = w.chunk_hashes(256, 40, 2)
+        assert producer.store("w", hashes, w.payloads(40, 2, SIZE)) == 2
+
+        def outcome(message: p.Message) -> str:
+            reply = producer.handoff(message).wait()  # type: ignore[arg-type]
+            assert isinstance(reply, p.HandoffState), reply
+            return reply.outcome
+
+        assert outcome(p.HandoffOffer("h-1", hashes, 30.0)) == "offered"
+        assert api(server, "POST", "/admin/handoff", {"id": "h-1"}) == {
+            "id": "h-1",
+            "state": "held",
+            "taken": False,
+            "refused": "",
+        }
+        assert outcome(p.HandoffTake("h-1", hashes)) == "granted"
+        assert outcome(p.HandoffDone("h-1")) == "released"
+        fate = api(server, "POST", "/admin/handoff", {"id": "h-1"})
+        assert fate == {"id": "h-1", "state": "ended", "outcome": "consumed"}
+        assert api(server, "POST", "/admin/handoff", {"id": "never"})["state"] == "unknown"
+        with pytest.raises(AdminError, match="'id'"):
+            api(server, "POST", "/admin/handoff", {})
+    finally:
+        producer.close()

@@ -74,6 +74,12 @@ def add_parser(commands: Any) -> None:
     pd.add_argument(
         "--timeout-s", type=float, default=600.0, help="one engine request's limit (600)"
     )
+    pd.add_argument(
+        "--cache-admin",
+        metavar="URL",
+        help="the cache server's admin port, asked what became of a failed hand-off (its "
+        "token from KVTIER_AUTH_TOKEN)",
+    )
     pd.set_defaults(run=_run_pd)
 
 

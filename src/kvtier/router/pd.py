@@ -30,6 +30,7 @@ import argparse
 import asyncio
 import json
 import logging
+import os
 import signal
 from dataclasses import dataclass
 from typing import Any
@@ -41,6 +42,11 @@ from kvtier.engine.vllm.handoff import CAUSE, HANDOFF_ID, ON_FAILURE, OUTCOME, P
 from kvtier.router.app import error
 
 log = logging.getLogger(__name__)
+FATES = {  # an ended hand-off's outcome, as the error says it
+    "expired": "expired: its lease ended before the decode engine loaded it",
+    "consumed": "was already consumed",
+    "incomplete": "was incomplete: the prefill engine's stores did not all land",
+}
 DEFAULT_MAX_TOKENS = 16  # vLLM's, for a completion that names none
 
 
@@ -61,6 +67,8 @@ class PDProxy:
         decode: list[str],
         on_failure: str = "recompute",
         timeout_s: float = 600.0,
+        cache_admin: str = "",
+        admin_token: str = "",
     ) -> None:
         if not prefill or not decode:
             raise ValueError("pd-proxy needs at least one --prefill and one --decode engine")
@@ -69,6 +77,8 @@ class PDProxy:
         self.prefill = [Instance(url.rstrip("/")) for url in prefill]
         self.decode = [Instance(url.rstrip("/")) for url in decode]
         self.on_failure = on_failure
+        self.cache_admin = cache_admin.rstrip("/")  # where to ask what became of a hand-off
+        self.admin_token = admin_token
         self.timeout = aiohttp.ClientTimeout(total=timeout_s)
         self.session: aiohttp.ClientSession | None = None
         self.counts: dict[str, int] = {}
@@ -177,7 +187,7 @@ class PDProxy:
         status, data = await self._post(self.decode, decode_body)
         if status != 200:
             self._count(f"decode_failed.{status}")
-            return error(502, _decode_failure(status, data, params), "engine_error")
+            return error(502, await self._decode_failure(status, data, params), "engine_error")
         rest = json.loads(data)
         answer = dict(rest)
         head, tail = first["choices"][0], rest["choices"][0]
@@ -191,7 +201,7 @@ class PDProxy:
             joined.pop("prompt_token_ids", None)
         joined["logprobs"] = _join_logprobs(head.get("logprobs"), tail.get("logprobs"), head)
         answer["choices"] = [joined]
-        answer["usage"] = _usage(first, rest, rest.get("kv_transfer_params"))
+        answer["usage"] = _usage(first, rest, rest.get("kv_transfer_params") if params else None)
         answer.pop("kv_transfer_params", None)
         self._count(_outcome(rest.get("kv_transfer_params"), params))
         return web.json_response(answer)
@@ -213,9 +223,8 @@ class PDProxy:
                 if upstream.status != 200:
                     data = await upstream.read()
                     self._count(f"decode_failed.{upstream.status}")
-                    return error(
-                        502, _decode_failure(upstream.status, data, params), "engine_error"
-                    )
+                    message = await self._decode_failure(upstream.status, data, params)
+                    return error(502, message, "engine_error")
                 response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
                 await response.prepare(request)
                 await response.write(_event(_first_chunk(first, decode_body)))
@@ -228,6 +237,35 @@ class PDProxy:
             return error(502, f"the decode engine failed: {exc}", "engine_error")
         finally:
             instance.in_flight -= 1
+
+    async def _decode_failure(self, status: int, data: bytes, params: dict[str, Any]) -> str:
+        """The error for a decode engine that failed the request: under the
+        error policy, a hand-off that did not come. The cause is the cache
+        server's word (``--cache-admin``), when it can be asked."""
+        handoff = str(params.get(HANDOFF_ID, ""))
+        head = f"the decode engine answered {status} for hand-off {handoff or '(none)'}"
+        cause = await self._fate(handoff) if handoff else ""
+        return f"{head}: {cause or 'see the decode engine log'}; engine said {data[:300]!r}"
+
+    async def _fate(self, handoff: str) -> str:
+        """What the cache server says became of ``handoff``, in words."""
+        if not self.cache_admin:
+            return ""
+        assert self.session is not None
+        headers = {"Authorization": f"Bearer {self.admin_token}"} if self.admin_token else {}
+        try:
+            async with self.session.post(
+                self.cache_admin + "/admin/handoff", json={"id": handoff}, headers=headers
+            ) as resp:
+                fate = await resp.json()
+        except (TimeoutError, aiohttp.ClientError, ValueError) as exc:
+            return f"the cache server is away ({exc})"
+        if fate.get("state") == "ended":
+            return f"the hand-off {FATES.get(fate.get('outcome', ''), fate.get('outcome'))}"
+        if fate.get("state") == "held":
+            refused = fate.get("refused") or "nothing"
+            return f"the hand-off is still held (taken: {fate.get('taken')}; refused: {refused})"
+        return "the cache server never had this hand-off (the producer died before its offer?)"
 
     async def _answer_alone(
         self, request: web.Request, body: dict[str, Any], first: dict[str, Any]
@@ -263,15 +301,6 @@ def _check(body: dict[str, Any]) -> str:
     if body.get("echo"):
         return "pd-proxy does not echo the prompt"
     return ""
-
-
-def _decode_failure(status: int, data: bytes, params: dict[str, Any]) -> str:
-    handoff = params.get(HANDOFF_ID, "(none)")
-    return (
-        f"the decode engine answered {status} for hand-off {handoff}: under the error policy a "
-        "hand-off that did not come (expired, producer gone, taken, another layout, server "
-        f"away; the decode engine's log names which) fails the request. {data[:300]!r}"
-    )
 
 
 def _outcome(decoded: dict[str, Any] | None, params: dict[str, Any]) -> str:
@@ -372,7 +401,14 @@ async def serve(proxy: PDProxy, host: str, port: int, stop: asyncio.Event | None
 
 
 def run(args: argparse.Namespace) -> int:
-    proxy = PDProxy(args.prefill or [], args.decode or [], args.on_failure, args.timeout_s)
+    proxy = PDProxy(
+        args.prefill or [],
+        args.decode or [],
+        args.on_failure,
+        args.timeout_s,
+        args.cache_admin or "",
+        os.environ.get("KVTIER_AUTH_TOKEN", ""),
+    )
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
     asyncio.run(serve(proxy, args.host, args.port))
     return 0

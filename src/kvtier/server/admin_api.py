@@ -4,7 +4,8 @@ Every call needs an admin tenant's token (``AdminHTTP`` checks it). Bodies
 and answers are JSON; a bad request is a 400 whose ``error`` says what to
 change, an unknown tenant or namespace a 404. The handlers run on the admin
 HTTP thread: they touch only what is thread-safe (the tenants table, L1,
-the adapters, the purger, the warm-up registry, the status snapshot).
+the adapters, the purger, the warm-up registry, the status snapshot, and
+single lookups in the hand-off table).
 
 ======================  ==================================================
 ``GET  /admin/status``  uptime, draining, L1 use, tenants, running purges
@@ -17,6 +18,7 @@ the adapters, the purger, the warm-up registry, the status snapshot).
 ``POST /admin/drain``   ``{on: true|false}``: stop (or resume) taking stores
 ``POST /admin/quota``   ``{tenant, l1_bytes?, l1_hard_bytes?, pin_bytes?}``
 ``GET  /admin/ledger``  the savings ledger (``kvtier.server.ledger``)
+``POST /admin/handoff``  ``{id}``: what became of a prefill/decode hand-off
 ``GET  /admin/dashboard``  what the dashboard page draws
 ======================  ==================================================
 """
@@ -69,6 +71,7 @@ class AdminAPI:
             ("POST", "/admin/drain"): self.drain,
             ("POST", "/admin/quota"): self.quota,
             ("GET", "/admin/ledger"): self.ledger,
+            ("POST", "/admin/handoff"): self.handoff,
             ("GET", "/admin/dashboard"): self.dashboard,
         }
 
@@ -186,6 +189,11 @@ class AdminAPI:
         ]
         self._top = (time.monotonic(), top)
         return top
+
+    def handoff(self, body: dict[str, Any]) -> dict[str, Any]:
+        """``{"id": ...}``: what became of a prefill/decode hand-off."""
+        handoff_id = _text(body, "id")
+        return {"id": handoff_id, **self.core.handoffs.fate(handoff_id)}
 
     def purges(self, body: dict[str, Any]) -> dict[str, Any]:
         return {"purges": self.core.purger.jobs()}

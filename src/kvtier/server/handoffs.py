@@ -70,6 +70,7 @@ class Handoff:
     expires: float
     held_bytes: int
     taker: tuple[bytes, str, str] | None = None  # (peer, connection, consumer name)
+    refused: str = ""  # the last take it refused, and why (for the operator's and proxy's view)
 
 
 class HandoffTable:
@@ -137,6 +138,7 @@ class HandoffTable:
         refusal = self._refusal(handoff, client, hashes, consumer)
         if refusal is not None:
             self._counters.add(f"handoffs.refused.{refusal[0]}")
+            handoff.refused = f"{refusal[0]}: {refusal[1]}"
             return refusal
         taker = (client.peer, client.connection, consumer)
         if handoff.taker is not None and handoff.taker != taker:
@@ -166,6 +168,19 @@ class HandoffTable:
         for handoff in due:
             self._release(handoff, HandoffOutcome.EXPIRED)
         return len(due)
+
+    def fate(self, handoff_id: str) -> dict[str, object]:
+        """What became of a hand-off: held (taken or not, the last take it
+        refused), ended (how), or unknown (never offered, or long ago). The
+        admin thread calls it: single dict lookups only."""
+        handoff = self._held.get(handoff_id)
+        if handoff is not None:
+            taken = handoff.taker is not None
+            return {"state": "held", "taken": taken, "refused": handoff.refused}
+        outcome = self._ended.get(handoff_id)
+        if outcome is not None:
+            return {"state": "ended", "outcome": str(outcome)}
+        return {"state": "unknown"}
 
     def status(self) -> dict[str, object]:
         return {
