@@ -401,3 +401,42 @@ def test_a_preempted_consumer_reloads_its_prompt_without_taking_again(server: Se
     finally:
         producer.close()
         consumer.close()
+
+
+def test_a_producer_preempted_mid_prefill_still_hands_off_its_whole_prompt(
+    server: Server,
+) -> None:
+    producer, consumer = side_for(server.rpc), side_for(server.rpc)
+    try:
+        tokens = prompt(PROMPT, seed=54)
+        req = pd_request("p", tokens, {"do_remote_decode": True})
+        assert producer.get_num_new_matched_tokens(req, 0) == (0, False)
+        producer.update_state_after_alloc(req, Blocks([10, 11, 12, 13, 14]), 0)
+        step = producer.build_connector_meta(prefill_step("p", [10, 11, 12, 13, 14], 256))
+        (first,) = step.stores  # chunk 0 only: its prefill was cut after 256 tokens
+        assert store_as_worker(producer, first.hashes) == 1
+        req.num_preemptions = 1  # preempted: its blocks freed, asked again
+        assert producer.get_num_new_matched_tokens(req, 0) == (256, False)  # its own chunk
+        producer.update_state_after_alloc(req, Blocks([20, 21, 22, 23, 24]), 256)
+        resumed = SimpleNamespace(  # as vLLM reports a resumed request
+            scheduled_new_reqs=[],
+            scheduled_cached_reqs=SimpleNamespace(
+                req_ids=["p"],
+                resumed_req_ids={"p"},
+                new_block_ids=[([20, 21, 22, 23, 24],)],
+                num_computed_tokens=[256],
+            ),
+            num_scheduled_tokens={"p": PROMPT - 256},
+        )
+        rest, tail = producer.build_connector_meta(resumed).stores
+        assert rest.block_ids == [22, 23] and tail.block_ids == [24, 24]
+        assert store_as_worker(producer, rest.hashes + tail.hashes) == 2
+        _, params = producer.request_finished(req, [])
+        assert params is not None
+        take_and_load(consumer, consumer_request(tokens, params), [1, 2, 3, 4, 5])
+        consumer.update_connector_output(SimpleNamespace(finished_recving=None))
+        _, outcome = consumer.request_finished(consumer_request(tokens, params), [])
+        assert outcome is not None and outcome[OUTCOME] == "loaded"
+    finally:
+        producer.close()
+        consumer.close()
