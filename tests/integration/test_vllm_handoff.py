@@ -8,10 +8,8 @@ from __future__ import annotations
 from types import SimpleNamespace
 from typing import Any
 
-import numpy as np
 import pytest
 
-from kvtier.server.client import CacheClient, ClientConfig
 from tests.integration.harness import Server, ServerFactory, wait_for
 
 pytest.importorskip("vllm")
@@ -19,11 +17,11 @@ from kvtier.engine.vllm.handoff import CAUSE, HANDOFF_ID, OUTCOME, PROMPT_TOKENS
 from kvtier.engine.vllm.scheduler import SchedulerSide
 from kvtier.engine.vllm.settings import ConnectorSettings
 from tests.integration.test_vllm_scheduler import (
-    BLOCK,
     CHUNK,
     Blocks,
     parked_step,
     prompt,
+    store_objects,
     vllm_config,
 )
 
@@ -62,30 +60,6 @@ def prefill_step(request_id: str, blocks: list[int], tokens: int) -> Any:
     )
 
 
-def store_as_worker(side: SchedulerSide, hashes: list[bytes]) -> int:
-    """Store objects under ``hashes`` as a rank-0 worker would."""
-    client = side.clients.client("")
-    assert client is not None
-    size = side.clients.layout(CHUNK).object_bytes()
-    worker = CacheClient(
-        ClientConfig(
-            address=side.settings.address,
-            model=client.config.model,
-            layouts=client.config.layouts,
-            revision=client.config.revision,
-            rank=0,
-            block_alignment=BLOCK,
-        )
-    )
-    try:
-        objects = [np.full(size, i + 1, np.uint8) for i in range(len(hashes))]
-        stored = worker.store("w", hashes, objects)
-        worker.end_session("w")
-        return stored
-    finally:
-        worker.close()
-
-
 def produce(side: SchedulerSide, tokens: list[int], store: bool = True) -> dict[str, Any] | None:
     """Run a producer's request through its prefill step; its worker stores
     what the step asks (unless ``store`` is False: the stores failed)."""
@@ -97,7 +71,7 @@ def produce(side: SchedulerSide, tokens: list[int], store: bool = True) -> dict[
     assert full.block_ids == [10, 11, 12, 13]
     assert tail.block_ids == [14, 14]  # one block of tail, padded to the chunk's two
     if store:
-        assert store_as_worker(side, full.hashes + tail.hashes) == 3
+        assert store_objects(side, full.hashes + tail.hashes) == 3
     _, params = side.request_finished(req, [10, 11, 12, 13, 14])
     return params
 
@@ -414,7 +388,7 @@ def test_a_producer_preempted_mid_prefill_still_hands_off_its_whole_prompt(
         producer.update_state_after_alloc(req, Blocks([10, 11, 12, 13, 14]), 0)
         step = producer.build_connector_meta(prefill_step("p", [10, 11, 12, 13, 14], 256))
         (first,) = step.stores  # chunk 0 only: its prefill was cut after 256 tokens
-        assert store_as_worker(producer, first.hashes) == 1
+        assert store_objects(producer, first.hashes) == 1
         req.num_preemptions = 1  # preempted: its blocks freed, asked again
         assert producer.get_num_new_matched_tokens(req, 0) == (256, False)  # its own chunk
         producer.update_state_after_alloc(req, Blocks([20, 21, 22, 23, 24]), 256)
@@ -430,7 +404,7 @@ def test_a_producer_preempted_mid_prefill_still_hands_off_its_whole_prompt(
         )
         rest, tail = producer.build_connector_meta(resumed).stores
         assert rest.block_ids == [22, 23] and tail.block_ids == [24, 24]
-        assert store_as_worker(producer, rest.hashes + tail.hashes) == 2
+        assert store_objects(producer, rest.hashes + tail.hashes) == 2
         _, params = producer.request_finished(req, [])
         assert params is not None
         take_and_load(consumer, consumer_request(tokens, params), [1, 2, 3, 4, 5])

@@ -87,10 +87,15 @@ def side(server: Server) -> Any:
 
 def store_chunks(side: SchedulerSide, tokens: list[int], salt: str = "") -> int:
     """Store every full chunk of ``tokens`` as a rank-0 worker would."""
+    return store_objects(side, side.clients.hasher(salt, CHUNK).chunk_hashes(tokens), salt)
+
+
+def store_objects(side: SchedulerSide, hashes: list[bytes], salt: str = "") -> int:
+    """Store an object under each of ``hashes`` (filled with its index) as a
+    rank-0 worker would."""
     pool = side.clients
     client = pool.client(salt)
     assert client is not None and client.chunk_size == CHUNK
-    hashes = pool.hasher(salt, CHUNK).chunk_hashes(tokens)
     size = pool.layout(CHUNK).object_bytes()
     worker = CacheClient(
         ClientConfig(

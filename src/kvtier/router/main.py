@@ -6,39 +6,24 @@ import argparse
 import asyncio
 import json
 import logging
-import signal
 from typing import Any
-
-from aiohttp import web
 
 from kvtier.router.app import RouterService
 from kvtier.router.config import RouterConfig, load_router_config
+from kvtier.router.serving import serve_app
 
 
 async def serve(config: RouterConfig, stop: asyncio.Event | None = None) -> None:
     """Serve until ``stop`` is set (or a signal); print the ready line first."""
-    stop = stop or asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        try:
-            loop.add_signal_handler(sig, stop.set)
-        except (NotImplementedError, RuntimeError):  # not the main thread
-            break
     service = RouterService(config)
-    runner = web.AppRunner(service.app(), access_log=None)
-    await runner.setup()
-    try:
-        site = web.TCPSite(runner, config.host, config.port)
-        await site.start()
-        port = runner.addresses[0][1]
-        print(
+
+    def ready(port: int) -> str:
+        return (
             f"kvtier route: http://{config.host}:{port} policy {config.policy} "
-            f"engines {len(service.specs)} tenants {len(service.gateway.tenants)}",
-            flush=True,
+            f"engines {len(service.specs)} tenants {len(service.gateway.tenants)}"
         )
-        await stop.wait()
-    finally:
-        await runner.cleanup()
+
+    await serve_app(service.app(), config.host, config.port, ready, stop)
 
 
 def engine_flag(text: str, index: int) -> dict[str, Any]:

@@ -31,7 +31,6 @@ import asyncio
 import json
 import logging
 import os
-import signal
 from dataclasses import dataclass
 from typing import Any
 
@@ -40,6 +39,7 @@ from aiohttp import web
 
 from kvtier.engine.vllm.handoff import CAUSE, HANDOFF_ID, ON_FAILURE, OUTCOME, POLICIES
 from kvtier.router.app import error
+from kvtier.router.serving import serve_app
 
 log = logging.getLogger(__name__)
 FATES = {  # an ended hand-off's outcome, as the error says it
@@ -377,27 +377,13 @@ def _event(data: dict[str, Any]) -> bytes:
 
 
 async def serve(proxy: PDProxy, host: str, port: int, stop: asyncio.Event | None = None) -> None:
-    stop = stop or asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        try:
-            loop.add_signal_handler(sig, stop.set)
-        except (NotImplementedError, RuntimeError):  # not the main thread
-            break
-    runner = web.AppRunner(proxy.app(), access_log=None)
-    await runner.setup()
-    try:
-        site = web.TCPSite(runner, host, port)
-        await site.start()
-        bound = runner.addresses[0][1]
-        print(
+    def ready(bound: int) -> str:
+        return (
             f"kvtier pd-proxy: http://{host}:{bound} prefill {len(proxy.prefill)} "
-            f"decode {len(proxy.decode)} on failure {proxy.on_failure}",
-            flush=True,
+            f"decode {len(proxy.decode)} on failure {proxy.on_failure}"
         )
-        await stop.wait()
-    finally:
-        await runner.cleanup()
+
+    await serve_app(proxy.app(), host, port, ready, stop)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -3,30 +3,21 @@ reservations, time-to-live, errors for bad requests."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import numpy as np
 import pytest
 
 from kvtier.keys import Namespace, TokenHasher
-from kvtier.l1 import L1Config, L1Result
+from kvtier.l1 import L1Result
 from kvtier.server import protocol as p
 from kvtier.server.core import CacheServer
 from kvtier.server.limits import ServerLimits
 from kvtier.server.tenants import TenantTable
-from kvtier.storage import StorageConfig, StorageManager
+from kvtier.storage import StorageManager
 from tests.conftest import FakeClock
 from tests.ledger import assert_clean
 
 LAYOUT = p.LayoutSpec(0, num_layers=1, kv_heads=1, head_dim=8, dtype="float32")
 OBJECT = 2 * 8 * 4 * 16  # K+V, head_dim 8, fp32, 16 tokens per chunk
-
-
-@pytest.fixture
-def storage() -> Iterator[StorageManager]:
-    manager = StorageManager(StorageConfig(l1=L1Config(size_bytes=1 << 20, populate=False)))
-    yield manager
-    manager.close()
 
 
 @pytest.fixture

@@ -5,8 +5,6 @@ scenario ends with nothing locked."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import pytest
 
 from kvtier.l1 import L1Config
@@ -18,13 +16,6 @@ from kvtier.storage import StorageConfig, StorageManager
 from tests.conftest import FakeClock
 from tests.ledger import assert_clean
 from tests.unit.server.test_core import call, hashes, hello, store
-
-
-@pytest.fixture
-def storage() -> Iterator[StorageManager]:
-    manager = StorageManager(StorageConfig(l1=L1Config(size_bytes=1 << 20, populate=False)))
-    yield manager
-    manager.close()
 
 
 @pytest.fixture
