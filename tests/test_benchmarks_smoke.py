@@ -63,6 +63,21 @@ TINY = {
         "0.2",
     ],
     "bench_vllm_tiers.py": ["--prefix", "256", "--rounds", "1"],
+    "bench_handoff.py": ["--tokens", "300", "--rounds", "1", "--model-dir", "{tmp}"],
+    "bench_pd_itl.py": [
+        "--seconds",
+        "3",
+        "--streams",
+        "1",
+        "--decode-tokens",
+        "4",
+        "--long-tokens",
+        "300",
+        "--long-every-s",
+        "1",
+        "--model-dir",
+        "{tmp}",
+    ],
     "bench_codecs.py": ["--prompts", "2", "--speed-prompts", "1"],
     "bench_scheduler_wait.py": ["--steps", "5", "--l2-latency", "0.05"],
     "bench_shadow.py": ["--prompts", "2", "--prefix-chunks", "1", "--model-dir", "{tmp}"],
@@ -89,7 +104,13 @@ def test_every_benchmark_has_a_smoke_run() -> None:
 # quick run skips them); the vLLM ones only run where vLLM is installed, and
 # under -m bench, not in CI (they start 1-2 engines each, and the connector's
 # own tests and the quick bench run the same paths).
-ENGINE_SCRIPTS = {"bench_vllm_ttft.py", "bench_vllm_tiers.py", "bench_scheduler_wait.py"}
+ENGINE_SCRIPTS = {
+    "bench_vllm_ttft.py",
+    "bench_vllm_tiers.py",
+    "bench_scheduler_wait.py",
+    "bench_handoff.py",
+    "bench_pd_itl.py",
+}
 SLOW_SCRIPTS = {
     "bench_hf_ttft.py",
     "bench_server.py",
