@@ -432,7 +432,7 @@ class SchedulerSide:
         role.done_sent = True
         hit = tracked.lookup.hit_chunks if tracked.lookup is not None else 0
         tracked.loaded = whole and hit == len(tracked.hashes)
-        self.outcomes.add("handoff_loaded" if whole else "handoff_partly_loaded")
+        self.outcomes.add("handoff_loaded" if tracked.loaded else "handoff_load_incomplete")
         if tracked.client is not None:
             tracked.client.handoff(p.HandoffDone(role.handoff_id, role.consumer))
 
