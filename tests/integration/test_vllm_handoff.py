@@ -292,7 +292,7 @@ def test_a_consumer_that_dies_after_taking_is_reclaimed_by_the_lease(
     """Its hold ends with the lease; its lookup's locks with its client's
     time-to-live (short here): the ledger ends at zero."""
     server = kvtier_server.start("--set", "limits.client_ttl_s=2")
-    producer, consumer = side_for(server.rpc, handoff_lease_s=1.0), side_for(server.rpc)
+    producer, consumer = side_for(server.rpc, handoff_lease_s=3.0), side_for(server.rpc)
     try:
         tokens = prompt(PROMPT, seed=51)
         params = produce(producer, tokens)
