@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
+import signal
 import threading
 import urllib.request
 from collections.abc import Iterator
@@ -203,3 +205,36 @@ def test_a_hand_off_that_never_comes_recomputes_or_fails_as_asked(
     status, again = post_json(decode.url + "/v1/completions", body(decode_prompt, max_tokens=2))
     assert status == 200, again
     assert handoffs(kv_server)["held"] == 0
+
+
+def test_the_prefill_engine_killed_after_its_answer_leaves_its_hand_off_loadable(
+    engines: tuple[Engine, Engine], kv_server: Server
+) -> None:
+    """Last in this module: it kills the prefill engine (SIGKILL, its whole
+    process group) once it has answered. The hand-off is the cache server's
+    by then: the decode engine loads it and gives the colocated tokens."""
+    prefill, decode = engines
+    prompt = tokens(90, 800)
+    status, colocated = post_json(prefill.url + "/v1/completions", body(prompt, cache_salt="ref"))
+    assert status == 200, colocated
+    produce = body(prompt, max_tokens=1, kv_transfer_params={"do_remote_decode": True})
+    status, produced = post_json(prefill.url + "/v1/completions", produce)
+    assert status == 200, produced
+    os.killpg(prefill.pid, signal.SIGKILL)
+    assert wait_for(lambda: _health(prefill.url), lambda up: not up) is False
+    first = produced["choices"][0]["token_ids"]
+    rest_body = body(
+        prompt + first,
+        max_tokens=NEW_TOKENS - 1,
+        kv_transfer_params=produced["kv_transfer_params"],
+    )
+    status, rest = post_json(decode.url + "/v1/completions", rest_body)
+    assert status == 200, rest
+    assert rest["kv_transfer_params"]["kvtier_handoff_outcome"] == "loaded"
+    want_tokens, want_logprobs = generated(colocated)
+    got_tokens, got_logprobs = generated(rest)
+    assert first + got_tokens == want_tokens
+    head = produced["choices"][0]["logprobs"]["token_logprobs"]
+    worst = max(abs(a - b) for a, b in zip(want_logprobs, head + got_logprobs, strict=True))
+    assert worst <= TOLERANCE, f"|Δlogprob| {worst:.2e}"
+    assert wait_for(lambda: handoffs(kv_server)["held"], lambda n: n == 0) == 0
