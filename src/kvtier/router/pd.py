@@ -56,8 +56,8 @@ class Instance:
     in_flight: int = 0
 
 
-class HandoffFailed(Exception):
-    """The request's policy is ``error`` and its hand-off failed."""
+class PrefillFailed(Exception):
+    """The prefill engine did not answer the request."""
 
 
 class PDProxy:
@@ -130,7 +130,7 @@ class PDProxy:
         max_tokens = int(body.get("max_tokens") or DEFAULT_MAX_TOKENS)
         try:
             first = await self._prefill(body)
-        except HandoffFailed as exc:
+        except PrefillFailed as exc:
             self._count("prefill_failed")
             return error(502, str(exc), "engine_error")
         choice = first["choices"][0]
@@ -165,7 +165,7 @@ class PDProxy:
         )
         status, data = await self._post(self.prefill, prefill_body)
         if status != 200:
-            raise HandoffFailed(f"the prefill engine answered {status}: {data[:500]!r}")
+            raise PrefillFailed(f"the prefill engine answered {status}: {data[:500]!r}")
         answer: dict[str, Any] = json.loads(data)
         return answer
 
