@@ -414,3 +414,35 @@ def test_a_producer_preempted_mid_prefill_still_hands_off_its_whole_prompt(
     finally:
         producer.close()
         consumer.close()
+
+
+@pytest.mark.parametrize(
+    ("finish", "outcome"),
+    [("FINISHED_LENGTH_CAPPED", "loaded"), ("FINISHED_ABORTED", "recomputed")],
+)
+def test_a_decode_finished_by_its_load_step_reports_how_its_hand_off_went(
+    server: Server, finish: str, outcome: str
+) -> None:
+    """A one-token decode finishes in the step that loads its prompt, before
+    that step's connector output comes back: it ran on the loaded KV if vLLM
+    finished it normally, not if it was aborted first."""
+    producer, consumer = side_for(server.rpc), side_for(server.rpc)
+    try:
+        tokens = prompt(PROMPT, seed=55)
+        params = produce(producer, tokens)
+        assert params is not None
+        req = consumer_request(tokens, params)
+        take_and_load(consumer, req, [1, 2, 3, 4, 5])
+        req.status = SimpleNamespace(name=finish)
+        _, said = consumer.request_finished(req, [])
+        assert said is not None and said[OUTCOME] == outcome
+        consumer.update_connector_output(SimpleNamespace(finished_recving=None))  # then its step
+        held = wait_for(lambda: handoffs_held(consumer), lambda n: n == 0)
+        assert held == 0
+    finally:
+        producer.close()
+        consumer.close()
+
+
+def handoffs_held(side: SchedulerSide) -> int:
+    return int(status(side)["handoffs"]["held"])

@@ -136,11 +136,15 @@ def test_pd_outputs_equal_colocated_and_the_first_token_comes_once(
         assert usage["completion_tokens"] == NEW_TOKENS  # the first token once, not twice
         assert usage["kvtier_handoff"]["kvtier_handoff_outcome"] == "loaded", usage
         assert pd["choices"][0]["prompt_token_ids"] == prompt
+    # Two tokens: the decode's one finishes in the step that loads its prompt.
+    status, short = post_json(proxy + "/v1/completions", body(PROMPTS[0], max_tokens=2))
+    assert status == 200, short
+    assert short["usage"]["kvtier_handoff"]["kvtier_handoff_outcome"] == "loaded"
     # The server's status is a snapshot taken each tick: wait for the last DONE in it.
-    status = wait_for(kv_server.status, lambda s: consumed(s) == len(PROMPTS))
-    assert consumed(status) == len(PROMPTS)
-    assert status["handoffs"]["held"] == 0
-    assert status["storage"]["held_lookup_locks"] == 0
+    seen = wait_for(kv_server.status, lambda s: consumed(s) == len(PROMPTS) + 1)
+    assert consumed(seen) == len(PROMPTS) + 1
+    assert seen["handoffs"]["held"] == 0
+    assert seen["storage"]["held_lookup_locks"] == 0
 
 
 def consumed(status: dict[str, Any]) -> int:

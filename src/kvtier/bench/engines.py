@@ -20,7 +20,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -118,7 +118,7 @@ def vllm_server(
 
 @contextmanager
 def vllm_servers(
-    configs: list[tuple[EngineOptions, dict[str, Any] | None, Path]],
+    configs: Sequence[tuple[EngineOptions, dict[str, Any] | None, Path]],
     python: Path | str = sys.executable,
 ) -> Iterator[list[Engine]]:
     """Start several vLLM OpenAI servers at once (each ``(options, transfer,

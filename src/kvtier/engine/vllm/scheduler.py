@@ -81,6 +81,7 @@ from kvtier.server.handoffs import HandoffOutcome
 log = logging.getLogger(__name__)
 PROBE_EVERY = 16  # while lookups are slow, one new lookup in this many still waits
 MIN_ON_TIME = 0.1  # new lookups wait while at least this share of waits gets its answer
+FINISHED_NORMALLY = ("FINISHED_STOPPED", "FINISHED_LENGTH_CAPPED")  # vLLM's RequestStatus names
 
 
 @dataclass(slots=True)
@@ -389,7 +390,13 @@ class SchedulerSide:
             if isinstance(role, Produce):
                 return False, self._offer(tracked, role)
             if isinstance(role, Consume):
-                self._consumed(tracked, whole=False)  # a load cut short: drop the hold now
+                # A request that finished normally ran on its loaded KV: vLLM would have
+                # rescheduled it (recompute) or failed it had any block not loaded. This is
+                # how a one-token decode's synchronous load ends: its step finished the
+                # request before the step's connector output came back. Otherwise (aborted,
+                # failed) the load was cut short; either way the hold is dropped now.
+                ran = getattr(getattr(request, "status", None), "name", "") in FINISHED_NORMALLY
+                self._consumed(tracked, whole=ran and bool(tracked.load_blocks))
                 return False, consumer_outcome(role, tracked.loaded)
         return False, None
 
