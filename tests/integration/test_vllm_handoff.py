@@ -76,6 +76,14 @@ def produce(side: SchedulerSide, tokens: list[int], store: bool = True) -> dict[
     return params
 
 
+def handed_off(producer: SchedulerSide, seed: int) -> tuple[list[int], dict[str, Any]]:
+    """A fresh prompt through the producer: its tokens and its hand-off's parameters."""
+    tokens = prompt(PROMPT, seed=seed)
+    params = produce(producer, tokens)
+    assert params is not None
+    return tokens, params
+
+
 def status(side: SchedulerSide) -> dict[str, Any]:
     client = side.clients.client("")
     assert client is not None
@@ -170,9 +178,7 @@ def test_a_request_can_choose_its_own_policy(server: Server) -> None:
 def test_two_consumers_racing_for_one_hand_off(server: Server) -> None:
     producer, first, second = (side_for(server.rpc) for _ in range(3))
     try:
-        tokens = prompt(PROMPT, seed=43)
-        params = produce(producer, tokens)
-        assert params is not None
+        tokens, params = handed_off(producer, seed=43)
         a, b = consumer_request(tokens, params, "a"), consumer_request(tokens, params, "b")
         got_a = wait_for(lambda: first.get_num_new_matched_tokens(a, 0), lambda x: x[0] is not None)
         got_b = wait_for(
@@ -200,9 +206,7 @@ def test_an_expired_hand_off_is_recomputed_and_an_incomplete_one_never_offered(
     producer = side_for(server.rpc, handoff_lease_s=0.2)
     consumer = side_for(server.rpc)
     try:
-        tokens = prompt(PROMPT, seed=44)
-        params = produce(producer, tokens)
-        assert params is not None
+        tokens, params = handed_off(producer, seed=44)
         # The decode engine is late: the lease ends first (the server's tick reclaims it).
         assert wait_for(lambda: status(producer)["handoffs"]["held"], lambda n: n == 0) == 0
         req = consumer_request(tokens, params)
@@ -271,9 +275,7 @@ def test_the_hand_off_outlives_its_producer(server: Server) -> None:
     the server's, and the decode engine still loads it."""
     producer, consumer = side_for(server.rpc), side_for(server.rpc)
     try:
-        tokens = prompt(PROMPT, seed=50)
-        params = produce(producer, tokens)
-        assert params is not None
+        tokens, params = handed_off(producer, seed=50)
         wait_for(lambda: status(consumer)["handoffs"]["held"], lambda n: n == 1)
         producer.close()  # its connections go; the hold stays
         req = consumer_request(tokens, params)
@@ -294,9 +296,7 @@ def test_a_consumer_that_dies_after_taking_is_reclaimed_by_the_lease(
     server = kvtier_server.start("--set", "limits.client_ttl_s=2")
     producer, consumer = side_for(server.rpc, handoff_lease_s=3.0), side_for(server.rpc)
     try:
-        tokens = prompt(PROMPT, seed=51)
-        params = produce(producer, tokens)
-        assert params is not None
+        tokens, params = handed_off(producer, seed=51)
         take_and_load(consumer, consumer_request(tokens, params), [1, 2, 3, 4, 5])
         consumer.close()  # dies mid-load: no DONE
         held = 3 * producer.clients.layout(CHUNK).object_bytes()  # two chunks and the tail
@@ -319,9 +319,7 @@ def test_the_cache_server_killed_mid_hand_off(kvtier_server: ServerFactory) -> N
     producer = side_for(first.rpc)
     consumer = side_for(first.rpc, handoff_wait_s=1.0, request_timeout_s=0.5)
     try:
-        tokens = prompt(PROMPT, seed=52)
-        params = produce(producer, tokens)
-        assert params is not None
+        tokens, params = handed_off(producer, seed=52)
         wait_for(lambda: status(consumer)["handoffs"]["held"], lambda n: n == 1)
         second = kvtier_server.restart(first)
         req = consumer_request(tokens, params)
@@ -349,9 +347,7 @@ def test_a_preempted_consumer_reloads_its_prompt_without_taking_again(server: Se
     producer = side_for(server.rpc)
     consumer = side_for(server.rpc, handoff_failure="error")
     try:
-        tokens = prompt(PROMPT, seed=53)
-        params = produce(producer, tokens)
-        assert params is not None
+        tokens, params = handed_off(producer, seed=53)
         req = consumer_request(tokens, params)
         take_and_load(consumer, req, [1, 2, 3, 4, 5])
         consumer.update_connector_output(SimpleNamespace(finished_recving={"d"}))
@@ -428,9 +424,7 @@ def test_a_decode_finished_by_its_load_step_reports_how_its_hand_off_went(
     finished it normally, not if it was aborted first."""
     producer, consumer = side_for(server.rpc), side_for(server.rpc)
     try:
-        tokens = prompt(PROMPT, seed=55)
-        params = produce(producer, tokens)
-        assert params is not None
+        tokens, params = handed_off(producer, seed=55)
         req = consumer_request(tokens, params)
         take_and_load(consumer, req, [1, 2, 3, 4, 5])
         req.status = SimpleNamespace(name=finish)
