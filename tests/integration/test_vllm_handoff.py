@@ -13,7 +13,7 @@ import pytest
 from tests.integration.harness import Server, ServerFactory, wait_for
 
 pytest.importorskip("vllm")
-from kvtier.engine.vllm.handoff import CAUSE, HANDOFF_ID, OUTCOME, PROMPT_TOKENS
+from kvtier.engine.vllm.handoff import CAUSE, HANDOFF_ID, OUTCOME, PROMPT_TOKENS, RANKS
 from kvtier.engine.vllm.scheduler import SchedulerSide
 from kvtier.engine.vllm.settings import ConnectorSettings
 from tests.integration.test_vllm_scheduler import (
@@ -30,9 +30,9 @@ pytestmark = [pytest.mark.slow, pytest.mark.engine]  # needs vLLM
 PROMPT = 600  # two full chunks (four blocks) and a tail of 88 tokens (one block)
 
 
-def side_for(address: str, **settings: Any) -> SchedulerSide:
+def side_for(address: str, tp: int = 1, **settings: Any) -> SchedulerSide:
     options = {"lookup_wait_s": 10.0, "handoff_wait_s": 5.0, **settings}
-    side = SchedulerSide(vllm_config(), ConnectorSettings(address=address, **options))
+    side = SchedulerSide(vllm_config(tp), ConnectorSettings(address=address, **options))
     wait_for(lambda: side.clients.client(""), lambda client: client is not None)
     return side
 
@@ -440,3 +440,38 @@ def test_a_decode_finished_by_its_load_step_reports_how_its_hand_off_went(
 
 def handoffs_held(side: SchedulerSide) -> int:
     return int(status(side)["handoffs"]["held"])
+
+
+def test_a_consumer_of_another_tp_size_is_given_its_own_rank_split(server: Server) -> None:
+    """A TP 1 producer, a TP 2 consumer: the take names the prompt under both
+    layouts, the server re-shards the three chunks into two ranks each, and
+    the consumer loads them like its own; a TP size that cannot split the
+    model's heads is refused and recomputed."""
+    producer, consumer = side_for(server.rpc), side_for(server.rpc, tp=2)
+    try:
+        tokens, params = handed_off(producer, seed=60)
+        assert params[RANKS] == 1
+        req = consumer_request(tokens, params)
+        answer = wait_for(
+            lambda: consumer.get_num_new_matched_tokens(req, 0), lambda a: a[0] is not None
+        )
+        assert answer == (PROMPT, False)
+        consumer.update_state_after_alloc(req, Blocks([30, 31, 32, 33, 34]), PROMPT)
+        (load,) = consumer.build_connector_meta(parked_step()).loads
+        assert len(load.hashes) == 3 and not load.failed
+        assert status(consumer)["server"]["handoffs.resharded"] == 1
+        consumer.update_connector_output(SimpleNamespace(finished_recving={"d"}))
+        _, outcome = consumer.request_finished(req, [30, 31, 32, 33, 34])
+        assert outcome == {HANDOFF_ID: params[HANDOFF_ID], OUTCOME: "loaded"}
+        # The producer said TP 3, which cannot split 2 KV heads: never loaded.
+        tokens, params = handed_off(producer, seed=61)
+        req = consumer_request(tokens, {**params, RANKS: 3}, rid="d3")
+        assert consumer.get_num_new_matched_tokens(req, 0) == (0, False)
+        _, outcome = consumer.request_finished(req, [])
+        assert outcome is not None and outcome[CAUSE] == "layout_mismatch"
+        held = wait_for(lambda: status(consumer), lambda s: s["handoffs"]["held"] == 1)
+        assert held["handoffs"]["held"] == 1  # the second, left to its lease
+        assert held["storage"]["held_lookup_locks"] == 0
+    finally:
+        producer.close()
+        consumer.close()

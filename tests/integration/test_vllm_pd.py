@@ -15,6 +15,7 @@ import signal
 import threading
 import urllib.request
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -65,6 +66,13 @@ def engines(
 @pytest.fixture(scope="module")
 def proxy(engines: tuple[Engine, Engine]) -> Iterator[str]:
     prefill, decode = engines
+    with pd_proxy(prefill, decode) as url:
+        yield url
+
+
+@contextmanager
+def pd_proxy(prefill: Engine, decode: Engine) -> Iterator[str]:
+    """``kvtier pd-proxy`` in front of the two engines, on a thread: its URL."""
     port = free_port()
     pd = PDProxy([prefill.url], [decode.url])
     loop = asyncio.new_event_loop()

@@ -37,16 +37,19 @@ class FakeModelConfig:
         return 2
 
     def get_num_kv_heads(self, parallel: Any) -> int:
+        return max(1, 2 // parallel.tensor_parallel_size)
+
+    def get_total_num_kv_heads(self) -> int:
         return 2
 
     def get_head_size(self) -> int:
         return 64
 
 
-def vllm_config() -> Any:
+def vllm_config(tp: int = 1) -> Any:
     return SimpleNamespace(
         model_config=FakeModelConfig(),
-        parallel_config=SimpleNamespace(pipeline_parallel_size=1, tensor_parallel_size=1),
+        parallel_config=SimpleNamespace(pipeline_parallel_size=1, tensor_parallel_size=tp),
         cache_config=SimpleNamespace(block_size=BLOCK, cache_dtype="auto"),
     )
 

@@ -49,6 +49,7 @@ class EngineOptions:
     # {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": "tcp://*:5557"}
     kv_events: dict[str, Any] | None = None
     cpus: str = ""  # VLLM_CPU_OMP_THREADS_BIND, e.g. "0" (one engine per core); "" vLLM's choice
+    tensor_parallel: int = 1  # --tensor-parallel-size (on CPU, bind one core per rank: "0|1")
     dev_mode: bool = False  # VLLM_SERVER_DEV_MODE: POST /reset_prefix_cache, between runs
     name: str = ""  # --served-model-name ("": the model's path)
 
@@ -148,6 +149,7 @@ def _launch(
     command += ["--model", str(options.model), "--host", "127.0.0.1", "--port", str(port)]
     command += ["--dtype", "float32", "--seed", "0", "--enforce-eager"]
     command += ["--max-model-len", str(options.max_model_len)]
+    command += ["--tensor-parallel-size", str(options.tensor_parallel)]
     if options.name:
         command += ["--served-model-name", options.name]
     command += ["--kv-cache-memory-bytes", str(options.kv_cache_bytes)]

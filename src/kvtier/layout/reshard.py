@@ -9,17 +9,23 @@ projection). An MLA latent is replicated on every rank. ``reshard`` rebuilds
 the chunk's heads from the source objects and cuts them as the receiver's
 ranks hold them, byte for byte.
 
-Only kvtier's canonical byte order (``[layers][K, V][kv_heads][tokens]
-[head_dim]``) can be re-sharded: an engine's own page format (vLLM-CPU's
-packed blocks, ``KVLayout.format``) is refused, as is any difference besides
-the rank split (layers, head size, dtype, chunk size, codec). Replicas that
-disagree are refused too: the source is inconsistent, and loading either
-copy could be wrong KV.
+An object can be cut by heads when each head's bytes are contiguous runs
+of it (``head_rows``): kvtier's canonical byte order (``[layers][K, V]
+[kv_heads][tokens][head_dim]``), and vLLM's CPU pages (formats
+``vllm-cpu-<isa>-bs<B>``, as ``kvtier.engine.vllm.pages`` names them): vLLM's
+CPU backend keeps every layer as ``[blocks][kv_heads][B, 2 x head_dim]`` and
+packs K and V within one head's part of a block, by rules that depend on the
+instruction set, block size, head size and dtype (all in the format and the
+layout) and not on how many heads a rank holds. Any other engine format is
+refused, as is any difference besides the rank split (layers, head size,
+dtype, chunk size, format, codec). Replicas that disagree are refused too:
+the source is inconsistent, and loading either copy could be wrong KV.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import re
 from collections.abc import Sequence
 
 import numpy as np
@@ -28,6 +34,36 @@ import numpy.typing as npt
 from kvtier.layout import KVLayout
 
 Bytes = npt.NDArray[np.uint8]
+_HEAD_MAJOR_PAGES = re.compile(r"vllm-cpu-[^-]+-bs(\d+)")  # vLLM's CPU pages: head-major
+
+
+def head_rows(layout: KVLayout) -> tuple[int, int]:
+    """How one object of ``layout`` splits by KV heads: ``(outer, row)`` for
+    bytes ``[outer][kv_heads][row]``; ValueError for a format that does not."""
+    factor = 2 if layout.kind == "kv" else 1
+    if not layout.format:  # [layers][K, V][heads][tokens x head_dim]
+        return layout.num_layers * factor, layout.tokens_per_chunk * layout.head_dim * (
+            layout.dtype_bytes
+        )
+    pages = _HEAD_MAJOR_PAGES.fullmatch(layout.format)
+    block = int(pages[1]) if pages else 0
+    if not block or layout.tokens_per_chunk % block:
+        raise ValueError(
+            f"objects in the engine format {layout.format!r} cannot be re-sharded (kvtier's "
+            "canonical byte order and vLLM's CPU pages can); both sides must use the same TP"
+        )
+    blocks = layout.tokens_per_chunk // block  # [layers][blocks][heads][block x K, V]
+    return layout.num_layers * blocks, factor * block * layout.head_dim * layout.dtype_bytes
+
+
+def tp_layout(layout: KVLayout, total_kv_heads: int, ranks: int) -> KVLayout:
+    """The same model's layout under TP ``ranks`` (vLLM's split: a share of
+    the heads per rank, or one replica each when the ranks outnumber them)."""
+    if layout.kind == "latent":
+        return dataclasses.replace(layout, num_ranks=ranks)
+    if ranks <= 0 or (total_kv_heads % ranks and ranks % total_kv_heads):
+        raise ValueError(f"TP {ranks} does not split {total_kv_heads} KV heads")
+    return dataclasses.replace(layout, num_ranks=ranks, kv_heads=max(1, total_kv_heads // ranks))
 
 
 def rank_heads(layout: KVLayout, total_kv_heads: int) -> list[list[int]]:
@@ -55,10 +91,9 @@ def reshard(
     _check_convertible(source, target)
     if len(objects) != source.num_ranks:
         raise ValueError(f"{len(objects)} objects for a layout of {source.num_ranks} ranks")
-    factor = 2 if source.kind == "kv" else 1
+    outer, row = head_rows(source)
     heads = 1 if source.kind == "latent" else total_kv_heads
-    row = source.tokens_per_chunk * source.head_dim * source.dtype_bytes  # one head's bytes
-    chunk: Bytes = np.empty((source.num_layers, factor, heads, row), np.uint8)
+    chunk: Bytes = np.empty((outer, heads, row), np.uint8)
     filled = np.zeros(heads, bool)
     for rank, held in enumerate(rank_heads(source, total_kv_heads)):
         if objects[rank].nbytes != source.object_bytes():
@@ -66,25 +101,27 @@ def reshard(
                 f"rank {rank}'s object has {objects[rank].nbytes} bytes; the layout says "
                 f"{source.object_bytes()}"
             )
-        part = np.asarray(objects[rank]).reshape(source.num_layers, factor, len(held), row)
+        part = np.asarray(objects[rank]).reshape(outer, len(held), row)
         for j, head in enumerate(held):
-            if filled[head] and not np.array_equal(chunk[:, :, head], part[:, :, j]):
+            if filled[head] and not np.array_equal(chunk[:, head], part[:, j]):
                 raise ValueError(f"the replicas of KV head {head} differ: refusing to load either")
-            chunk[:, :, head] = part[:, :, j]
+            chunk[:, head] = part[:, j]
             filled[head] = True
     return [
-        np.ascontiguousarray(chunk[:, :, held]).reshape(-1)
+        np.ascontiguousarray(chunk[:, held]).reshape(-1)
         for held in rank_heads(target, total_kv_heads)
     ]
 
 
+def check_convertible(source: KVLayout, target: KVLayout, total_kv_heads: int) -> None:
+    """ValueError naming why ``source``'s objects cannot become ``target``'s."""
+    _check_convertible(source, target)
+    rank_heads(source, total_kv_heads)
+    rank_heads(target, total_kv_heads)
+
+
 def _check_convertible(source: KVLayout, target: KVLayout) -> None:
-    for layout in (source, target):
-        if layout.format:
-            raise ValueError(
-                f"objects in the engine format {layout.format!r} cannot be re-sharded (only "
-                "kvtier's canonical byte order can); both sides must use the same format and TP"
-            )
+    head_rows(source)
     split = {"kv_heads", "num_ranks"}
     for field in dataclasses.fields(KVLayout):
         if field.name not in split and getattr(source, field.name) != getattr(target, field.name):
@@ -94,4 +131,4 @@ def _check_convertible(source: KVLayout, target: KVLayout) -> None:
             )
 
 
-__all__ = ["rank_heads", "reshard"]
+__all__ = ["check_convertible", "head_rows", "rank_heads", "reshard", "tp_layout"]

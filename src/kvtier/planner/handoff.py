@@ -14,9 +14,11 @@ engine to a decode engine through the cache:
   queue), read — then released at once; at most the lease when the consumer
   never comes;
 - what is resident because of hand-offs (Little's law: rate x lifetime x
-  bytes), its bound under the lease, and the double-buffered bytes: during
-  the write the prefill engine still holds its copy, during the read the
-  store still holds its copy, so those bytes exist twice;
+  bytes; with another decode TP the server also holds the re-sharded copy
+  from the take through the read), its bound under the lease, and the
+  double-buffered bytes: during the write the prefill engine still holds its
+  copy, during the read the store still holds its copy, so those bytes
+  exist twice;
 - the KV the decode side holds for its sequences in flight (Little's law
   again: rate x output tokens x time per token sequences, each with its
   prompt and half its output on average, rounded up to chunks).
@@ -103,7 +105,8 @@ def plan_handoff(
     lifetime = write_s + handoff.handoff_wait_ms / 1000 + read_s
     sequences = handoff.pd_qps * handoff.pd_output_tokens * handoff.pd_itl_ms / 1000
     mean_tokens = handoff.pd_prompt_tokens + handoff.pd_output_tokens // 2
-    if decode.tp == deployment.tp:
+    resharded = decode.tp != deployment.tp
+    if not resharded:
         layout = "same split"
     elif shape.mla_latent_dim is not None:
         layout = "latent copied to every rank"
@@ -122,7 +125,7 @@ def plan_handoff(
         write_s=write_s,
         read_s=read_s,
         lifetime_s=lifetime,
-        resident_bytes=handoff.pd_qps * lifetime * written,
+        resident_bytes=handoff.pd_qps * (lifetime * written + (read_s * read if resharded else 0)),
         resident_bytes_bound=handoff.pd_qps * handoff.handoff_lease_s * written,
         double_buffered_bytes=handoff.pd_qps * (write_s * written + read_s * read),
         decode_sequences=sequences,

@@ -45,7 +45,7 @@ from kvtier.keys import HASH_BYTES, ObjectKey, chunk_keys, model_label
 from kvtier.l1 import L1Result
 from kvtier.layout import KVLayout
 from kvtier.server import protocol as p
-from kvtier.server.handoffs import HandoffTable
+from kvtier.server.handoffs import HandoffOutcome, HandoffTable
 from kvtier.server.ledger import SavingsLedger
 from kvtier.server.limits import RequestError, ServerLimits, check_hello, check_layouts
 from kvtier.server.metrics import ServerMetrics
@@ -440,18 +440,37 @@ class CacheServer:
     ) -> Outcome:
         """A producer publishes its committed chunks for one consumer (a writer only)."""
         self._check_writable(client)
+        self._layout(client, req.group)
         keys = [k for chunk in self._keys(client, req.hashes, req.group) for k in chunk]
         outcome, why = self.handoffs.offer(
-            client, req.handoff_id, req.hashes, keys, req.lease_s, req.consumer
+            client,
+            req.handoff_id,
+            req.hashes,
+            keys,
+            req.lease_s,
+            req.consumer,
+            req.group,
+            max(req.kv_heads, 0),
         )
         return p.HandoffState(outcome, why), []
 
     def _handoff_take(
         self, client: Client, req: p.HandoffTake, frames: Sequence[Buffer]
     ) -> Outcome:
-        self._keys(client, req.hashes, req.group)  # the same checks as any request's chunks
-        outcome, why = self.handoffs.take(client, req.handoff_id, req.hashes, req.consumer)
-        return p.HandoffState(outcome, why), []
+        keys = self._keys(client, req.hashes, req.group)  # the same checks as any request's
+        outcome, why = self.handoffs.take(
+            client, req.handoff_id, req.hashes, req.consumer, req.source_hashes, req.kv_heads
+        )
+        if outcome is not HandoffOutcome.CONVERTING:
+            return p.HandoffState(outcome, why), []
+        conversion = self.handoffs.conversion(
+            client, req.handoff_id, [k for chunk in keys for k in chunk]
+        )
+
+        def finish(result: tuple[list[bool], str]) -> Answer:
+            return p.HandoffState(*self.handoffs.converted(conversion, *result)), []
+
+        return Deferred(lambda: conversion.run(self.storage), finish)
 
     def _handoff_done(
         self, client: Client, req: p.HandoffDone, frames: Sequence[Buffer]

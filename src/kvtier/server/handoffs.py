@@ -18,8 +18,16 @@ behind (the last ``REMEMBERED``), so a late consumer learns what happened
 
 A take names the chunks it expects (its prompt's, under its own namespace):
 another model or tenant, another layout (TP size, block size, page format)
-or another prompt is refused, never loaded. Single-threaded: the server loop
-calls it, like ``SessionTable``.
+or another prompt is refused, never loaded. A consumer whose TP size alone
+differs from the producer's may be given its own rank split instead: its
+take also names the prompt's chunks under the producer's layout (its hashes
+must be the offer's) and the model's KV heads (the offer's). The server
+re-shards each chunk by KV heads (``kvtier.layout.reshard``) into objects
+under the consumer's keys, off the loop thread (``Conversion``), holds them
+with the hand-off, and grants it; the taker then loads its own objects. The
+converted objects are ordinary cache entries afterwards: engines of the
+consumer's TP size reuse them. Single-threaded: the server loop calls it,
+like ``SessionTable``.
 """
 
 from __future__ import annotations
@@ -33,8 +41,11 @@ from enum import StrEnum
 from kvtier.counters import Counters
 from kvtier.keys import ObjectKey
 from kvtier.l1 import L1Manager, L1Result
+from kvtier.layout import KVLayout
+from kvtier.layout.reshard import check_convertible, reshard
 from kvtier.server.limits import RequestError
 from kvtier.server.sessions import Client, shown
+from kvtier.storage import StorageManager
 
 REMEMBERED = 4096  # ended hand-offs whose outcome a late taker is told
 MAX_HELD = 4096  # hand-offs held at once
@@ -53,6 +64,7 @@ class HandoffOutcome(StrEnum):
     LAYOUT_MISMATCH = "layout_mismatch"  # another TP size, block size or page format
     PROMPT_MISMATCH = "prompt_mismatch"  # other chunks than the taker's prompt
     RELEASED = "released"  # DONE's answer: its hold is dropped
+    CONVERTING = "converting"  # (internal) granted once its objects are re-sharded
 
 
 # What a consumer may still wait for; every other outcome of a TAKE ends its wait.
@@ -69,8 +81,53 @@ class Handoff:
     consumer: str  # "" for any
     expires: float
     held_bytes: int
+    group: int  # the offered objects' group
+    source: KVLayout  # the producer's layout of it
+    kv_heads: int  # the model's KV heads (0: unknown; no conversion)
     taker: tuple[bytes, str, str] | None = None  # (peer, connection, consumer name)
     refused: str = ""  # the last take it refused, and why (for the operator's and proxy's view)
+    converting: bool = False  # its objects are being re-sharded for the taker
+    converted: int = 0  # objects of the taker's layout it holds (the last of ``keys``)
+
+
+@dataclass(frozen=True, slots=True)
+class Conversion:
+    """A granted take's re-sharding: the producer's objects (chunk-major,
+    ``source.num_ranks`` per chunk, held by the hand-off) become the
+    consumer's (``target.num_ranks`` per chunk) under ``keys``."""
+
+    handoff_id: str
+    objects: list[ObjectKey]
+    source: KVLayout
+    keys: list[ObjectKey]
+    target: KVLayout
+    kv_heads: int
+
+    def run(self, storage: StorageManager) -> tuple[list[bool], str]:
+        """Re-shard every chunk and store the taker's objects: per object
+        whether it is in L1, and why not if none is. Thread-safe (storage
+        only): the server runs it off its loop. Its own read locks keep the
+        sources while it reads them; one no longer in L1 (the hand-off ended
+        first) fails it, never reads other bytes."""
+        placements = storage.l1.reserve_read(self.objects)
+        pairs = zip(self.objects, placements, strict=True)
+        locked = [k for k, pl in pairs if pl.result is L1Result.SUCCESS]
+        try:
+            if len(locked) < len(self.objects):
+                return [False] * len(self.keys), "its objects left L1 before they were re-sharded"
+            ranks, converted = self.source.num_ranks, []
+            views = [storage.l1.view(pl) for pl in placements]
+            for start in range(0, len(views), ranks):
+                chunk = views[start : start + ranks]
+                converted += reshard(chunk, self.source, self.target, self.kv_heads)
+        except ValueError as error:  # replicas that disagree: the source is inconsistent
+            return [False] * len(self.keys), str(error)
+        finally:
+            storage.l1.finish_read(locked)
+        results = storage.store(self.keys, converted, self.target)
+        stored = [r is L1Result.SUCCESS for r in results]
+        missing = len(stored) - sum(stored)
+        return stored, f"{missing} re-sharded objects did not fit in L1" if missing else ""
 
 
 class HandoffTable:
@@ -96,6 +153,8 @@ class HandoffTable:
         keys: Sequence[ObjectKey],
         lease_s: float,
         consumer: str,
+        group: int = 0,
+        kv_heads: int = 0,
     ) -> tuple[HandoffOutcome, str]:
         self.expire()
         _check_id(handoff_id)
@@ -123,19 +182,30 @@ class HandoffTable:
             consumer,
             self._clock() + lease_s,
             sum(p.size for p in placements),
+            group,
+            client.layouts[group],
+            kv_heads,
         )
         self._counters.add("handoffs.offered")
         return HandoffOutcome.OFFERED, ""
 
     def take(
-        self, client: Client, handoff_id: str, hashes: list[bytes], consumer: str
+        self,
+        client: Client,
+        handoff_id: str,
+        hashes: list[bytes],
+        consumer: str,
+        source_hashes: Sequence[bytes] = (),
+        kv_heads: int = 0,
     ) -> tuple[HandoffOutcome, str]:
+        """GRANTED to its taker, CONVERTING when the taker's rank split must
+        be made first (``conversion``, then ``converted``), else why not."""
         self.expire()
         _check_id(handoff_id)
         handoff = self._held.get(handoff_id)
         if handoff is None:
             return self._ended.get(handoff_id, HandoffOutcome.PENDING), ""
-        refusal = self._refusal(handoff, client, hashes, consumer)
+        refusal = self._refusal(handoff, client, hashes, consumer, source_hashes, kv_heads)
         if refusal is not None:
             self._counters.add(f"handoffs.refused.{refusal[0]}")
             handoff.refused = f"{refusal[0]}: {refusal[1]}"
@@ -144,9 +214,51 @@ class HandoffTable:
         if handoff.taker is not None and handoff.taker != taker:
             self._counters.add("handoffs.refused.taken")
             return HandoffOutcome.TAKEN, "another consumer took it"
-        if handoff.taker is None:
+        if handoff.converting:
+            return HandoffOutcome.PENDING, "its objects are being re-sharded"
+        first = handoff.taker is None
+        if first:
             handoff.taker = taker
             self._counters.add("handoffs.taken")
+        if _layout_of(client) != handoff.layout and (first or not handoff.converted):
+            handoff.converting = True
+            return HandoffOutcome.CONVERTING, ""
+        return HandoffOutcome.GRANTED, ""
+
+    def conversion(self, client: Client, handoff_id: str, keys: list[ObjectKey]) -> Conversion:
+        """What a CONVERTING take needs done: ``keys`` are the taker's
+        objects (chunk-major), the same chunks as the offer's."""
+        handoff = self._held[handoff_id]
+        target = client.layouts[handoff.group]
+        return Conversion(
+            handoff_id, list(handoff.keys), handoff.source, keys, target, handoff.kv_heads
+        )
+
+    def converted(
+        self, conversion: Conversion, stored: Sequence[bool], why: str
+    ) -> tuple[HandoffOutcome, str]:
+        """The re-sharded objects are stored (``stored``: each in L1, else
+        ``why`` not): hold them with the hand-off and grant it, or say why
+        not (its taker's policy then decides)."""
+        handoff = self._held.get(conversion.handoff_id)
+        if handoff is None:
+            outcome = self._ended.get(conversion.handoff_id, HandoffOutcome.EXPIRED)
+            return outcome, "it ended while its objects were re-sharded"
+        handoff.converting = False
+        if not all(stored):
+            self._counters.add("handoffs.reshard_failed")
+            return HandoffOutcome.INCOMPLETE, why
+        placements = self._l1.reserve_read(conversion.keys)
+        pairs = zip(conversion.keys, placements, strict=True)
+        locked = [k for k, pl in pairs if pl.result is L1Result.SUCCESS]
+        if len(locked) < len(conversion.keys):
+            self._l1.finish_read(locked)
+            self._counters.add("handoffs.reshard_failed")
+            return HandoffOutcome.INCOMPLETE, "re-sharded objects were evicted before the take"
+        handoff.keys += locked
+        handoff.converted = len(locked)
+        handoff.held_bytes += sum(pl.size for pl in placements)
+        self._counters.add("handoffs.resharded")
         return HandoffOutcome.GRANTED, ""
 
     def done(self, client: Client, handoff_id: str, consumer: str) -> HandoffOutcome:
@@ -197,20 +309,54 @@ class HandoffTable:
     # ------------------------------------------------------------ internals
 
     def _refusal(
-        self, handoff: Handoff, client: Client, hashes: list[bytes], consumer: str
+        self,
+        handoff: Handoff,
+        client: Client,
+        hashes: list[bytes],
+        consumer: str,
+        source_hashes: Sequence[bytes],
+        kv_heads: int,
     ) -> tuple[HandoffOutcome, str] | None:
         if handoff.consumer and consumer != handoff.consumer:
             return HandoffOutcome.WRONG_CONSUMER, f"it is held for {shown(handoff.consumer)}"
         if (client.tenant, client.model, client.salt) != handoff.namespace:
             return HandoffOutcome.NAMESPACE_MISMATCH, "it was published under another namespace"
-        if _layout_of(client) != handoff.layout:
-            return (
-                HandoffOutcome.LAYOUT_MISMATCH,
-                "the producer's layout (TP size, block size or page format) differs from the "
-                "consumer's; it cannot be loaded as it is",
-            )
-        if hashes != handoff.hashes:
+        if _layout_of(client) == handoff.layout:
+            if hashes != handoff.hashes:
+                return HandoffOutcome.PROMPT_MISMATCH, "its chunks are not the consumer's prompt"
+            return None
+        why = self._not_convertible(handoff, client, hashes, source_hashes, kv_heads)
+        if why is not None:
+            return HandoffOutcome.LAYOUT_MISMATCH, why
+        if list(source_hashes) != handoff.hashes:
             return HandoffOutcome.PROMPT_MISMATCH, "its chunks are not the consumer's prompt"
+        return None
+
+    @staticmethod
+    def _not_convertible(
+        handoff: Handoff,
+        client: Client,
+        hashes: list[bytes],
+        source_hashes: Sequence[bytes],
+        kv_heads: int,
+    ) -> str | None:
+        """Why the producer's objects cannot be re-sharded for this taker."""
+        base = (
+            "the producer's layout (TP size, block size or page format) differs from the consumer's"
+        )
+        if not source_hashes or not kv_heads or kv_heads != handoff.kv_heads:
+            return f"{base}; it cannot be loaded as it is"
+        if len(hashes) != len(source_hashes) or client.rank >= 0:
+            return f"{base}, and the take does not name its chunks for every rank"
+        if not client.writable:
+            return f"{base}, and re-sharding stores objects the consumer's tenant may not write"
+        target = client.layouts.get(handoff.group)
+        try:
+            if target is None:
+                raise ValueError("the consumer registered no layout for the offered group")
+            check_convertible(handoff.source, target, kv_heads)
+        except ValueError as error:
+            return f"{base}: {error}"
         return None
 
     def _release(self, handoff: Handoff, outcome: HandoffOutcome) -> None:

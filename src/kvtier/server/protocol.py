@@ -181,22 +181,30 @@ class HandoffOffer(Message, tag="handoff_offer"):
     (``kvtier.server.handoffs``): chunks ``hashes`` (the prompt's full chunks,
     then its tail), every rank's object, held in L1 for ``lease_s`` or until
     its consumer is done with it. ``consumer``: the only consumer name that
-    may take it ("" for any)."""
+    may take it ("" for any). ``kv_heads``: the model's KV heads over all
+    ranks, so that a consumer with another TP size can be given its own
+    rank split (0: unknown, no conversion)."""
 
     handoff_id: str
     hashes: list[bytes]
     lease_s: float
     consumer: str = ""
     group: int = 0
+    kv_heads: int = 0
 
 
 class HandoffTake(Message, tag="handoff_take"):
-    """Take a hand-off for ``consumer``, naming the chunks it expects."""
+    """Take a hand-off for ``consumer``, naming the chunks it expects. A
+    consumer with another TP size than the producer's also names the same
+    prompt's chunks under the producer's layout (``source_hashes``) and the
+    model's KV heads: the server re-shards the objects into its layout."""
 
     handoff_id: str
     hashes: list[bytes]
     consumer: str = ""
     group: int = 0
+    source_hashes: list[bytes] = msgspec.field(default_factory=list)
+    kv_heads: int = 0
 
 
 class HandoffDone(Message, tag="handoff_done"):

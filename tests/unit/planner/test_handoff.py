@@ -40,6 +40,10 @@ def test_a_different_decode_tp_is_resharded_and_replication_counts() -> None:
     plan = plan_handoff(two_heads, Deployment(tp=2), Network(), Handoff(decode_tp=4))
     assert (plan.prefill_tp, plan.decode_tp, plan.layout) == (2, 4, "re-sharded by KV heads")
     assert plan.read_bytes == 2 * plan.written_bytes  # TP 4 keeps each of 2 heads twice
+    # The server holds the producer's split for the whole hand-off, the re-sharded one
+    # from the take through the read.
+    held = plan.lifetime_s * plan.written_bytes + plan.read_s * plan.read_bytes
+    assert plan.resident_bytes == pytest.approx(1.0 * held)  # 1 hand-off a second
 
 
 def test_an_mla_latent_goes_to_every_rank() -> None:

@@ -9,7 +9,7 @@ import pytest
 from kvtier.keys import Namespace, TokenHasher
 from kvtier.l1 import L1Result
 from kvtier.server import protocol as p
-from kvtier.server.core import CacheServer
+from kvtier.server.core import CacheServer, Deferred
 from kvtier.server.limits import ServerLimits
 from kvtier.server.tenants import TenantTable
 from kvtier.storage import StorageManager
@@ -34,8 +34,18 @@ def hello(server: CacheServer, peer: bytes = b"A", ranks: int = 1, **kw: object)
 def call(
     server: CacheServer, peer: bytes, msg: p.Message, frames: list[bytes] | None = None
 ) -> p.Reply:
-    reply, _ = server.handle(peer, msg, frames or [])  # type: ignore[arg-type]
-    return reply
+    return answer(server, peer, msg, frames)[0]
+
+
+def answer(
+    server: CacheServer, peer: bytes, msg: p.Message, frames: list[bytes] | None = None
+) -> tuple[p.Reply, list[np.ndarray]]:
+    """The reply and its frames; work the server defers runs at once, as its
+    pool would run it."""
+    outcome = server.handle(peer, msg, frames or [])  # type: ignore[arg-type]
+    if isinstance(outcome, Deferred):
+        outcome = outcome.finish(outcome.work())
+    return outcome
 
 
 def hashes(n: int, seed: int = 0) -> list[bytes]:

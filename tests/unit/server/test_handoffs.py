@@ -5,6 +5,7 @@ scenario ends with nothing locked."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 from kvtier.l1 import L1Config
@@ -15,7 +16,7 @@ from kvtier.server.limits import ServerLimits
 from kvtier.storage import StorageConfig, StorageManager
 from tests.conftest import FakeClock
 from tests.ledger import assert_clean
-from tests.unit.server.test_core import call, hashes, hello, store
+from tests.unit.server.test_core import answer, call, hashes, hello, store
 
 
 @pytest.fixture
@@ -210,4 +211,107 @@ def test_a_draining_server_takes_no_offers(storage: StorageManager, clock: FakeC
     server.draining = True
     err = offer(server, hs)
     assert isinstance(err, p.Error) and err.code == "draining"
+    assert_clean(storage.l1)
+
+
+# A model of 4 KV heads, head dim 8, one layer: TP 1, 2 and 4 hold 4, 2 and 1 heads a rank.
+HEADS, DIM, TOKENS = 4, 8, 16
+
+
+def hello_tp(server: CacheServer, peer: bytes, tp: int, fmt: str = "", **kw: object) -> None:
+    spec = p.LayoutSpec(0, num_layers=1, kv_heads=HEADS // tp, head_dim=DIM, dtype="float32")
+    spec.format = fmt
+    msg = p.Hello(p.PROTOCOL_VERSION, peer.decode(), "org/m", [spec], tp, 16, **kw)  # type: ignore[arg-type]
+    assert isinstance(call(server, peer, msg), p.Welcome)
+
+
+def rank_objects(kv: np.ndarray, tp: int) -> list[bytes]:
+    """What TP ``tp`` stores for one chunk ``kv`` ([1, K/V, heads, tokens, dim])."""
+    share = HEADS // tp
+    return [kv[:, :, r * share : (r + 1) * share].tobytes() for r in range(tp)]
+
+
+def chunk_kv(n: int) -> list[np.ndarray]:
+    rng = np.random.default_rng(7)
+    return [rng.standard_normal((1, 2, HEADS, TOKENS, DIM), np.float32) for _ in range(n)]
+
+
+def take_tp(
+    server: CacheServer, peer: bytes, hs: list[bytes], source: list[bytes], kv_heads: int = HEADS
+) -> p.Reply:
+    return call(server, peer, p.HandoffTake("h1", hs, source_hashes=source, kv_heads=kv_heads))
+
+
+@pytest.mark.parametrize(("producer_tp", "consumer_tp"), [(1, 2), (2, 1), (1, 4), (4, 2)])
+def test_a_consumer_of_another_tp_size_loads_its_own_rank_split(
+    server: CacheServer, storage: StorageManager, producer_tp: int, consumer_tp: int
+) -> None:
+    hello_tp(server, b"P", producer_tp)
+    hello_tp(server, b"D", consumer_tp, shm=False)  # objects come back as frames
+    source, own = hashes(3), hashes(3, seed=1)  # one prompt under each side's namespace
+    kv = chunk_kv(3)
+    frames = [o for chunk in kv for o in rank_objects(chunk, producer_tp)]
+    assert call(server, b"P", p.Store("w", source), frames) == p.Committed(3 * producer_tp)
+    assert call(server, b"P", p.HandoffOffer("h1", source, 30, kv_heads=HEADS)) == (
+        p.HandoffState("offered")
+    )
+    assert take_tp(server, b"D", own, source) == p.HandoffState("granted")
+    assert take_tp(server, b"D", own, source) == p.HandoffState("granted")  # asked again
+    held = server.status()["handoffs"]
+    chunk_bytes = 2 * HEADS * TOKENS * DIM * 4  # K and V of every head, fp32
+    assert held["held_bytes"] == 2 * 3 * chunk_bytes  # both splits of 3 chunks
+    call(server, b"D", p.Lookup("r", own))
+    assert call(server, b"D", p.Query("r")).hit_chunks == 3  # type: ignore[union-attr]
+    objects, got = answer(server, b"D", p.Retrieve("r", 0, 3))
+    assert isinstance(objects, p.Objects)
+    want = [o for chunk in kv for o in rank_objects(chunk, consumer_tp)]
+    assert [bytes(g) for g in got] == want  # byte for byte what the consumer's ranks store
+    call(server, b"D", p.EndSession("r"))
+    assert done(server, b"D") == "released"
+    assert server.counters.snapshot()["handoffs.resharded"] == 1
+    assert_clean(storage.l1)
+
+
+def test_what_cannot_be_resharded_is_refused_naming_why(
+    server: CacheServer, storage: StorageManager
+) -> None:
+    hello_tp(server, b"P", 1)
+    source = hashes(2)
+    frames = [o for chunk in chunk_kv(2) for o in rank_objects(chunk, 1)]
+    call(server, b"P", p.Store("w", source), frames)
+    call(server, b"P", p.HandoffOffer("h1", source, 30, kv_heads=HEADS))
+    hello_tp(server, b"D", 2)
+    own = hashes(2, seed=1)
+    refused = take_tp(server, b"D", own, [])  # no source hashes: nothing to convert by
+    assert refused == p.HandoffState("layout_mismatch", refused.message)  # type: ignore[union-attr]
+    assert "cannot be loaded as it is" in refused.message  # type: ignore[union-attr]
+    assert take_tp(server, b"D", own, source, kv_heads=8).outcome == "layout_mismatch"  # type: ignore[union-attr]
+    assert take_tp(server, b"D", own, hashes(2, seed=2)).outcome == "prompt_mismatch"  # type: ignore[union-attr]
+    assert take_tp(server, b"D", own[:1], source).outcome == "layout_mismatch"  # type: ignore[union-attr]
+    hello_tp(server, b"F", 2, fmt="vllm-cuda-NHD-bs16")  # pages not cut by heads
+    reply = take_tp(server, b"F", own, source)
+    assert reply.outcome == "layout_mismatch"  # type: ignore[union-attr]
+    assert "the layouts differ in format" in reply.message  # type: ignore[union-attr]
+    assert server.status()["handoffs"]["taken"] == 0  # refusals took nothing
+    assert take_tp(server, b"D", own, source) == p.HandoffState("granted")
+    assert done(server, b"D") == "released"
+    assert_clean(storage.l1)
+
+
+def test_a_hand_off_that_ends_while_it_is_resharded_grants_nothing(
+    server: CacheServer, storage: StorageManager, clock: FakeClock
+) -> None:
+    hello_tp(server, b"P", 1)
+    hello_tp(server, b"D", 2)
+    source, own = hashes(2), hashes(2, seed=1)
+    call(server, b"P", p.Store("w", source), [o for c in chunk_kv(2) for o in rank_objects(c, 1)])
+    call(server, b"P", p.HandoffOffer("h1", source, 5, kv_heads=HEADS))
+    deferred = server.handle(
+        b"D", p.HandoffTake("h1", own, source_hashes=source, kv_heads=HEADS), []
+    )
+    assert not isinstance(deferred, tuple)  # the re-sharding runs off the loop
+    clock.advance(6)
+    server.tick()  # the lease ends first
+    reply, _ = deferred.finish(deferred.work())
+    assert reply == p.HandoffState("expired", "it ended while its objects were re-sharded")
     assert_clean(storage.l1)

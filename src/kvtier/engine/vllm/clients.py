@@ -17,6 +17,7 @@ from kvtier.engine.vllm.pages import engine_kv_layout
 from kvtier.engine.vllm.settings import ConnectorSettings
 from kvtier.keys import TokenHasher, model_label
 from kvtier.layout import KVLayout
+from kvtier.layout.reshard import tp_layout
 from kvtier.server.client import CacheClient, ClientConfig
 from kvtier.server.protocol import LayoutSpec
 
@@ -51,8 +52,9 @@ class ClientPool:
         probe = engine_kv_layout(vllm_config, self.block_size)  # validates the model up front
         self.spec = LayoutSpec.of(probe)
         self.num_ranks = probe.num_ranks
+        self.kv_heads: int = vllm_config.model_config.get_total_num_kv_heads()
         self._clients: dict[str, CacheClient] = {}
-        self._hashers: dict[tuple[str, int], TokenHasher] = {}
+        self._hashers: dict[tuple[str, int, int], TokenHasher] = {}
 
     def client(self, salt: str) -> CacheClient | None:
         """The client of ``salt``, or None while the server is away (each
@@ -81,14 +83,19 @@ class ClientPool:
     def layout(self, chunk_size: int) -> KVLayout:
         return engine_kv_layout(self.vllm_config, chunk_size)
 
-    def hasher(self, salt: str, chunk_size: int) -> TokenHasher:
-        key = (salt, chunk_size)
+    def hasher(self, salt: str, chunk_size: int, ranks: int = 0) -> TokenHasher:
+        """Chunk hashes of this engine's namespace, or of the same model under
+        TP ``ranks`` (a producer's, in a hand-off; ValueError if TP
+        ``ranks`` cannot split the model's KV heads)."""
+        key = (salt, chunk_size, ranks or self.num_ranks)
         if key not in self._hashers:
             identity = ModelIdentity(
                 model=self.identity.model, revision=self.identity.revision, salt=salt
             )
-            namespace = identity.namespace(self.layout(chunk_size))
-            self._hashers[key] = TokenHasher(namespace, chunk_size)
+            layout = self.layout(chunk_size)
+            if ranks and ranks != self.num_ranks:
+                layout = tp_layout(layout, self.kv_heads, ranks)
+            self._hashers[key] = TokenHasher(identity.namespace(layout), chunk_size)
         return self._hashers[key]
 
     def close(self) -> None:

@@ -17,7 +17,10 @@ sets them:
   hand-off (one TAKE in flight per request, polled each step: the scheduler
   never waits for it), loads the P tokens' KV as an asynchronous load (the
   request waits for remote KV while the engine runs the others), computes
-  only the last token, and tells the server it is done.
+  only the last token, and tells the server it is done. A producer of
+  another TP size (``kvtier_ranks``) is no obstacle: the take also names the
+  prompt's chunks under the producer's layout, and the server re-shards them
+  into this engine's ranks before it grants the take.
 
 A hand-off that does not come (never offered within ``handoff_wait_s``: the
 producer died; expired; taken by another consumer; another layout; the
@@ -33,7 +36,7 @@ from __future__ import annotations
 import logging
 import secrets
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from kvtier.server import protocol as p
@@ -47,6 +50,7 @@ CONSUME = "do_remote_prefill"
 HANDOFF_ID = "kvtier_handoff"
 PROMPT_TOKENS = "kvtier_prompt_tokens"
 CONSUMER = "kvtier_consumer"  # the decode engine's id that alone may take it ("" any)
+RANKS = "kvtier_ranks"  # the producer's TP size: a consumer of another has its objects re-sharded
 ON_FAILURE = "kvtier_on_failure"  # "recompute" or "error", for this request
 OUTCOME = "kvtier_handoff_outcome"  # the consumer's response: "loaded", "recomputed", "error"
 CAUSE = "kvtier_handoff_cause"  # why it was not loaded
@@ -74,6 +78,9 @@ class Consume:
     policy: str
     deadline: float  # when a hand-off still not offered means its producer is gone
     consumer: str
+    producer_ranks: int = 0  # the producer's TP size (0: this engine's)
+    source_hashes: list[bytes] = field(default_factory=list)  # the prompt under its layout
+    kv_heads: int = 0  # the model's KV heads, for the server's re-sharding
     call: PendingReply | None = None  # the TAKE in flight
     outcome: str = ""  # once settled: "granted", or why not
     cause: str = ""  # the server's words, if any
@@ -115,12 +122,12 @@ def role_of(
         now + wait_s,
         consumer,
     )
-    tokens = params.get(PROMPT_TOKENS)
+    tokens, ranks = params.get(PROMPT_TOKENS), params.get(RANKS, 0)
     fits = isinstance(tokens, int) and 0 < tokens < prompt_tokens
-    if not fits or policy not in POLICIES or not consume.handoff_id:
+    if not fits or policy not in POLICIES or not consume.handoff_id or not _count(ranks):
         log.warning(
-            "kvtier: %s: bad hand-off parameters %s=%r %s=%r %s=%r (the prompt has %d tokens: "
-            "the producer's and its first token)",
+            "kvtier: %s: bad hand-off parameters %s=%r %s=%r %s=%r %s=%r (the prompt has %d "
+            "tokens: the producer's and its first token)",
             request_id,
             HANDOFF_ID,
             params.get(HANDOFF_ID),
@@ -128,12 +135,20 @@ def role_of(
             tokens,
             ON_FAILURE,
             policy,
+            RANKS,
+            ranks,
             prompt_tokens,
         )
         consume.outcome = BAD_PARAMS
         return consume
     consume.prompt_tokens = int(tokens)  # type: ignore[arg-type]
+    consume.producer_ranks = int(ranks)
     return consume
+
+
+def _count(value: object) -> bool:
+    """A TP size as a hand-off's parameters carry it (0: not given)."""
+    return isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= 1024
 
 
 def poll_take(
@@ -155,7 +170,14 @@ def poll_take(
         if now >= consume.deadline:
             consume.outcome = NOT_OFFERED
             return
-        consume.call = client.handoff(p.HandoffTake(consume.handoff_id, hashes, consume.consumer))
+        take = p.HandoffTake(
+            consume.handoff_id,
+            hashes,
+            consume.consumer,
+            source_hashes=consume.source_hashes,
+            kv_heads=consume.kv_heads,
+        )
+        consume.call = client.handoff(take)
     call = consume.call
     if block_s > 0 and not call.ready:
         call.wait(block_s)
@@ -172,13 +194,14 @@ def poll_take(
         consume.outcome = SERVER_AWAY
 
 
-def handoff_params(produce: Produce, prompt_tokens: int) -> dict[str, Any]:
+def handoff_params(produce: Produce, prompt_tokens: int, ranks: int) -> dict[str, Any]:
     """What the producer's response tells the proxy to pass the consumer."""
     return {
         CONSUME: True,
         HANDOFF_ID: produce.handoff_id,
         PROMPT_TOKENS: prompt_tokens,
         CONSUMER: produce.consumer,
+        RANKS: ranks,
     }
 
 

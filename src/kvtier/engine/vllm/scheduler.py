@@ -410,7 +410,11 @@ class SchedulerSide:
         if tracked.client is not None and complete:
             hashes = tracked.hashes + ([role.tail] if role.tail is not None else [])
             offer = p.HandoffOffer(
-                role.handoff_id, hashes, self.settings.handoff_lease_s, role.consumer
+                role.handoff_id,
+                hashes,
+                self.settings.handoff_lease_s,
+                role.consumer,
+                kv_heads=self.clients.kv_heads,
             )
             reply = tracked.client.handoff(offer).wait(self.settings.lookup_wait_s)
         refused = isinstance(reply, p.Error) or (
@@ -428,7 +432,7 @@ class SchedulerSide:
             )
             return None
         self.outcomes.add("handoff_offered")
-        return handoff_params(role, tracked.prompt_tokens)
+        return handoff_params(role, tracked.prompt_tokens, self.clients.num_ranks)
 
     def _consumed(self, tracked: Tracked, whole: bool) -> None:
         """A consumer's load came back (``whole``: every block): drop the
@@ -480,6 +484,8 @@ class SchedulerSide:
                 role.tail = tail
             elif tail is not None:
                 hashes.append(tail)  # a consumer loads the producer's tail too
+            if isinstance(role, Consume) and not role.settled and role.producer_ranks:
+                self._source_hashes(role, prompt, salt, chunk_size)
         if client is None:
             self.outcomes.add("no_server")
         tracked = Tracked(
@@ -496,6 +502,21 @@ class SchedulerSide:
             tracked.pin = self._listed_prefix(prompt, chunk_size or 0)
         self.requests[request.request_id] = tracked
         return tracked
+
+    def _source_hashes(self, role: Consume, prompt: list[int], salt: str, chunk_size: int) -> None:
+        """A producer of another TP size hashed the prompt under its own
+        layout: name those chunks too, for the server to re-shard."""
+        if role.producer_ranks == self.clients.num_ranks:
+            return
+        try:
+            hasher = self.clients.hasher(salt, chunk_size, role.producer_ranks)
+        except ValueError as error:  # no TP split of this model's heads
+            role.outcome, role.cause = HandoffOutcome.LAYOUT_MISMATCH, str(error)
+            return
+        source = hasher.chunk_hashes(prompt)
+        tail = hasher.tail_hash(prompt, source)
+        role.source_hashes = source + ([tail] if tail is not None else [])
+        role.kv_heads = self.clients.kv_heads
 
     def _resume(self, old: Tracked, role: Consume) -> None:
         """A consumer preempted after its hand-off: what it lost is its own
