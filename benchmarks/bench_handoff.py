@@ -21,19 +21,27 @@ The L1 hit and the hand-off both run after the prefill engine's request (the
 decode engine idle meanwhile), in turn first: the first request after an
 idle engine pays for waking it, so each is also reported by its place.
 
+With ``--across-nodes`` each engine has a cache server of its own (two
+nodes) and both write back to one Redis (the shared L2): the hand-off is
+found by the decode engine's server in Redis. A third request joins the
+two: an *L2 hit*, a prompt the prefill engine computed (on the other node)
+asked of the decode engine, whose chunks load from Redis.
+
 The model is ``kvtier demo``'s (15.5 M parameters, fp32), so prefill is
 cheap and the hand-off's fixed costs (the TAKE's round trips, the
 asynchronous load's extra scheduler steps) weigh more than they would on a
 real model.
 
-    python benchmarks/bench_handoff.py [--tokens 4096 4000] [--rounds 10]
+    python benchmarks/bench_handoff.py [--tokens 4096 4000] [--rounds 10] [--across-nodes]
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import http.client
 import json
+import math
 import os
 import random
 import statistics
@@ -44,6 +52,7 @@ from typing import Any
 
 from common import percentile, report
 from kvtier.bench.engines import EngineOptions, kvtier_transfer, vllm_servers
+from kvtier.bench.stores import RedisProcess, redis_binary
 from kvtier.models import demo_model
 from kvtier.process import ServerProcess
 
@@ -81,7 +90,7 @@ def complete(address: str, body: dict[str, Any], stream: bool) -> tuple[float, d
 
 
 def measure(
-    prefill: str, decode: str, sizes: list[int], rounds: int, settle_s: float
+    prefill: str, decode: str, sizes: list[int], rounds: int, settle_s: float, across: bool
 ) -> dict[str, Any]:
     rng = random.Random(0)
 
@@ -93,12 +102,16 @@ def measure(
 
     results: dict[str, Any] = {}
     for size in sizes:
-        names = ("full_prefill", "l1_hit", "handoff")
-        places = ("l1_hit_first", "l1_hit_second", "handoff_first", "handoff_second")
-        samples: dict[str, list[float]] = {name: [] for name in (*names, *places)}
+        names = ["l1_hit", "handoff", *(["l2_hit"] if across else [])]
+        places = [f"{name}_{place}" for name in names for place in ("first", "later")]
+        samples: dict[str, list[float]] = {n: [] for n in ("full_prefill", *names, *places)}
         for round_ in range(rounds + 1):  # round 0 warms this shape up
             prompt = tokens(size + 1)
             full = first_token_wait(prompt)  # stores the prompt's chunks
+            requests = {"l1_hit": (prompt, {})}
+            if across:  # computed on the other node: its chunks reach Redis
+                requests["l2_hit"] = (tokens(size + 1), {})
+                complete(prefill, {"prompt": requests["l2_hit"][0], "max_tokens": 1}, False)
             _, produced = complete(
                 prefill,
                 {
@@ -112,13 +125,10 @@ def measure(
             choice, params = produced["choices"][0], produced["kv_transfer_params"]
             handoff_prompt = choice["prompt_token_ids"] + choice["token_ids"]
             time.sleep(settle_s)
-            # Both follow the same idle time, in turn first: the first request after
+            # All follow the same idle time, in turn first: the first request after
             # an idle engine pays for waking it up.
-            requests = {
-                "l1_hit": (prompt, {}),
-                "handoff": (handoff_prompt, {"kv_transfer_params": params}),
-            }
-            order = ["l1_hit", "handoff"] if round_ % 2 else ["handoff", "l1_hit"]
+            requests["handoff"] = (handoff_prompt, {"kv_transfer_params": params})
+            order = names[round_ % len(names) :] + names[: round_ % len(names)]
             seconds = {}
             for name in order:
                 sent, extra = requests[name]
@@ -127,10 +137,10 @@ def measure(
                 samples["full_prefill"].append(full)
                 for name, value in seconds.items():
                     samples[name].append(value)
-                    samples[f"{name}_{'first' if name == order[0] else 'second'}"].append(value)
+                    samples[f"{name}_{'first' if name == order[0] else 'later'}"].append(value)
         results[str(size)] = {
-            **{f"{name}_p50_s": statistics.median(s) for name, s in samples.items()},
-            **{f"{name}_p90_s": percentile(s, 90) for name, s in samples.items()},
+            **{f"{name}_p50_s": statistics.median(s) for name, s in samples.items() if s},
+            **{f"{name}_p90_s": percentile(s, 90) for name, s in samples.items() if s},
             "samples": samples,
         }
     return results
@@ -147,57 +157,96 @@ def main() -> None:
         help="wait this long between the prefill's answer and the decode request",
     )
     parser.add_argument("--model-dir", type=Path, help="where the model is cached")
+    parser.add_argument(
+        "--across-nodes",
+        action="store_true",
+        help="a cache server per engine, sharing one Redis as their L2",
+    )
     args = parser.parse_args()
     _, model = demo_model(args.model_dir, max_position_embeddings=MAX_MODEL_LEN)
     tmp = Path(tempfile.mkdtemp(prefix="kvtier-bench-handoff-"))
     server_args = ["--port", "0", "--http-port", "0", "--l1-size", "2GiB", "--cache-dir", "none"]
-    with ServerProcess.start(server_args, tmp / "kvtier.log") as kvtier:
+    with contextlib.ExitStack() as stack:
+        if args.across_nodes:
+            binary = redis_binary()
+            if binary is None:
+                raise SystemExit("--across-nodes needs redis-server on the PATH")
+            redis = RedisProcess.start(binary, tmp / "redis.log")
+            stack.callback(redis.stop)
+            server_args += ["--l2", json.dumps(redis.spec(name="shared"))]
+        nodes = [
+            stack.enter_context(ServerProcess.start(server_args, tmp / f"kvtier-{n}.log"))
+            for n in range(2 if args.across_nodes else 1)
+        ]
+        # Across nodes the producer's hold only keeps its chunks until written back.
+        producer = {"handoff_lease_s": 2.0} if args.across_nodes else {}
         configs = [
             (
                 EngineOptions(
                     model, MAX_MODEL_LEN, KV_BYTES, prefix_caching=False, cpus=cpus, name=MODEL
                 ),
-                kvtier_transfer(kvtier.rpc),
+                kvtier_transfer(node.rpc, **options),
                 tmp / f"{role}.log",
             )
-            for role, cpus in (("prefill", "0"), ("decode", "1"))
+            for role, cpus, node, options in (
+                ("prefill", "0", nodes[0], producer),
+                ("decode", "1", nodes[-1], {}),
+            )
         ]
         with vllm_servers(configs) as (prefill, decode):
             results = measure(
-                prefill.address, decode.address, args.tokens, args.rounds, args.settle_s
+                prefill.address,
+                decode.address,
+                args.tokens,
+                args.rounds,
+                args.settle_s,
+                args.across_nodes,
             )
-        time.sleep(1.5)  # the admin's status is a snapshot taken each tick
-        status = kvtier.status_json()
+        time.sleep(2.5)  # the admin's status is a snapshot taken each tick; A's lease ends
+        statuses = [node.status_json() for node in nodes]
     results["settle_s"] = args.settle_s
-    results["server"] = {
-        "handoffs": status["handoffs"],
-        "counters": {k: v for k, v in status["server"].items() if k.startswith("handoffs.")},
-    }
+    results["across_nodes"] = args.across_nodes
+    results["servers"] = [
+        {
+            "handoffs": status["handoffs"],
+            "counters": {k: v for k, v in status["server"].items() if k.startswith("handoffs.")},
+        }
+        for status in statuses
+    ]
     rows = []
     for size in args.tokens:
         r = results[str(size)]
         ratio = r["handoff_p50_s"] / r["l1_hit_p50_s"]
         r["handoff_over_l1_hit"] = ratio
         r["handoff_over_full_prefill"] = r["handoff_p50_s"] / r["full_prefill_p50_s"]
+        ms = {name[: -len("_p50_s")]: v * 1e3 for name, v in r.items() if name.endswith("_p50_s")}
+        hits = ["l1_hit", *(["l2_hit"] if args.across_nodes else [])]
         rows.append(
-            (f"{size} tokens: full prefill / L1 hit / hand-off (p50)",
-             f"{r['full_prefill_p50_s'] * 1e3:.1f} / {r['l1_hit_p50_s'] * 1e3:.1f} / "
-             f"{r['handoff_p50_s'] * 1e3:.1f} ms")
+            (f"{size} tokens: full prefill / {' / '.join(h.replace('_', ' ') for h in hits)} "
+             "/ hand-off (p50)",
+             " / ".join(f"{ms[n]:.1f}" for n in ("full_prefill", *hits, "handoff")) + " ms")
         )  # fmt: skip
         rows.append(
             (f"{size} tokens: hand-off / L1 hit (target <= 1.2)",
              f"{ratio:.2f}x (p90 {r['handoff_p90_s'] * 1e3:.1f} vs "
              f"{r['l1_hit_p90_s'] * 1e3:.1f} ms)")
         )  # fmt: skip
-        rows.append(
-            (f"{size} tokens: first after the idle: L1 hit / hand-off (p50)",
-             f"{r['l1_hit_first_p50_s'] * 1e3:.1f} / {r['handoff_first_p50_s'] * 1e3:.1f} ms")
-        )  # fmt: skip
-        rows.append(
-            (f"{size} tokens: second: L1 hit / hand-off (p50)",
-             f"{r['l1_hit_second_p50_s'] * 1e3:.1f} / {r['handoff_second_p50_s'] * 1e3:.1f} ms")
-        )  # fmt: skip
-    rows.append(("server: hand-offs held after the run", str(status["handoffs"]["held"])))
+        if args.across_nodes:
+            r["handoff_over_l2_hit"] = r["handoff_p50_s"] / r["l2_hit_p50_s"]
+            rows.append(
+                (f"{size} tokens: hand-off / L2 hit",
+                 f"{r['handoff_over_l2_hit']:.2f}x (p90 {r['handoff_p90_s'] * 1e3:.1f} vs "
+                 f"{r['l2_hit_p90_s'] * 1e3:.1f} ms)")
+            )  # fmt: skip
+        for place in ("first", "later"):
+            rows.append(
+                (f"{size} tokens: {place} after the idle: "
+                 f"{' / '.join(h.replace('_', ' ') for h in [*hits, 'handoff'])} (p50)",
+                 " / ".join(f"{ms.get(f'{n}_{place}', math.nan):.1f}" for n in [*hits, "handoff"])
+                 + " ms")
+            )  # fmt: skip
+    held = ", ".join(str(status["handoffs"]["held"]) for status in statuses)
+    rows.append(("servers: hand-offs held after the run", held))
     report("vLLM-CPU prefill/decode hand-off: decode's first-token wait", rows, results)
 
 

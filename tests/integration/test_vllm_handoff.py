@@ -5,15 +5,24 @@ fail ending with the request's policy and nothing left held."""
 
 from __future__ import annotations
 
+import json
 from types import SimpleNamespace
 from typing import Any
 
 import pytest
 
 from tests.integration.harness import Server, ServerFactory, wait_for
+from tests.servers import RedisProcess
 
 pytest.importorskip("vllm")
-from kvtier.engine.vllm.handoff import CAUSE, HANDOFF_ID, OUTCOME, PROMPT_TOKENS, RANKS
+from kvtier.engine.vllm.handoff import (
+    CAUSE,
+    HANDOFF_ID,
+    OUTCOME,
+    PROMPT_TOKENS,
+    RANKS,
+    SERVER,
+)
 from kvtier.engine.vllm.scheduler import SchedulerSide
 from kvtier.engine.vllm.settings import ConnectorSettings
 from tests.integration.test_vllm_scheduler import (
@@ -472,6 +481,43 @@ def test_a_consumer_of_another_tp_size_is_given_its_own_rank_split(server: Serve
         held = wait_for(lambda: status(consumer), lambda s: s["handoffs"]["held"] == 1)
         assert held["handoffs"]["held"] == 1  # the second, left to its lease
         assert held["storage"]["held_lookup_locks"] == 0
+    finally:
+        producer.close()
+        consumer.close()
+
+
+def test_a_hand_off_across_nodes_is_found_through_the_shared_l2(
+    kvtier_server: ServerFactory, redis_server: RedisProcess
+) -> None:
+    """The producer's cache server (node A) is not the consumer's (node B);
+    both write back to one real Redis. The consumer's take asks B to find
+    the chunks there: pending while A's write-back is on its way, then B
+    holds them for it; it loads them and B's hold ends with its DONE."""
+    shared = json.dumps({"type": "redis", "url": redis_server.url, "name": "shared"})
+    node_a, node_b = (kvtier_server.start("--cache-dir", "none", "--l2", shared) for _ in "ab")
+    producer = side_for(node_a.rpc, handoff_lease_s=1.0)  # A's own hold: until written back
+    consumer = side_for(node_b.rpc)
+    try:
+        tokens, params = handed_off(producer, seed=70)
+        assert params[SERVER] == status(producer)["boot_id"] != status(consumer)["boot_id"]
+        req = consumer_request(tokens, params)
+        answer = wait_for(
+            lambda: consumer.get_num_new_matched_tokens(req, 0), lambda a: a[0] is not None
+        )
+        assert answer == (PROMPT, False)
+        consumer.update_state_after_alloc(req, Blocks([30, 31, 32, 33, 34]), PROMPT)
+        (load,) = consumer.build_connector_meta(parked_step()).loads
+        assert len(load.hashes) == 3 and not load.failed
+        found = status(consumer)
+        assert found["server"]["handoffs.found"] == 1
+        assert found["handoffs"]["held"] == 1
+        consumer.update_connector_output(SimpleNamespace(finished_recving={"d"}))
+        _, outcome = consumer.request_finished(req, [30, 31, 32, 33, 34])
+        assert outcome == {HANDOFF_ID: params[HANDOFF_ID], OUTCOME: "loaded"}
+        for side in (consumer, producer):  # B's hold: DONE; A's: its lease
+            after = wait_for(lambda: status(side), lambda s: s["handoffs"]["held"] == 0)
+            assert after["handoffs"]["held"] == 0
+            assert after["storage"]["held_lookup_locks"] == 0
     finally:
         producer.close()
         consumer.close()

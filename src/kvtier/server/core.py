@@ -40,6 +40,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
+from kvtier.controllers import LookupResult
 from kvtier.counters import Counters
 from kvtier.keys import HASH_BYTES, ObjectKey, chunk_keys, model_label
 from kvtier.l1 import L1Result
@@ -459,8 +460,16 @@ class CacheServer:
     ) -> Outcome:
         keys = self._keys(client, req.hashes, req.group)  # the same checks as any request's
         outcome, why = self.handoffs.take(
-            client, req.handoff_id, req.hashes, req.consumer, req.source_hashes, req.kv_heads
+            client,
+            req.handoff_id,
+            req.hashes,
+            req.consumer,
+            req.source_hashes,
+            req.kv_heads,
+            req.find,
         )
+        if outcome is HandoffOutcome.FINDING:
+            return self._find_handoff(client, req, keys)
         if outcome is not HandoffOutcome.CONVERTING:
             return p.HandoffState(outcome, why), []
         conversion = self.handoffs.conversion(
@@ -471,6 +480,31 @@ class CacheServer:
             return p.HandoffState(*self.handoffs.converted(conversion, *result)), []
 
         return Deferred(lambda: conversion.run(self.storage), finish)
+
+    def _find_handoff(
+        self, client: Client, req: p.HandoffTake, keys: list[list[ObjectKey]]
+    ) -> Outcome:
+        """Look a hand-off offered on another server up in this server's
+        tiers (its chunks come by the shared L2), off the loop."""
+        layouts = {req.group: self._layout(client, req.group)}
+        flat = [k for chunk in keys for k in chunk]
+
+        def finish(result: LookupResult) -> Answer:
+            try:
+                outcome, why = self.handoffs.found(
+                    client,
+                    req.handoff_id,
+                    req.hashes,
+                    flat,
+                    req.consumer,
+                    req.group,
+                    result.hit_chunks,
+                )
+            finally:
+                self.storage.release(list(result.placements))  # the hand-off holds its own
+            return p.HandoffState(outcome, why), []
+
+        return Deferred(lambda: self.storage.lookup_chunks(keys, layouts), finish)
 
     def _handoff_done(
         self, client: Client, req: p.HandoffDone, frames: Sequence[Buffer]

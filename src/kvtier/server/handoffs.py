@@ -26,8 +26,20 @@ re-shards each chunk by KV heads (``kvtier.layout.reshard``) into objects
 under the consumer's keys, off the loop thread (``Conversion``), holds them
 with the hand-off, and grants it; the taker then loads its own objects. The
 converted objects are ordinary cache entries afterwards: engines of the
-consumer's TP size reuse them. Single-threaded: the server loop calls it,
-like ``SessionTable``.
+consumer's TP size reuse them.
+
+Across nodes the producer's server is not the consumer's: the producer's
+chunks reach the shared L2 by write-back, and a take that says ``find``
+(its producer offered on another server) and names a hand-off this server
+never heard of makes this server look the chunks up in its own tiers,
+L2 included, off its loop (``FINDING``). All found: it holds them in L1
+as a hand-off of its own for this taker (``found``), which goes on as any
+other (DONE, the lease). Not all yet (the write-back is still on its way):
+``pending``, and the consumer asks again until its wait ends. A single take
+holds per server: consumers on two nodes could each load the same prompt
+(correct KV either way).
+
+Single-threaded: the server loop calls it, like ``SessionTable``.
 """
 
 from __future__ import annotations
@@ -65,6 +77,7 @@ class HandoffOutcome(StrEnum):
     PROMPT_MISMATCH = "prompt_mismatch"  # other chunks than the taker's prompt
     RELEASED = "released"  # DONE's answer: its hold is dropped
     CONVERTING = "converting"  # (internal) granted once its objects are re-sharded
+    FINDING = "finding"  # (internal) granted if its chunks are found in this server's tiers
 
 
 # What a consumer may still wait for; every other outcome of a TAKE ends its wait.
@@ -144,6 +157,7 @@ class HandoffTable:
         self.max_lease_s = max_lease_s  # within L1's read lease: the hold never lapses first
         self._held: dict[str, Handoff] = {}
         self._ended: OrderedDict[str, HandoffOutcome] = OrderedDict()
+        self._finding: set[str] = set()  # unknown hand-offs being looked for in the tiers
 
     def offer(
         self,
@@ -197,14 +211,28 @@ class HandoffTable:
         consumer: str,
         source_hashes: Sequence[bytes] = (),
         kv_heads: int = 0,
+        find: bool = False,
     ) -> tuple[HandoffOutcome, str]:
         """GRANTED to its taker, CONVERTING when the taker's rank split must
-        be made first (``conversion``, then ``converted``), else why not."""
+        be made first (``conversion``, then ``converted``), FINDING when an
+        unknown hand-off must be looked for in the tiers first (then
+        ``found``), else why not."""
         self.expire()
         _check_id(handoff_id)
         handoff = self._held.get(handoff_id)
         if handoff is None:
-            return self._ended.get(handoff_id, HandoffOutcome.PENDING), ""
+            ended = self._ended.get(handoff_id)
+            if ended is not None:
+                return ended, ""
+            if not find or handoff_id in self._finding:
+                return HandoffOutcome.PENDING, ""
+            if source_hashes:
+                return HandoffOutcome.LAYOUT_MISMATCH, (
+                    "a hand-off found in a shared tier is not re-sharded: run prefill and "
+                    "decode engines on other nodes with the same TP size"
+                )
+            self._finding.add(handoff_id)
+            return HandoffOutcome.FINDING, ""
         refusal = self._refusal(handoff, client, hashes, consumer, source_hashes, kv_heads)
         if refusal is not None:
             self._counters.add(f"handoffs.refused.{refusal[0]}")
@@ -259,6 +287,52 @@ class HandoffTable:
         handoff.converted = len(locked)
         handoff.held_bytes += sum(pl.size for pl in placements)
         self._counters.add("handoffs.resharded")
+        return HandoffOutcome.GRANTED, ""
+
+    def found(
+        self,
+        client: Client,
+        handoff_id: str,
+        hashes: list[bytes],
+        keys: list[ObjectKey],
+        consumer: str,
+        group: int,
+        hit_chunks: int,
+    ) -> tuple[HandoffOutcome, str]:
+        """A FINDING take's lookup came back with ``hit_chunks`` of the
+        prompt's chunks locked (the caller releases that lookup after
+        this): all of them become a hand-off held here for this taker."""
+        self._finding.discard(handoff_id)
+        if handoff_id in self._held or handoff_id in self._ended:
+            return HandoffOutcome.PENDING, "offered here meanwhile: ask again"
+        if hit_chunks < len(hashes):
+            return HandoffOutcome.PENDING, (
+                f"{hit_chunks} of {len(hashes)} chunks are in this server's tiers so far"
+            )
+        if len(self._held) >= MAX_HELD:
+            return HandoffOutcome.PENDING, f"{MAX_HELD} hand-offs are held here: ask again"
+        placements = self._l1.reserve_read(keys)  # the lookup's locks keep them: all succeed
+        locked = [
+            k for k, pl in zip(keys, placements, strict=True) if pl.result is L1Result.SUCCESS
+        ]
+        if len(locked) < len(keys):
+            self._l1.finish_read(locked)
+            return HandoffOutcome.PENDING, "its chunks left L1 as soon as they were found"
+        self._held[handoff_id] = Handoff(
+            handoff_id,
+            (client.tenant, client.model, client.salt),
+            _layout_of(client),
+            list(hashes),
+            locked,
+            consumer,
+            self._clock() + self.max_lease_s,
+            sum(pl.size for pl in placements),
+            group,
+            client.layouts[group],
+            0,
+            taker=(client.peer, client.connection, consumer),
+        )
+        self._counters.add("handoffs.found")
         return HandoffOutcome.GRANTED, ""
 
     def done(self, client: Client, handoff_id: str, consumer: str) -> HandoffOutcome:

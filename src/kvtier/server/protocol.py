@@ -197,7 +197,9 @@ class HandoffTake(Message, tag="handoff_take"):
     """Take a hand-off for ``consumer``, naming the chunks it expects. A
     consumer with another TP size than the producer's also names the same
     prompt's chunks under the producer's layout (``source_hashes``) and the
-    model's KV heads: the server re-shards the objects into its layout."""
+    model's KV heads: the server re-shards the objects into its layout.
+    ``find``: the producer offered it on another cache server: find the
+    chunks in this server's tiers (a shared L2) and hold them here."""
 
     handoff_id: str
     hashes: list[bytes]
@@ -205,6 +207,7 @@ class HandoffTake(Message, tag="handoff_take"):
     group: int = 0
     source_hashes: list[bytes] = msgspec.field(default_factory=list)
     kv_heads: int = 0
+    find: bool = False
 
 
 class HandoffDone(Message, tag="handoff_done"):

@@ -5,6 +5,9 @@ scenario ends with nothing locked."""
 
 from __future__ import annotations
 
+import time
+from collections.abc import Iterator
+
 import numpy as np
 import pytest
 
@@ -16,7 +19,8 @@ from kvtier.server.limits import ServerLimits
 from kvtier.storage import StorageConfig, StorageManager
 from tests.conftest import FakeClock
 from tests.ledger import assert_clean
-from tests.unit.server.test_core import answer, call, hashes, hello, store
+from tests.servers import RedisProcess
+from tests.unit.server.test_core import OBJECT, answer, call, hashes, hello, store
 
 
 @pytest.fixture
@@ -315,3 +319,74 @@ def test_a_hand_off_that_ends_while_it_is_resharded_grants_nothing(
     reply, _ = deferred.finish(deferred.work())
     assert reply == p.HandoffState("expired", "it ended while its objects were re-sharded")
     assert_clean(storage.l1)
+
+
+@pytest.fixture
+def two_nodes(
+    redis_server: RedisProcess, clock: FakeClock
+) -> Iterator[tuple[CacheServer, CacheServer]]:
+    """Two cache servers (two nodes) sharing one real Redis as their L2."""
+    shared = ({"type": "redis", "url": redis_server.url, "name": "shared"},)
+    storages = [
+        StorageManager(StorageConfig(l1=L1Config(size_bytes=1 << 20, populate=False), l2=shared))
+        for _ in range(2)
+    ]
+    limits = ServerLimits(session_ttl_s=100, client_ttl_s=1000)
+    a, b = (CacheServer(s, chunk_size=16, limits=limits, clock=clock) for s in storages)
+    yield a, b
+    for storage in storages:
+        storage.close()
+
+
+def find(server: CacheServer, peer: bytes, hs: list[bytes], hid: str = "h1") -> p.Reply:
+    return call(server, peer, p.HandoffTake(hid, hs, find=True))
+
+
+def test_a_hand_off_offered_on_another_node_is_found_through_the_shared_l2(
+    two_nodes: tuple[CacheServer, CacheServer],
+) -> None:
+    a, b = two_nodes
+    hello(a, b"P")
+    hello(b, b"D", shm=False)
+    hello(b, b"E")
+    hs = hashes(3, seed=time.monotonic_ns() % 2**32)  # new to the session's Redis
+    assert find(b, b"D", hs) == p.HandoffState(
+        "pending", "0 of 3 chunks are in this server's tiers so far"
+    )  # the producer has not stored yet
+    store(a, b"P", hs)
+    assert offer(a, hs) == p.HandoffState("offered")
+    assert take(b, b"D", hs) == "pending"  # without find: this server never heard of it
+    assert a.storage.flush(timeout=10)  # written back to the shared L2
+    assert find(b, b"D", hs) == p.HandoffState("granted")
+    assert find(b, b"E", hs) == p.HandoffState("taken", "another consumer took it")
+    call(b, b"D", p.Lookup("r", hs))
+    assert call(b, b"D", p.Query("r")) == p.QueryResult(3, {"L1": 3})  # held in B's L1
+    objects, frames = answer(b, b"D", p.Retrieve("r", 0, 3))
+    assert isinstance(objects, p.Objects)
+    assert [bytes(f) for f in frames] == [np.full(OBJECT, i, np.uint8).tobytes() for i in range(3)]
+    call(b, b"D", p.EndSession("r"))
+    assert done(b, b"D") == "released"
+    assert find(b, b"D", hs) == p.HandoffState("consumed")
+    assert b.counters.snapshot()["handoffs.found"] == 1
+    assert_clean(b.storage.l1)
+    a.close()  # the producer's own hold ends with its lease (here: its server stops)
+    assert_clean(a.storage.l1)
+
+
+def test_found_hand_offs_are_not_resharded_and_their_lease_reclaims_them(
+    two_nodes: tuple[CacheServer, CacheServer], clock: FakeClock
+) -> None:
+    a, b = two_nodes
+    hello(a, b"P")
+    hello(b, b"D")
+    hs = hashes(2, seed=time.monotonic_ns() % 2**32)
+    store(a, b"P", hs)
+    assert a.storage.flush(timeout=10)
+    reply = call(b, b"D", p.HandoffTake("h1", hs, source_hashes=hashes(2, seed=1), find=True))
+    assert isinstance(reply, p.HandoffState) and reply.outcome == "layout_mismatch"
+    assert "same TP size" in reply.message
+    assert find(b, b"D", hs) == p.HandoffState("granted")  # the consumer dies here
+    clock.advance(b.handoffs.max_lease_s)
+    b.tick()
+    assert find(b, b"D", hs) == p.HandoffState("expired")
+    assert_clean(b.storage.l1)

@@ -20,7 +20,10 @@ sets them:
   only the last token, and tells the server it is done. A producer of
   another TP size (``kvtier_ranks``) is no obstacle: the take also names the
   prompt's chunks under the producer's layout, and the server re-shards them
-  into this engine's ranks before it grants the take.
+  into this engine's ranks before it grants the take. Nor is a producer on
+  another node (``kvtier_server``, its cache server's boot id, is not this
+  engine's): the take asks this engine's server to find the chunks in its
+  tiers, where the producer's server writes them back (a shared L2).
 
 A hand-off that does not come (never offered within ``handoff_wait_s``: the
 producer died; expired; taken by another consumer; another layout; the
@@ -51,6 +54,7 @@ HANDOFF_ID = "kvtier_handoff"
 PROMPT_TOKENS = "kvtier_prompt_tokens"
 CONSUMER = "kvtier_consumer"  # the decode engine's id that alone may take it ("" any)
 RANKS = "kvtier_ranks"  # the producer's TP size: a consumer of another has its objects re-sharded
+SERVER = "kvtier_server"  # the boot id of the producer's cache server: another's is found in L2
 ON_FAILURE = "kvtier_on_failure"  # "recompute" or "error", for this request
 OUTCOME = "kvtier_handoff_outcome"  # the consumer's response: "loaded", "recomputed", "error"
 CAUSE = "kvtier_handoff_cause"  # why it was not loaded
@@ -79,6 +83,8 @@ class Consume:
     deadline: float  # when a hand-off still not offered means its producer is gone
     consumer: str
     producer_ranks: int = 0  # the producer's TP size (0: this engine's)
+    producer_server: str = ""  # the boot id of the producer's cache server ("": unknown)
+    find: bool = False  # offered on another cache server: found in this one's tiers
     source_hashes: list[bytes] = field(default_factory=list)  # the prompt under its layout
     kv_heads: int = 0  # the model's KV heads, for the server's re-sharding
     call: PendingReply | None = None  # the TAKE in flight
@@ -143,6 +149,7 @@ def role_of(
         return consume
     consume.prompt_tokens = int(tokens)  # type: ignore[arg-type]
     consume.producer_ranks = int(ranks)
+    consume.producer_server = str(params.get(SERVER) or "")
     return consume
 
 
@@ -176,6 +183,7 @@ def poll_take(
             consume.consumer,
             source_hashes=consume.source_hashes,
             kv_heads=consume.kv_heads,
+            find=consume.find,
         )
         consume.call = client.handoff(take)
     call = consume.call
@@ -194,7 +202,7 @@ def poll_take(
         consume.outcome = SERVER_AWAY
 
 
-def handoff_params(produce: Produce, prompt_tokens: int, ranks: int) -> dict[str, Any]:
+def handoff_params(produce: Produce, prompt_tokens: int, ranks: int, server: str) -> dict[str, Any]:
     """What the producer's response tells the proxy to pass the consumer."""
     return {
         CONSUME: True,
@@ -202,6 +210,7 @@ def handoff_params(produce: Produce, prompt_tokens: int, ranks: int) -> dict[str
         PROMPT_TOKENS: prompt_tokens,
         CONSUMER: produce.consumer,
         RANKS: ranks,
+        SERVER: server,
     }
 
 

@@ -432,7 +432,8 @@ class SchedulerSide:
             )
             return None
         self.outcomes.add("handoff_offered")
-        return handoff_params(role, tracked.prompt_tokens, self.clients.num_ranks)
+        server = tracked.client.boot_id or ""
+        return handoff_params(role, tracked.prompt_tokens, self.clients.num_ranks, server)
 
     def _consumed(self, tracked: Tracked, whole: bool) -> None:
         """A consumer's load came back (``whole``: every block): drop the
@@ -484,8 +485,13 @@ class SchedulerSide:
                 role.tail = tail
             elif tail is not None:
                 hashes.append(tail)  # a consumer loads the producer's tail too
-            if isinstance(role, Consume) and not role.settled and role.producer_ranks:
+            if isinstance(role, Consume) and not role.settled:
                 self._source_hashes(role, prompt, salt, chunk_size)
+                role.find = (
+                    bool(role.producer_server)
+                    and client is not None
+                    and (client.boot_id != role.producer_server)
+                )
         if client is None:
             self.outcomes.add("no_server")
         tracked = Tracked(
@@ -506,7 +512,7 @@ class SchedulerSide:
     def _source_hashes(self, role: Consume, prompt: list[int], salt: str, chunk_size: int) -> None:
         """A producer of another TP size hashed the prompt under its own
         layout: name those chunks too, for the server to re-shard."""
-        if role.producer_ranks == self.clients.num_ranks:
+        if role.producer_ranks in (0, self.clients.num_ranks):
             return
         try:
             hasher = self.clients.hasher(salt, chunk_size, role.producer_ranks)
