@@ -98,10 +98,14 @@ def gated(monkeypatch: pytest.MonkeyPatch) -> Iterator[Gated]:
         storage.close()
 
 
+CHAT_TEMPLATE = "{% for m in messages %}{{ m['content'] }} {% endfor %}"
+
+
 @pytest.fixture(scope="session")
 def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A 2-layer Llama (hidden 256, 4 query / 2 KV heads of dim 64), random
-    weights, fp32, with a word-level tokenizer (``t0`` ... ``t1023``)."""
+    weights, fp32, with a word-level tokenizer (``t0`` ... ``t1023``) whose
+    chat template is the messages' words, in turn."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -120,5 +124,7 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
         tie_word_embeddings=False,
     )
     LlamaForCausalLM(config).save_pretrained(directory)
-    word_tokenizer(config.vocab_size).save_pretrained(directory)
+    tokenizer = word_tokenizer(config.vocab_size)
+    tokenizer.chat_template = CHAT_TEMPLATE
+    tokenizer.save_pretrained(directory)
     return directory

@@ -6,6 +6,7 @@ fail ending with the request's policy and nothing left held."""
 from __future__ import annotations
 
 import json
+from functools import partial
 from types import SimpleNamespace
 from typing import Any
 
@@ -515,7 +516,7 @@ def test_a_hand_off_across_nodes_is_found_through_the_shared_l2(
         _, outcome = consumer.request_finished(req, [30, 31, 32, 33, 34])
         assert outcome == {HANDOFF_ID: params[HANDOFF_ID], OUTCOME: "loaded"}
         for side in (consumer, producer):  # B's hold: DONE; A's: its lease
-            after = wait_for(lambda: status(side), lambda s: s["handoffs"]["held"] == 0)
+            after = wait_for(partial(status, side), lambda s: s["handoffs"]["held"] == 0)
             assert after["handoffs"]["held"] == 0
             assert after["storage"]["held_lookup_locks"] == 0
     finally:

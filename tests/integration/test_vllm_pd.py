@@ -155,6 +155,41 @@ def test_pd_outputs_equal_colocated_and_the_first_token_comes_once(
     assert seen["storage"]["held_lookup_locks"] == 0
 
 
+def test_a_chat_is_rendered_once_and_equals_colocated(
+    engines: tuple[Engine, Engine], proxy: str, kv_server: Server
+) -> None:
+    """``/v1/chat/completions``: the prefill engine renders the messages; the
+    decode engine gets the ids (``kv_transfer_params.prompt_token_ids``)."""
+    prefill, _ = engines
+    words = " ".join(f"t{t}" for t in tokens(75, 650))
+    chat = {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": words}],
+        "max_completion_tokens": NEW_TOKENS,
+        "temperature": 0,
+        "logprobs": True,
+        "return_token_ids": True,
+    }
+    before = consumed(kv_server.status())
+    status, colocated = post_json(
+        prefill.url + "/v1/chat/completions", {**chat, "cache_salt": "ref"}
+    )
+    assert status == 200, colocated
+    status, pd = post_json(proxy + "/v1/chat/completions", chat)
+    assert status == 200, pd
+    want, got = colocated["choices"][0], pd["choices"][0]
+    assert got["token_ids"] == want["token_ids"] and len(got["token_ids"]) == NEW_TOKENS
+    assert got["message"]["content"] == want["message"]["content"]
+    assert pd["prompt_token_ids"] == colocated["prompt_token_ids"]
+    pairs = zip(want["logprobs"]["content"], got["logprobs"]["content"], strict=True)
+    worst = max(abs(a["logprob"] - b["logprob"]) for a, b in pairs)
+    assert worst <= TOLERANCE, f"|Δlogprob| {worst:.2e}"
+    assert pd["usage"]["prompt_tokens"] == colocated["usage"]["prompt_tokens"]
+    assert pd["usage"]["kvtier_handoff"]["kvtier_handoff_outcome"] == "loaded", pd["usage"]
+    seen = wait_for(kv_server.status, lambda s: consumed(s) == before + 1)
+    assert consumed(seen) == before + 1
+
+
 def consumed(status: dict[str, Any]) -> int:
     return int(status["server"].get("handoffs.consumed", 0))
 

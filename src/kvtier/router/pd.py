@@ -1,7 +1,9 @@
 """``kvtier pd-proxy``: prefill on one engine, decode on another, the KV handed
 over through the cache server (``kvtier.engine.vllm.handoff``).
 
-Each ``POST /v1/completions`` (vLLM's disaggregated-serving proxy API):
+Each ``POST /v1/completions`` or ``/v1/chat/completions`` (vLLM's
+disaggregated-serving proxy API; the two bodies' shapes:
+``kvtier.router.pd_api``):
 
 1. the least busy prefill engine gets the request with ``max_tokens`` 1,
    ``return_token_ids`` and ``kv_transfer_params: {"do_remote_decode":
@@ -9,10 +11,10 @@ Each ``POST /v1/completions`` (vLLM's disaggregated-serving proxy API):
    ``kv_transfer_params`` name the hand-off;
 2. if that token ends the answer (``max_tokens`` 1, or a stop), the answer
    is the prefill's; otherwise the least busy decode engine gets the
-   request with the prompt as token ids *followed by that first token*, one
-   token fewer to generate, and the hand-off's parameters: it loads the
-   prompt's KV and computes only the first token's, so no token is
-   generated twice;
+   request with the prompt as token ids *followed by that first token* (a
+   chat's messages rendered once, by the prefill engine), one token fewer to
+   generate, and the hand-off's parameters: it loads the prompt's KV and
+   computes only the first token's, so no token is generated twice;
 3. the client gets the first token, then the decode's stream (or one body
    joining both), with ``usage`` counting the prompt once and every
    generated token, and ``usage.kvtier_handoff`` saying whether the KV was
@@ -20,8 +22,7 @@ Each ``POST /v1/completions`` (vLLM's disaggregated-serving proxy API):
 
 A hand-off that fails ends with the request's policy (``kvtier_on_failure``
 in the body, else ``--on-failure``): ``recompute`` on the decode engine, or
-an ``error`` answer (502) naming the cause. Chat completions are not proxied
-(the decode engine takes the prompt as token ids: ``/v1/completions``).
+an ``error`` answer (502) naming the cause.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ import json
 import logging
 import os
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import aiohttp
@@ -39,6 +41,7 @@ from aiohttp import web
 
 from kvtier.engine.vllm.handoff import CAUSE, HANDOFF_ID, ON_FAILURE, OUTCOME, POLICIES
 from kvtier.router.app import error
+from kvtier.router.pd_api import API_PATHS, Api, streamed_usage, usage
 from kvtier.router.serving import serve_app
 
 log = logging.getLogger(__name__)
@@ -47,7 +50,6 @@ FATES = {  # an ended hand-off's outcome, as the error says it
     "consumed": "was already consumed",
     "incomplete": "was incomplete: the prefill engine's stores did not all land",
 }
-DEFAULT_MAX_TOKENS = 16  # vLLM's, for a completion that names none
 
 
 @dataclass(eq=False)
@@ -85,7 +87,8 @@ class PDProxy:
 
     def app(self) -> web.Application:
         app = web.Application()
-        app.router.add_post("/v1/completions", self._completions)
+        for path, api in API_PATHS.items():
+            app.router.add_post(path, partial(self._completions, api))
         app.router.add_get("/health", self._health)
         app.router.add_get("/status", self._status)
         app.on_startup.append(self._start)
@@ -114,29 +117,29 @@ class PDProxy:
 
     # ----------------------------------------------------------- requests
 
-    async def _completions(self, request: web.Request) -> web.StreamResponse:
+    async def _completions(self, api: Api, request: web.Request) -> web.StreamResponse:
         try:
             body = await request.json()
         except ValueError:
             return error(400, "the body is not JSON", "invalid_request_error")
         if not isinstance(body, dict):
             return error(400, "the body must be a JSON object", "invalid_request_error")
-        problem = _check(body)
+        problem = api.check(body)
         if problem:
             return error(400, problem, "invalid_request_error")
         policy = body.pop(ON_FAILURE, self.on_failure)
         if policy not in POLICIES:
             return error(400, f"{ON_FAILURE} must be one of {POLICIES}", "invalid_request_error")
-        max_tokens = int(body.get("max_tokens") or DEFAULT_MAX_TOKENS)
+        max_tokens = api.max_tokens(body)
         try:
-            first = await self._prefill(body)
+            first = await self._prefill(api, body)
         except PrefillFailed as exc:
             self._count("prefill_failed")
             return error(502, str(exc), "engine_error")
-        choice = first["choices"][0]
-        if max_tokens == 1 or choice.get("finish_reason") == "stop":
+        return_ids = bool(body.get("return_token_ids"))
+        if max_tokens == 1 or first["choices"][0].get("finish_reason") == "stop":
             self._count("prefill_only")
-            return await self._answer_alone(request, body, first)
+            return await self._answer_alone(request, body, api.alone(first, return_ids))
         params = first.get("kv_transfer_params") or {}
         if HANDOFF_ID not in params:  # the producer could not publish its KV
             if policy == "error":
@@ -144,37 +147,27 @@ class PDProxy:
                 message = "the hand-off failed: the prefill engine could not publish its KV"
                 return error(502, f"{message} (cache server away or stores failed)", "engine_error")
             params = {}
-        decode_body = dict(body)
-        decode_body["prompt"] = list(choice["prompt_token_ids"]) + list(choice["token_ids"])
-        decode_body["max_tokens"] = max_tokens - 1
-        if isinstance(body.get("min_tokens"), int):
-            decode_body["min_tokens"] = max(0, body["min_tokens"] - 1)
-        if params:
-            decode_body["kv_transfer_params"] = {**params, ON_FAILURE: policy}
-        decode_body["return_token_ids"] = bool(body.get("return_token_ids"))
+        handoff = {**params, ON_FAILURE: policy} if params else {}
+        decode_body = api.decode_body(body, first, handoff, max_tokens)
         if body.get("stream"):
-            return await self._stream(request, first, decode_body, params)
-        return await self._joined(first, decode_body, params)
+            return await self._stream(api, request, first, decode_body, params)
+        return await self._joined(api, first, decode_body, params)
 
-    async def _prefill(self, body: dict[str, Any]) -> dict[str, Any]:
-        prefill_body = {k: v for k, v in body.items() if k not in ("stream", "stream_options")}
-        prefill_body.update(
-            max_tokens=1,
-            return_token_ids=True,
-            kv_transfer_params={"do_remote_decode": True},
-        )
-        status, data = await self._post(self.prefill, prefill_body)
+    async def _prefill(self, api: Api, body: dict[str, Any]) -> dict[str, Any]:
+        status, data = await self._post(self.prefill, api.path, api.prefill_body(body))
         if status != 200:
             raise PrefillFailed(f"the prefill engine answered {status}: {data[:500]!r}")
         answer: dict[str, Any] = json.loads(data)
         return answer
 
-    async def _post(self, pool: list[Instance], body: dict[str, Any]) -> tuple[int, bytes]:
+    async def _post(
+        self, pool: list[Instance], path: str, body: dict[str, Any]
+    ) -> tuple[int, bytes]:
         assert self.session is not None
         instance = min(pool, key=lambda i: i.in_flight)
         instance.in_flight += 1
         try:
-            async with self.session.post(instance.url + "/v1/completions", json=body) as resp:
+            async with self.session.post(instance.url + path, json=body) as resp:
                 return resp.status, await resp.read()
         except (TimeoutError, aiohttp.ClientError) as exc:
             return 503, f"{instance.url} unreachable: {exc}".encode()
@@ -182,32 +175,22 @@ class PDProxy:
             instance.in_flight -= 1
 
     async def _joined(
-        self, first: dict[str, Any], decode_body: dict[str, Any], params: dict[str, Any]
+        self, api: Api, first: dict[str, Any], decode_body: dict[str, Any], params: dict[str, Any]
     ) -> web.Response:
-        status, data = await self._post(self.decode, decode_body)
+        status, data = await self._post(self.decode, api.path, decode_body)
         if status != 200:
             self._count(f"decode_failed.{status}")
             return error(502, await self._decode_failure(status, data, params), "engine_error")
         rest = json.loads(data)
-        answer = dict(rest)
-        head, tail = first["choices"][0], rest["choices"][0]
-        joined = dict(tail)
-        joined["text"] = head["text"] + tail["text"]
-        if decode_body["return_token_ids"]:
-            joined["token_ids"] = list(head["token_ids"]) + list(tail.get("token_ids") or [])
-            joined["prompt_token_ids"] = head["prompt_token_ids"]
-        else:
-            joined.pop("token_ids", None)
-            joined.pop("prompt_token_ids", None)
-        joined["logprobs"] = _join_logprobs(head.get("logprobs"), tail.get("logprobs"), head)
-        answer["choices"] = [joined]
-        answer["usage"] = _usage(first, rest, rest.get("kv_transfer_params") if params else None)
+        answer = api.joined(first, rest, decode_body["return_token_ids"])
+        answer["usage"] = usage(first, rest, rest.get("kv_transfer_params") if params else None)
         answer.pop("kv_transfer_params", None)
         self._count(_outcome(rest.get("kv_transfer_params"), params))
         return web.json_response(answer)
 
     async def _stream(
         self,
+        api: Api,
         request: web.Request,
         first: dict[str, Any],
         decode_body: dict[str, Any],
@@ -217,9 +200,7 @@ class PDProxy:
         instance = min(self.decode, key=lambda i: i.in_flight)
         instance.in_flight += 1
         try:
-            async with self.session.post(
-                instance.url + "/v1/completions", json=decode_body
-            ) as upstream:
+            async with self.session.post(instance.url + api.path, json=decode_body) as upstream:
                 if upstream.status != 200:
                     data = await upstream.read()
                     self._count(f"decode_failed.{upstream.status}")
@@ -227,7 +208,8 @@ class PDProxy:
                     return error(502, message, "engine_error")
                 response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
                 await response.prepare(request)
-                await response.write(_event(_first_chunk(first, decode_body)))
+                head = api.first_chunk(first, decode_body["return_token_ids"])
+                await response.write(_event(head))
                 async for line in upstream.content:
                     await response.write(_patched(line, first))
                 await response.write_eof()
@@ -268,14 +250,9 @@ class PDProxy:
         return "the cache server never had this hand-off (the producer died before its offer?)"
 
     async def _answer_alone(
-        self, request: web.Request, body: dict[str, Any], first: dict[str, Any]
+        self, request: web.Request, body: dict[str, Any], answer: dict[str, Any]
     ) -> web.StreamResponse:
         """The first token was the whole answer."""
-        answer = {k: v for k, v in first.items() if k != "kv_transfer_params"}
-        if not body.get("return_token_ids"):
-            for choice in answer["choices"]:
-                choice.pop("token_ids", None)
-                choice.pop("prompt_token_ids", None)
         if not body.get("stream"):
             return web.json_response(answer)
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
@@ -284,23 +261,6 @@ class PDProxy:
         await response.write(b"data: [DONE]\n\n")
         await response.write_eof()
         return response
-
-
-def _check(body: dict[str, Any]) -> str:
-    prompt = body.get("prompt")
-    single = isinstance(prompt, str) or (
-        isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt)
-    )
-    if not single:
-        return "prompt must be one string or one list of token ids (pd-proxy takes one prompt)"
-    if body.get("n", 1) != 1 or body.get("best_of", 1) != 1:
-        return "pd-proxy serves n = 1 and best_of = 1 only"
-    max_tokens = body.get("max_tokens")
-    if max_tokens is not None and (not isinstance(max_tokens, int) or max_tokens < 1):
-        return "max_tokens must be a positive integer"
-    if body.get("echo"):
-        return "pd-proxy does not echo the prompt"
-    return ""
 
 
 def _outcome(decoded: dict[str, Any] | None, params: dict[str, Any]) -> str:
@@ -312,60 +272,14 @@ def _outcome(decoded: dict[str, Any] | None, params: dict[str, Any]) -> str:
     return outcome if outcome == "loaded" else f"{outcome}.{decoded.get(CAUSE, '')}"
 
 
-def _usage(
-    first: dict[str, Any], rest: dict[str, Any], decoded: dict[str, Any] | None
-) -> dict[str, Any]:
-    prompt = int(first["usage"]["prompt_tokens"])
-    generated = int(first["usage"]["completion_tokens"]) + int(rest["usage"]["completion_tokens"])
-    usage: dict[str, Any] = {"prompt_tokens": prompt, "completion_tokens": generated}
-    usage["total_tokens"] = prompt + generated
-    handoff = {k: v for k, v in (decoded or {}).items() if k in (HANDOFF_ID, OUTCOME, CAUSE)}
-    usage["kvtier_handoff"] = handoff or {OUTCOME: "recomputed", CAUSE: "not_offered"}
-    return usage
-
-
-def _join_logprobs(
-    head: dict[str, Any] | None, tail: dict[str, Any] | None, first: dict[str, Any]
-) -> dict[str, Any] | None:
-    if head is None or tail is None:
-        return head or tail
-    shift = len(first["text"])
-    return {
-        "tokens": head["tokens"] + tail["tokens"],
-        "token_logprobs": head["token_logprobs"] + tail["token_logprobs"],
-        "top_logprobs": (head.get("top_logprobs") or []) + (tail.get("top_logprobs") or []),
-        "text_offset": head["text_offset"] + [o + shift for o in tail["text_offset"]],
-    }
-
-
-def _first_chunk(first: dict[str, Any], decode_body: dict[str, Any]) -> dict[str, Any]:
-    """The prefill's token as the stream's first event."""
-    choice = first["choices"][0]
-    chunk: dict[str, Any] = {"index": 0, "text": choice["text"], "finish_reason": None}
-    chunk["logprobs"] = choice.get("logprobs")
-    if decode_body["return_token_ids"]:
-        chunk["token_ids"] = choice["token_ids"]
-        chunk["prompt_token_ids"] = choice["prompt_token_ids"]
-    return {
-        "id": first["id"],
-        "object": "text_completion",
-        "created": first["created"],
-        "model": first["model"],
-        "choices": [chunk],
-    }
-
-
 def _patched(line: bytes, first: dict[str, Any]) -> bytes:
     """A decode stream's line, its usage (if any) counting the prompt as the
     client sent it and the prefill's token."""
     if not line.startswith(b"data: {") or b'"usage"' not in line:
         return line
     event = json.loads(line[len(b"data: ") :])
-    usage = event.get("usage")
-    if usage:
-        usage["prompt_tokens"] = int(first["usage"]["prompt_tokens"])
-        usage["completion_tokens"] = int(usage["completion_tokens"]) + 1
-        usage["total_tokens"] = usage["prompt_tokens"] + usage["completion_tokens"]
+    if event.get("usage"):
+        event["usage"] = streamed_usage(event["usage"], first)
     return _event(event)
 
 

@@ -63,6 +63,35 @@ class Engine:
         await response.write(b"data: [DONE]\n\n")
         return response
 
+    async def chat(self, request: web.Request) -> web.StreamResponse:
+        """Chat completions like vLLM: the messages render as ``PROMPT``
+        unless ``kv_transfer_params.prompt_token_ids`` forwards the ids."""
+        body = await request.json()
+        self.seen.append(body)
+        forwarded = (body.get("kv_transfer_params") or {}).get("prompt_token_ids")
+        prompt = forwarded or PROMPT
+        start = 100 if self.prefill else 101
+        limit = body.get("max_completion_tokens") or body["max_tokens"]
+        ids = list(range(start, start + limit))
+        text = "".join(f" w{t}" for t in ids)
+        head = {"id": "chatcmpl-1", "object": "chat.completion", "created": 1, "model": "m"}
+        usage = {"prompt_tokens": len(prompt), "completion_tokens": len(ids)}
+        if not body.get("stream"):
+            message = {"role": "assistant", "content": text}
+            choice = {"index": 0, "message": message, "finish_reason": "length", "token_ids": ids}
+            params = self.handoff if self.prefill else self.outcome
+            answer = {**head, "choices": [choice], "usage": usage, "prompt_token_ids": prompt}
+            return web.json_response({**answer, "kv_transfer_params": params})
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await response.prepare(request)
+        chunk = {**head, "object": "chat.completion.chunk"}
+        for token in ids:
+            delta = {"index": 0, "delta": {"content": f" w{token}"}, "token_ids": [token]}
+            await response.write(f"data: {json.dumps({**chunk, 'choices': [delta]})}\n\n".encode())
+        last = {**chunk, "choices": [], "usage": usage}
+        await response.write(f"data: {json.dumps(last)}\n\ndata: [DONE]\n\n".encode())
+        return response
+
 
 async def serve(app: web.Application) -> tuple[web.AppRunner, str]:
     runner = web.AppRunner(app)
@@ -75,6 +104,7 @@ async def serve(app: web.Application) -> tuple[web.AppRunner, str]:
 def engine_app(engine: Engine) -> web.Application:
     app = web.Application()
     app.router.add_post("/v1/completions", engine.complete)
+    app.router.add_post("/v1/chat/completions", engine.chat)
     return app
 
 
@@ -101,7 +131,7 @@ async def proxied(
         proxy_runner, url = await serve(PDProxy([p_url], [d_url], **options).app())
         runners.append(proxy_runner)
         async with aiohttp.ClientSession() as session:
-            yield session, url + "/v1/completions"
+            yield session, url
     finally:
         for runner in reversed(runners):
             await runner.cleanup()
@@ -111,9 +141,10 @@ async def ask(
     prefill: Engine, decode: Engine, body: dict[str, Any], **options: Any
 ) -> tuple[int, Any]:
     """One completion through the proxy: its status and JSON answer."""
+    path = "/v1/chat/completions" if "messages" in body else "/v1/completions"
     async with (
         proxied(prefill, decode, **options) as (session, url),
-        session.post(url, json=body) as resp,
+        session.post(url + path, json=body) as resp,
     ):
         return resp.status, await resp.json()
 
@@ -158,7 +189,7 @@ async def test_a_stream_starts_with_the_prefill_token() -> None:
     prefill, decode = Engine(prefill=True), Engine(prefill=False)
     async with proxied(prefill, decode) as (session, url):
         body = request(stream=True, return_token_ids=True)
-        async with session.post(url, json=body) as resp:
+        async with session.post(url + "/v1/completions", json=body) as resp:
             lines = [line async for line in resp.content if line.startswith(b"data: {")]
     events = [json.loads(line[len(b"data: ") :]) for line in lines]
     tokens = [t for e in events for c in e["choices"] for t in c.get("token_ids") or []]
@@ -178,9 +209,11 @@ async def test_one_token_or_a_stop_is_the_prefill_answer_alone() -> None:
 async def test_no_hand_off_is_recomputed_or_an_error_as_the_request_asks() -> None:
     prefill, decode = Engine(prefill=True, handoff={}), Engine(prefill=False)
     async with proxied(prefill, decode) as (session, url):
-        async with session.post(url, json=request()) as resp:
+        async with session.post(url + "/v1/completions", json=request()) as resp:
             recomputed = await resp.json()
-        async with session.post(url, json=request(kvtier_on_failure="error")) as resp:
+        async with session.post(
+            url + "/v1/completions", json=request(kvtier_on_failure="error")
+        ) as resp:
             failed = await resp.json()
             status = resp.status
     assert "kv_transfer_params" not in decode.seen[0]  # a plain request: decode prefills it
@@ -215,7 +248,10 @@ async def test_bad_requests_are_refused_naming_what_to_change(
     body: dict[str, Any], words: str
 ) -> None:
     prefill, decode = Engine(prefill=True), Engine(prefill=False)
-    async with proxied(prefill, decode) as (session, url), session.post(url, json=body) as resp:
+    async with (
+        proxied(prefill, decode) as (session, url),
+        session.post(url + "/v1/completions", json=body) as resp,
+    ):
         answer = await resp.json()
     assert resp.status == 400 and words in answer["error"]["message"]
     assert not prefill.seen
@@ -226,3 +262,70 @@ def test_a_proxy_needs_both_kinds_of_engine() -> None:
         PDProxy([], ["http://d"])
     with pytest.raises(ValueError, match="--on-failure"):
         PDProxy(["http://p"], ["http://d"], on_failure="maybe")
+
+
+def chat(**extra: Any) -> dict[str, Any]:
+    messages = [{"role": "user", "content": "hello"}]
+    return {"model": "m", "messages": messages, "max_completion_tokens": 4, **extra}
+
+
+@synchronous
+async def test_a_chat_is_rendered_once_and_its_ids_forwarded_to_decode() -> None:
+    prefill, decode = Engine(prefill=True), Engine(prefill=False)
+    status, answer = await ask(prefill, decode, chat(return_token_ids=True))
+    assert status == 200, answer
+    (sent_prefill,), (sent_decode,) = prefill.seen, decode.seen
+    assert sent_prefill["max_completion_tokens"] == 1 and sent_prefill["return_token_ids"]
+    assert sent_prefill["kv_transfer_params"] == {"do_remote_decode": True}
+    assert sent_decode["messages"] == chat()["messages"]
+    assert sent_decode["max_completion_tokens"] == 3 and "max_tokens" not in sent_decode
+    forwarded = {**HANDOFF, "kvtier_on_failure": "recompute", "prompt_token_ids": [*PROMPT, 100]}
+    assert sent_decode["kv_transfer_params"] == forwarded
+    choice = answer["choices"][0]
+    assert choice["message"] == {"role": "assistant", "content": " w100 w101 w102 w103"}
+    assert choice["token_ids"] == [100, 101, 102, 103]
+    assert answer["prompt_token_ids"] == PROMPT
+    assert answer["usage"]["completion_tokens"] == 4 and answer["usage"]["prompt_tokens"] == 4
+    assert answer["usage"]["kvtier_handoff"]["kvtier_handoff_outcome"] == "loaded"
+    # Without a hand-off the decode engine still gets the ids, rendered once.
+    prefill, decode = Engine(prefill=True, handoff={}), Engine(prefill=False)
+    status, answer = await ask(prefill, decode, chat(max_tokens=2, max_completion_tokens=None))
+    assert status == 200 and decode.seen[0]["kv_transfer_params"] == {
+        "prompt_token_ids": [*PROMPT, 100]
+    }
+    assert decode.seen[0]["max_completion_tokens"] == 1
+    assert "prompt_token_ids" not in answer and "token_ids" not in answer["choices"][0]
+
+
+@synchronous
+async def test_a_chat_stream_starts_with_the_prefill_token_as_a_delta() -> None:
+    prefill, decode = Engine(prefill=True), Engine(prefill=False)
+    async with proxied(prefill, decode) as (session, url):
+        body = chat(stream=True, stream_options={"include_usage": True})
+        async with session.post(url + "/v1/chat/completions", json=body) as resp:
+            lines = [line async for line in resp.content if line.startswith(b"data: {")]
+    events = [json.loads(line[len(b"data: ") :]) for line in lines]
+    assert events[0]["object"] == "chat.completion.chunk"
+    assert events[0]["choices"][0]["delta"] == {"role": "assistant", "content": " w100"}
+    text = "".join(c["delta"].get("content", "") for e in events for c in e["choices"])
+    assert text == " w100 w101 w102 w103"
+    assert events[-1]["usage"] == {"prompt_tokens": 4, "completion_tokens": 4, "total_tokens": 8}
+
+
+@pytest.mark.parametrize(
+    ("body", "words"),
+    [
+        (chat(messages=[]), "messages"),
+        (chat(max_completion_tokens=0), "max_completion_tokens"),
+        (chat(tools=[{"type": "function"}]), "tools"),
+        (chat(n=3), "n = 1"),
+    ],
+)
+@synchronous
+async def test_bad_chats_are_refused_naming_what_to_change(
+    body: dict[str, Any], words: str
+) -> None:
+    prefill, decode = Engine(prefill=True), Engine(prefill=False)
+    status, answer = await ask(prefill, decode, body)
+    assert status == 400 and words in answer["error"]["message"]
+    assert not prefill.seen
