@@ -106,6 +106,21 @@ def consumer_request(tokens: list[int], params: dict[str, Any], rid: str = "d") 
     return pd_request(rid, [*tokens, 7], params)  # the producer's first token follows
 
 
+def take_and_load(
+    consumer: SchedulerSide, req: Any, blocks: list[int], load_async: bool = False
+) -> Any:
+    """A consumer's first steps: the take, granted and offered whole (every
+    prompt token), then its load's step (two chunks and the tail): the load."""
+    answer = wait_for(
+        lambda: consumer.get_num_new_matched_tokens(req, 0), lambda a: a[0] is not None
+    )
+    assert answer == (PROMPT, load_async)
+    consumer.update_state_after_alloc(req, Blocks(blocks), PROMPT)
+    (load,) = consumer.build_connector_meta(parked_step()).loads
+    assert len(load.hashes) == 3 and not load.failed
+    return load
+
+
 @pytest.mark.parametrize("load_async", [False, True])
 def test_a_hand_off_goes_from_producer_to_consumer_and_is_released(
     server: Server, load_async: bool
@@ -118,14 +133,8 @@ def test_a_hand_off_goes_from_producer_to_consumer_and_is_released(
         params = produce(producer, tokens)
         assert params is not None and params[PROMPT_TOKENS] == PROMPT
         req = consumer_request(tokens, params)
-        answer = wait_for(
-            lambda: consumer.get_num_new_matched_tokens(req, 0), lambda a: a[0] is not None
-        )
-        assert answer == (PROMPT, load_async)  # every prompt token
-        consumer.update_state_after_alloc(req, Blocks([30, 31, 32, 33, 34]), PROMPT)
-        (load,) = consumer.build_connector_meta(parked_step()).loads
-        assert load.asynchronous == load_async and not load.failed
-        assert len(load.hashes) == 3  # two chunks and the tail
+        load = take_and_load(consumer, req, [30, 31, 32, 33, 34], load_async)
+        assert load.asynchronous == load_async
         assert load.blocks == [{0: 30, 1: 31}, {0: 32, 1: 33}, {0: 34}]
         assert status(consumer)["handoffs"]["held"] == 1
         # The load's step came back (or the workers report the asynchronous load done).
@@ -267,17 +276,6 @@ def test_bad_hand_off_parameters_and_an_absent_server_are_policy_outcomes(
         assert away.request_finished(producer_req, []) == (False, None)  # nothing to offer
     finally:
         away.close()
-
-
-def take_and_load(consumer: SchedulerSide, req: Any, blocks: list[int]) -> None:
-    """A consumer's first steps: the take, then its asynchronous load's step."""
-    answer = wait_for(
-        lambda: consumer.get_num_new_matched_tokens(req, 0), lambda a: a[0] is not None
-    )
-    assert answer == (PROMPT, False)
-    consumer.update_state_after_alloc(req, Blocks(blocks), PROMPT)
-    (load,) = consumer.build_connector_meta(parked_step()).loads
-    assert not load.failed
 
 
 def test_the_hand_off_outlives_its_producer(server: Server) -> None:
@@ -462,13 +460,7 @@ def test_a_consumer_of_another_tp_size_is_given_its_own_rank_split(server: Serve
         tokens, params = handed_off(producer, seed=60)
         assert params[RANKS] == 1
         req = consumer_request(tokens, params)
-        answer = wait_for(
-            lambda: consumer.get_num_new_matched_tokens(req, 0), lambda a: a[0] is not None
-        )
-        assert answer == (PROMPT, False)
-        consumer.update_state_after_alloc(req, Blocks([30, 31, 32, 33, 34]), PROMPT)
-        (load,) = consumer.build_connector_meta(parked_step()).loads
-        assert len(load.hashes) == 3 and not load.failed
+        take_and_load(consumer, req, [30, 31, 32, 33, 34])
         assert status(consumer)["server"]["handoffs.resharded"] == 1
         consumer.update_connector_output(SimpleNamespace(finished_recving={"d"}))
         _, outcome = consumer.request_finished(req, [30, 31, 32, 33, 34])
@@ -502,13 +494,7 @@ def test_a_hand_off_across_nodes_is_found_through_the_shared_l2(
         tokens, params = handed_off(producer, seed=70)
         assert params[SERVER] == status(producer)["boot_id"] != status(consumer)["boot_id"]
         req = consumer_request(tokens, params)
-        answer = wait_for(
-            lambda: consumer.get_num_new_matched_tokens(req, 0), lambda a: a[0] is not None
-        )
-        assert answer == (PROMPT, False)
-        consumer.update_state_after_alloc(req, Blocks([30, 31, 32, 33, 34]), PROMPT)
-        (load,) = consumer.build_connector_meta(parked_step()).loads
-        assert len(load.hashes) == 3 and not load.failed
+        take_and_load(consumer, req, [30, 31, 32, 33, 34])
         found = status(consumer)
         assert found["server"]["handoffs.found"] == 1
         assert found["handoffs"]["held"] == 1
