@@ -43,6 +43,12 @@ def module_servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerF
     assert not problems, "\n".join(problems)
 
 
+@pytest.fixture(scope="module")
+def kv_server(module_servers: ServerFactory) -> Server:
+    """One cache server (256 MiB of L1) that a module's engines share."""
+    return module_servers.start("--l1-size", "256MiB")
+
+
 @pytest.fixture
 def server(kvtier_server: ServerFactory) -> Server:
     """One plain server (no auth, default TTLs)."""

@@ -173,11 +173,6 @@ def reference(engines: Engines) -> dict[str, list[Any]]:
         engines.stop(engine)
 
 
-@pytest.fixture(scope="module")
-def kv_server(module_servers: ServerFactory) -> Server:
-    return module_servers.start("--l1-size", "256MiB")
-
-
 def assert_same(reference: Sequence[Any], outputs: Sequence[Any]) -> None:
     assert len(reference) == len(outputs)
     for i, (want, got) in enumerate(zip(reference, outputs, strict=True)):

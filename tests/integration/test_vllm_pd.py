@@ -23,7 +23,7 @@ import pytest
 
 from kvtier.bench.engines import Engine, EngineOptions, kvtier_transfer, vllm_servers
 from kvtier.bench.stores import free_port
-from tests.integration.harness import Server, ServerFactory, post_json, wait_for
+from tests.integration.harness import Server, post_json, wait_for
 
 pytest.importorskip("vllm")
 from kvtier.router.pd import PDProxy, serve
@@ -35,11 +35,6 @@ MODEL = "m"
 NEW_TOKENS = 8
 # A tail after whole chunks, a longer one, an exact number of chunks, shorter than a chunk.
 PROMPTS = [tokens(60 + i, n) for i, n in enumerate((700, 1100, 512, 200))]
-
-
-@pytest.fixture(scope="module")
-def kv_server(module_servers: ServerFactory) -> Server:
-    return module_servers.start("--l1-size", "256MiB")
 
 
 @pytest.fixture(scope="module")

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from kvtier.bench.engines import Engine, EngineOptions, kvtier_transfer, vllm_servers
-from tests.integration.harness import Server, ServerFactory, post_json, wait_for
+from tests.integration.harness import Server, post_json, wait_for
 
 pytest.importorskip("vllm")
 from tests.integration.test_vllm_connector import tokens
@@ -24,11 +24,6 @@ from tests.integration.test_vllm_pd import MODEL, NEW_TOKENS, assert_same, body,
 pytestmark = [pytest.mark.slow, pytest.mark.engine]
 
 PROMPTS = [tokens(100 + i, n) for i, n in enumerate((700, 512, 200))]
-
-
-@pytest.fixture(scope="module")
-def kv_server(module_servers: ServerFactory) -> Server:
-    return module_servers.start("--l1-size", "256MiB")
 
 
 @pytest.fixture(scope="module")
