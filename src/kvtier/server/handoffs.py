@@ -399,20 +399,16 @@ class HandoffTable:
             if hashes != handoff.hashes:
                 return HandoffOutcome.PROMPT_MISMATCH, "its chunks are not the consumer's prompt"
             return None
-        why = self._not_convertible(handoff, client, hashes, source_hashes, kv_heads)
+        why = self._not_convertible(handoff, client, source_hashes, kv_heads)
         if why is not None:
             return HandoffOutcome.LAYOUT_MISMATCH, why
-        if list(source_hashes) != handoff.hashes:
+        if list(source_hashes) != handoff.hashes or len(hashes) != len(source_hashes):
             return HandoffOutcome.PROMPT_MISMATCH, "its chunks are not the consumer's prompt"
         return None
 
     @staticmethod
     def _not_convertible(
-        handoff: Handoff,
-        client: Client,
-        hashes: list[bytes],
-        source_hashes: Sequence[bytes],
-        kv_heads: int,
+        handoff: Handoff, client: Client, source_hashes: Sequence[bytes], kv_heads: int
     ) -> str | None:
         """Why the producer's objects cannot be re-sharded for this taker."""
         base = (
@@ -420,8 +416,8 @@ class HandoffTable:
         )
         if not source_hashes or not kv_heads or kv_heads != handoff.kv_heads:
             return f"{base}; it cannot be loaded as it is"
-        if len(hashes) != len(source_hashes) or client.rank >= 0:
-            return f"{base}, and the take does not name its chunks for every rank"
+        if client.rank >= 0:
+            return f"{base}, and the taker speaks for one rank only: re-sharding needs all"
         if not client.writable:
             return f"{base}, and re-sharding stores objects the consumer's tenant may not write"
         target = client.layouts.get(handoff.group)

@@ -291,7 +291,9 @@ def test_what_cannot_be_resharded_is_refused_naming_why(
     assert "cannot be loaded as it is" in refused.message  # type: ignore[union-attr]
     assert take_tp(server, b"D", own, source, kv_heads=8).outcome == "layout_mismatch"  # type: ignore[union-attr]
     assert take_tp(server, b"D", own, hashes(2, seed=2)).outcome == "prompt_mismatch"  # type: ignore[union-attr]
-    assert take_tp(server, b"D", own[:1], source).outcome == "layout_mismatch"  # type: ignore[union-attr]
+    assert take_tp(server, b"D", own[:1], source).outcome == "prompt_mismatch"  # type: ignore[union-attr]
+    hello_tp(server, b"R", 2, rank=0)  # a worker's client: one rank
+    assert "one rank only" in take_tp(server, b"R", own, source).message  # type: ignore[union-attr]
     hello_tp(server, b"F", 2, fmt="vllm-cuda-NHD-bs16")  # pages not cut by heads
     reply = take_tp(server, b"F", own, source)
     assert reply.outcome == "layout_mismatch"  # type: ignore[union-attr]
