@@ -40,7 +40,6 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from kvtier.controllers import LookupResult
 from kvtier.counters import Counters
 from kvtier.keys import HASH_BYTES, ObjectKey, chunk_keys, model_label
 from kvtier.l1 import L1Result
@@ -469,7 +468,7 @@ class CacheServer:
             req.find,
         )
         if outcome is HandoffOutcome.FINDING:
-            return self._find_handoff(client, req, keys)
+            return p.HandoffState(*self._find_handoff(client, req, keys)), []
         if outcome is not HandoffOutcome.CONVERTING:
             return p.HandoffState(outcome, why), []
         conversion = self.handoffs.conversion(
@@ -483,28 +482,40 @@ class CacheServer:
 
     def _find_handoff(
         self, client: Client, req: p.HandoffTake, keys: list[list[ObjectKey]]
-    ) -> Outcome:
+    ) -> tuple[HandoffOutcome, str]:
         """Look a hand-off offered on another server up in this server's
-        tiers (its chunks come by the shared L2), off the loop."""
-        layouts = {req.group: self._layout(client, req.group)}
-        flat = [k for chunk in keys for k in chunk]
+        tiers (its chunks come by the shared L2): the first take starts the
+        lookup, the next ones ask how it went; never waits for it."""
+        lookup = self.handoffs.lookup_of(req.handoff_id)
+        if lookup is None:
+            layouts = {req.group: self._layout(client, req.group)}
+            lookup = self.storage.submit_lookup(keys, layouts)
+            self.handoffs.looking(req.handoff_id, lookup)
+        result = self.storage.collect(lookup, 0.0)
+        if result is None:
+            return HandoffOutcome.PENDING, "its chunks are being looked for in this server's tiers"
+        self.handoffs.looked(req.handoff_id)
+        try:
+            flat = [k for chunk in keys for k in chunk]
+            return self.handoffs.found(
+                client,
+                req.handoff_id,
+                req.hashes,
+                flat,
+                req.consumer,
+                req.group,
+                result.hit_chunks,
+            )
+        finally:
+            self.storage.release(list(result.placements))  # the hand-off holds its own
 
-        def finish(result: LookupResult) -> Answer:
-            try:
-                outcome, why = self.handoffs.found(
-                    client,
-                    req.handoff_id,
-                    req.hashes,
-                    flat,
-                    req.consumer,
-                    req.group,
-                    result.hit_chunks,
-                )
-            finally:
-                self.storage.release(list(result.placements))  # the hand-off holds its own
-            return p.HandoffState(outcome, why), []
-
-        return Deferred(lambda: self.storage.lookup_chunks(keys, layouts), finish)
+    def _drop_stale_lookups(self) -> None:
+        """Abandon the lookups of hand-offs whose consumer stopped asking."""
+        for lookup in self.handoffs.stale_lookups():
+            if lookup.abandon() is not None:  # it came back already: release what it locked
+                result = self.storage.collect(lookup, 0.0)
+                if result is not None:
+                    self.storage.release(list(result.placements))
 
     def _handoff_done(
         self, client: Client, req: p.HandoffDone, frames: Sequence[Buffer]
@@ -526,6 +537,7 @@ class CacheServer:
     def tick(self) -> None:
         """Expire silent clients, idle sessions and hand-offs past their lease."""
         self.handoffs.expire()
+        self._drop_stale_lookups()
         clients, sessions = self.sessions.expire()
         if clients:
             log.warning("server: %d client(s) went silent; their sessions were released", clients)

@@ -31,11 +31,13 @@ consumer's TP size reuse them.
 Across nodes the producer's server is not the consumer's: the producer's
 chunks reach the shared L2 by write-back, and a take that says ``find``
 (its producer offered on another server) and names a hand-off this server
-never heard of makes this server look the chunks up in its own tiers,
-L2 included, off its loop (``FINDING``). All found: it holds them in L1
-as a hand-off of its own for this taker (``found``), which goes on as any
-other (DONE, the lease). Not all yet (the write-back is still on its way):
-``pending``, and the consumer asks again until its wait ends. A single take
+never heard of makes this server look the chunks up in its own tiers, L2
+included (``FINDING``: the lookup runs like any other, and the consumer's
+next takes ask how it went, ``pending`` meanwhile). All found: they are
+held in L1 as a hand-off of this server's own for this taker (``found``),
+which goes on as any other (DONE, the lease). Not all yet (the write-back is
+still on its way): ``pending``, and the next take looks again, until the
+consumer's wait ends. A single take
 holds per server: consumers on two nodes could each load the same prompt
 (correct KV either way).
 
@@ -50,6 +52,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from enum import StrEnum
 
+from kvtier.controllers import PrefetchHandle
 from kvtier.counters import Counters
 from kvtier.keys import ObjectKey
 from kvtier.l1 import L1Manager, L1Result
@@ -157,7 +160,8 @@ class HandoffTable:
         self.max_lease_s = max_lease_s  # within L1's read lease: the hold never lapses first
         self._held: dict[str, Handoff] = {}
         self._ended: OrderedDict[str, HandoffOutcome] = OrderedDict()
-        self._finding: set[str] = set()  # unknown hand-offs being looked for in the tiers
+        # Unknown hand-offs being looked for in the tiers: their lookup and its start.
+        self._finding: dict[str, tuple[PrefetchHandle, float]] = {}
 
     def offer(
         self,
@@ -224,14 +228,13 @@ class HandoffTable:
             ended = self._ended.get(handoff_id)
             if ended is not None:
                 return ended, ""
-            if not find or handoff_id in self._finding:
+            if not find:
                 return HandoffOutcome.PENDING, ""
             if source_hashes:
                 return HandoffOutcome.LAYOUT_MISMATCH, (
                     "a hand-off found in a shared tier is not re-sharded: run prefill and "
                     "decode engines on other nodes with the same TP size"
                 )
-            self._finding.add(handoff_id)
             return HandoffOutcome.FINDING, ""
         refusal = self._refusal(handoff, client, hashes, consumer, source_hashes, kv_heads)
         if refusal is not None:
@@ -302,7 +305,6 @@ class HandoffTable:
         """A FINDING take's lookup came back with ``hit_chunks`` of the
         prompt's chunks locked (the caller releases that lookup after
         this): all of them become a hand-off held here for this taker."""
-        self._finding.discard(handoff_id)
         if handoff_id in self._held or handoff_id in self._ended:
             return HandoffOutcome.PENDING, "offered here meanwhile: ask again"
         if hit_chunks < len(hashes):
@@ -334,6 +336,28 @@ class HandoffTable:
         )
         self._counters.add("handoffs.found")
         return HandoffOutcome.GRANTED, ""
+
+    def lookup_of(self, handoff_id: str) -> PrefetchHandle | None:
+        """The lookup a FINDING take started for ``handoff_id`` (None: none yet)."""
+        entry = self._finding.get(handoff_id)
+        return None if entry is None else entry[0]
+
+    def looking(self, handoff_id: str, lookup: PrefetchHandle) -> None:
+        """A FINDING take started ``lookup``; the next takes ask how it went."""
+        if len(self._finding) >= MAX_HELD:
+            raise RequestError("busy", f"{MAX_HELD} hand-offs are looked for: ask again")
+        self._finding[handoff_id] = (lookup, self._clock())
+
+    def looked(self, handoff_id: str) -> None:
+        """Its lookup came back (its result taken)."""
+        self._finding.pop(handoff_id, None)
+
+    def stale_lookups(self) -> list[PrefetchHandle]:
+        """Lookups no take has asked after within the lease (their consumer
+        is gone): dropped here, for the caller to abandon."""
+        due = self._clock() - self.max_lease_s
+        stale = [h for h, (_, started) in self._finding.items() if started <= due]
+        return [self._finding.pop(h)[0] for h in stale]
 
     def done(self, client: Client, handoff_id: str, consumer: str) -> HandoffOutcome:
         """The taker has its copy: drop the hold."""

@@ -18,6 +18,7 @@ from kvtier.server.handoffs import MAX_HELD, REMEMBERED
 from kvtier.server.limits import ServerLimits
 from kvtier.storage import StorageConfig, StorageManager
 from tests.conftest import FakeClock
+from tests.integration.harness import wait_for
 from tests.ledger import assert_clean
 from tests.servers import RedisProcess
 from tests.unit.server.test_core import OBJECT, answer, call, hashes, hello, store
@@ -341,7 +342,12 @@ def two_nodes(
 
 
 def find(server: CacheServer, peer: bytes, hs: list[bytes], hid: str = "h1") -> p.Reply:
-    return call(server, peer, p.HandoffTake(hid, hs, find=True))
+    """Take with ``find`` as a consumer does: again while its lookup is out."""
+    take = p.HandoffTake(hid, hs, find=True)
+    looking = "its chunks are being looked for in this server's tiers"
+    return wait_for(
+        lambda: call(server, peer, take), lambda r: r != p.HandoffState("pending", looking)
+    )
 
 
 def test_a_hand_off_offered_on_another_node_is_found_through_the_shared_l2(
@@ -391,4 +397,14 @@ def test_found_hand_offs_are_not_resharded_and_their_lease_reclaims_them(
     clock.advance(b.handoffs.max_lease_s)
     b.tick()
     assert find(b, b"D", hs) == p.HandoffState("expired")
+    assert_clean(b.storage.l1)
+    # A lookup whose consumer stops asking is abandoned after the lease, its locks released.
+    other = hashes(2, seed=time.monotonic_ns() % 2**32)
+    store(a, b"P", other)
+    assert a.storage.flush(timeout=10)
+    call(b, b"D", p.HandoffTake("h2", other, find=True))  # ... and the consumer is gone
+    locked = wait_for(lambda: b.storage.l1.status()["locked_objects"], lambda n: n == 2)
+    assert locked == 2  # the lookup came back, holding both objects, and nobody asks
+    clock.advance(b.handoffs.max_lease_s)
+    b.tick()
     assert_clean(b.storage.l1)
