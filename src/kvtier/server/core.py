@@ -40,6 +40,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
+from kvtier.controllers import PrefetchHandle
 from kvtier.counters import Counters
 from kvtier.keys import HASH_BYTES, ObjectKey, chunk_keys, model_label
 from kvtier.l1 import L1Result
@@ -64,6 +65,7 @@ Frames = list[npt.NDArray[np.uint8]]
 LAYOUTS_SEEN = 64  # namespaces whose layouts /status shows
 MAX_SHADOW_REPORT = 1 << 32  # chunks in one shadow report
 MAX_REPORT_S = 1e6  # seconds in one usage report
+FIND_WAIT_S = 1.0  # a find take's lookup settles by then: well within a client's timeout
 Buffer = bytes | memoryview
 Answer = tuple[p.Reply, Frames]
 
@@ -78,7 +80,16 @@ class Deferred:
     finish: Callable[[Any], Answer]
 
 
-Outcome = Answer | Deferred
+@dataclass(frozen=True, slots=True)
+class Awaiting:
+    """An operation answered once a lookup settles: ``finish()`` makes the
+    reply then, on the loop thread (no thread waits for the lookup)."""
+
+    lookup: PrefetchHandle
+    finish: Callable[[], Answer]
+
+
+Outcome = Answer | Deferred | Awaiting
 Handler = Callable[[Client, Any, Sequence[Buffer]], Outcome]
 
 
@@ -468,7 +479,7 @@ class CacheServer:
             req.find,
         )
         if outcome is HandoffOutcome.FINDING:
-            return p.HandoffState(*self._find_handoff(client, req, keys)), []
+            return self._find_handoff(client, req, keys)
         if outcome is not HandoffOutcome.CONVERTING:
             return p.HandoffState(outcome, why), []
         conversion = self.handoffs.conversion(
@@ -482,32 +493,40 @@ class CacheServer:
 
     def _find_handoff(
         self, client: Client, req: p.HandoffTake, keys: list[list[ObjectKey]]
-    ) -> tuple[HandoffOutcome, str]:
+    ) -> Outcome:
         """Look a hand-off offered on another server up in this server's
-        tiers (its chunks come by the shared L2): the first take starts the
-        lookup, the next ones ask how it went; never waits for it."""
+        tiers (its chunks come by the shared L2), answered when the lookup
+        settles (within ``FIND_WAIT_S``: what has not come by then is looked
+        for again by the consumer's next take)."""
         lookup = self.handoffs.lookup_of(req.handoff_id)
         if lookup is None:
             layouts = {req.group: self._layout(client, req.group)}
-            lookup = self.storage.submit_lookup(keys, layouts)
+            lookup = self.storage.submit_lookup(keys, layouts, deadline_s=FIND_WAIT_S)
             self.handoffs.looking(req.handoff_id, lookup)
-        result = self.storage.collect(lookup, 0.0)
-        if result is None:
-            return HandoffOutcome.PENDING, "its chunks are being looked for in this server's tiers"
-        self.handoffs.looked(req.handoff_id)
-        try:
-            flat = [k for chunk in keys for k in chunk]
-            return self.handoffs.found(
-                client,
-                req.handoff_id,
-                req.hashes,
-                flat,
-                req.consumer,
-                req.group,
-                result.hit_chunks,
-            )
-        finally:
-            self.storage.release(list(result.placements))  # the hand-off holds its own
+
+        def finish() -> Answer:
+            if self.handoffs.lookup_of(req.handoff_id) is not lookup:  # another take's answer
+                outcome, why = self.handoffs.take(client, req.handoff_id, req.hashes, req.consumer)
+                return p.HandoffState(outcome, why), []
+            result = self.storage.collect(lookup, 0.0)
+            assert result is not None  # settled: this runs once it is
+            self.handoffs.looked(req.handoff_id)
+            try:
+                flat = [k for chunk in keys for k in chunk]
+                outcome, why = self.handoffs.found(
+                    client,
+                    req.handoff_id,
+                    req.hashes,
+                    flat,
+                    req.consumer,
+                    req.group,
+                    result.hit_chunks,
+                )
+            finally:
+                self.storage.release(list(result.placements))  # the hand-off holds its own
+            return p.HandoffState(outcome, why), []
+
+        return Awaiting(lookup, finish)
 
     def _drop_stale_lookups(self) -> None:
         """Abandon the lookups of hand-offs whose consumer stopped asking."""

@@ -32,8 +32,8 @@ Across nodes the producer's server is not the consumer's: the producer's
 chunks reach the shared L2 by write-back, and a take that says ``find``
 (its producer offered on another server) and names a hand-off this server
 never heard of makes this server look the chunks up in its own tiers, L2
-included (``FINDING``: the lookup runs like any other, and the consumer's
-next takes ask how it went, ``pending`` meanwhile). All found: they are
+included (``FINDING``: the lookup runs like any other, and the take is
+answered when it settles). All found: they are
 held in L1 as a hand-off of this server's own for this taker (``found``),
 which goes on as any other (DONE, the lease). Not all yet (the write-back is
 still on its way): ``pending``, and the next take looks again, until the

@@ -49,7 +49,7 @@ import zmq
 from kvtier.failures import FailureLog
 from kvtier.server import protocol as p
 from kvtier.server.connections import DOMAIN, ConnectionIds, connection_of
-from kvtier.server.core import CacheServer, Deferred
+from kvtier.server.core import Awaiting, CacheServer, Deferred
 
 log = logging.getLogger(__name__)
 
@@ -78,6 +78,15 @@ class _Done:
     future: Future[Any]
 
 
+@dataclass(frozen=True, slots=True)
+class _Settled:
+    """An awaited lookup settled: its operation can answer now."""
+
+    peer: bytes
+    seq: int
+    awaiting: Awaiting
+
+
 class ServerTransport:
     """Bind, then ``serve(stop_event)`` until the event is set."""
 
@@ -102,7 +111,7 @@ class ServerTransport:
         # it with a byte on the pipe (the loop's own events need no wake-up:
         # it takes them after every batch of requests).
         self._loop_thread: int | None = None
-        self._events: queue.SimpleQueue[tuple[bytes, str] | _Done] = queue.SimpleQueue()
+        self._events: queue.SimpleQueue[tuple[bytes, str] | _Done | _Settled] = queue.SimpleQueue()
         self._wake_read, self._wake_write = os.pipe()
         os.set_blocking(self._wake_read, False)
         os.set_blocking(self._wake_write, False)
@@ -165,7 +174,7 @@ class ServerTransport:
         """The prefetch controller's callback: a lookup settled."""
         self._post((peer, request_id))
 
-    def _post(self, event: tuple[bytes, str] | _Done) -> None:
+    def _post(self, event: tuple[bytes, str] | _Done | _Settled) -> None:
         self._events.put(event)
         if threading.get_ident() == self._loop_thread:
             return  # a lookup that settled while the loop handled it
@@ -181,6 +190,8 @@ class ServerTransport:
             try:
                 if isinstance(event, _Done):
                     self._finish(event)
+                elif isinstance(event, _Settled):
+                    self._answer_settled(event)
                 else:
                     self._settled(event)
             except Exception:
@@ -205,6 +216,14 @@ class ServerTransport:
             self._failures.record("server: a bulk copy")
             reply, out = self.core.fault("copy"), []
         self._send(done.peer, reply, out, done.seq)
+
+    def _answer_settled(self, settled: _Settled) -> None:
+        try:
+            reply, out = settled.awaiting.finish()
+        except Exception:
+            self._failures.record("server: an awaited lookup")
+            reply, out = self.core.fault("awaited"), []
+        self._send(settled.peer, reply, out, settled.seq)
 
     def _count_disconnects(self) -> None:
         while self._monitor.poll(0):
@@ -303,6 +322,10 @@ class ServerTransport:
             except Exception:
                 self._failures.record("server: a bulk copy")
                 outcome = self.core.fault("copy"), []
+        if isinstance(outcome, Awaiting):
+            settled = _Settled(peer, request.seq, outcome)
+            outcome.lookup.add_done_callback(lambda: self._post(settled))
+            return
         if isinstance(outcome, Deferred):
             self._deferred += 1
             future = self._pool.submit(outcome.work)

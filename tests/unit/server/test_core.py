@@ -9,7 +9,7 @@ import pytest
 from kvtier.keys import Namespace, TokenHasher
 from kvtier.l1 import L1Result
 from kvtier.server import protocol as p
-from kvtier.server.core import CacheServer, Deferred
+from kvtier.server.core import Awaiting, CacheServer, Deferred
 from kvtier.server.limits import ServerLimits
 from kvtier.server.tenants import TenantTable
 from kvtier.storage import StorageManager
@@ -41,10 +41,13 @@ def answer(
     server: CacheServer, peer: bytes, msg: p.Message, frames: list[bytes] | None = None
 ) -> tuple[p.Reply, list[np.ndarray]]:
     """The reply and its frames; work the server defers runs at once, as its
-    pool would run it."""
+    pool would run it, and an answer that awaits a lookup comes once it settles."""
     outcome = server.handle(peer, msg, frames or [])  # type: ignore[arg-type]
     if isinstance(outcome, Deferred):
         outcome = outcome.finish(outcome.work())
+    if isinstance(outcome, Awaiting):
+        assert outcome.lookup.wait(10) is not None
+        outcome = outcome.finish()
     return outcome
 
 
