@@ -20,7 +20,10 @@ on the pool, the next tick or the next parked WAIT's deadline. It never
 polls. A WAIT is parked until its lookup settles or its timeout passes, so it
 never blocks other clients; one WAIT per (peer, request) may be parked, at
 most ``MAX_PARKED`` in all. Bytes stores past the core's ``offload_bytes``
-are copied into L1 on ``COPY_THREADS`` pool threads, never on the loop.
+(and a hand-off's re-sharding) are copied into L1 on ``COPY_THREADS`` pool
+threads, never on the loop. An operation the core answers once a lookup
+settles (``Awaiting``: a hand-off found in the tiers) is answered when the
+lookup's callback wakes the loop, like a parked WAIT.
 
 No exception in decode, dispatch, the tick, a parked WAIT, a copy or send
 ends the loop: each is logged (once per defect), counted (``loop_errors``)
