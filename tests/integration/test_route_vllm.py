@@ -9,8 +9,8 @@ takes ~40 s to start on two cores).
 - the router hashes a prompt exactly as the vLLM connector does: the chunks
   the connector stored, announced by the cache server, are the chunks the
   router computes from the namespace in ``/status``;
-- ``kvtier route`` streams a completion from the engine, and relays the
-  engine's refusal of a chat this model has no template for as a clear 400.
+- ``kvtier route`` streams a completion from the engine, proxies a chat,
+  and relays the engine's refusal of a bad one as a clear 400.
 """
 
 from __future__ import annotations
@@ -196,13 +196,20 @@ async def _chat_through_the_router(
             streamed = await response.text()
         assert streamed.rstrip().endswith("data: [DONE]") and '"error"' not in streamed
         assert service.router.status()["nodes"][0]["routed"] == 1  # type: ignore[index]
-        # This model has no chat template: the engine's refusal comes back as a clear 400.
+        # A chat goes through (the model's template is its messages' words), and the
+        # engine's refusal of a bad one comes back as a clear 400.
         chat = {"messages": [{"role": "user", "content": text}], "max_tokens": 3}
         async with (
             aiohttp.ClientSession() as session,
             session.post(url + "/v1/chat/completions", json=chat) as response,
         ):
+            assert response.status == 200, await response.text()
+            assert (await response.json())["choices"][0]["message"]["content"]
+        async with (
+            aiohttp.ClientSession() as session,
+            session.post(url + "/v1/chat/completions", json={**chat, "max_tokens": -1}) as response,
+        ):
             assert response.status == 400
-            assert "chat template" in (await response.json())["error"]["message"]
+            assert "max_tokens" in (await response.json())["error"]["message"]
     finally:
         await runner.cleanup()

@@ -23,7 +23,7 @@ import pytest
 
 from kvtier.bench.engines import Engine, EngineOptions, kvtier_transfer, vllm_servers
 from kvtier.bench.stores import free_port
-from tests.integration.harness import Server, post_json, wait_for
+from tests.integration.harness import Server, ServerFactory, post_json, wait_for
 
 pytest.importorskip("vllm")
 from kvtier.router.pd import PDProxy, serve
@@ -114,6 +114,27 @@ def assert_same(want: dict[str, Any], got: dict[str, Any], what: str) -> None:
     assert got_tokens == want_tokens, f"{what}: tokens differ"
     worst = max(abs(a - b) for a, b in zip(want_logprobs, got_logprobs, strict=True))
     assert worst <= TOLERANCE, f"{what}: |Δlogprob| {worst:.2e}"
+
+
+def decode_like(
+    engine: Engine, prompt: list[int], produced: dict[str, Any], colocated: dict[str, Any]
+) -> None:
+    """The rest of a produced answer on ``engine``, as the proxy asks for it:
+    its hand-off loaded, and with the producer's token the colocated tokens
+    and logprobs."""
+    first = produced["choices"][0]["token_ids"]
+    rest_body = body(
+        prompt + first, max_tokens=NEW_TOKENS - 1, kv_transfer_params=produced["kv_transfer_params"]
+    )
+    status, rest = post_json(engine.url + "/v1/completions", rest_body)
+    assert status == 200, rest
+    assert rest["kv_transfer_params"]["kvtier_handoff_outcome"] == "loaded", rest
+    want_tokens, want_logprobs = generated(colocated)
+    got_tokens, got_logprobs = generated(rest)
+    assert first + got_tokens == want_tokens
+    head = produced["choices"][0]["logprobs"]["token_logprobs"]
+    worst = max(abs(a - b) for a, b in zip(want_logprobs, head + got_logprobs, strict=True))
+    assert worst <= TOLERANCE, f"|Δlogprob| {worst:.2e}"
 
 
 def handoffs(server: Server) -> dict[str, Any]:
@@ -252,7 +273,7 @@ def test_a_hand_off_that_never_comes_recomputes_or_fails_as_asked(
 def test_the_prefill_engine_killed_after_its_answer_leaves_its_hand_off_loadable(
     engines: tuple[Engine, Engine], kv_server: Server
 ) -> None:
-    """Last in this module: it kills the prefill engine (SIGKILL, its whole
+    """Next to last in this module: it kills the prefill engine (SIGKILL, its whole
     process group) once it has answered. The hand-off is the cache server's
     by then: the decode engine loads it and gives the colocated tokens."""
     prefill, decode = engines
@@ -264,19 +285,43 @@ def test_the_prefill_engine_killed_after_its_answer_leaves_its_hand_off_loadable
     assert status == 200, produced
     os.killpg(prefill.pid, signal.SIGKILL)
     assert wait_for(lambda: _health(prefill.url), lambda up: not up) is False
-    first = produced["choices"][0]["token_ids"]
-    rest_body = body(
-        prompt + first,
-        max_tokens=NEW_TOKENS - 1,
-        kv_transfer_params=produced["kv_transfer_params"],
-    )
-    status, rest = post_json(decode.url + "/v1/completions", rest_body)
-    assert status == 200, rest
-    assert rest["kv_transfer_params"]["kvtier_handoff_outcome"] == "loaded"
-    want_tokens, want_logprobs = generated(colocated)
-    got_tokens, got_logprobs = generated(rest)
-    assert first + got_tokens == want_tokens
-    head = produced["choices"][0]["logprobs"]["token_logprobs"]
-    worst = max(abs(a - b) for a, b in zip(want_logprobs, head + got_logprobs, strict=True))
-    assert worst <= TOLERANCE, f"|Δlogprob| {worst:.2e}"
+    decode_like(decode, prompt, produced, colocated)
     assert wait_for(lambda: handoffs(kv_server)["held"], lambda n: n == 0) == 0
+
+
+def written_back(server: Server) -> int:
+    store = server.status()["storage"]["store"]
+    return sum(int(v) for k, v in store.items() if k.startswith("stored_objects."))
+
+
+def test_a_hand_off_outlives_its_cache_server_through_its_disk_tier(
+    engines: tuple[Engine, Engine], kv_server: Server, module_servers: ServerFactory
+) -> None:
+    """Last in this module (after the prefill engine's death): the decode
+    engine produces and consumes, and the cache server is killed (SIGKILL)
+    after the producer's answer and restarted on its port and cache
+    directory. The hand-off's record died with it, but its chunks had been
+    written back to the server's disk tier: the consumer sees another boot
+    id than the producer's, takes with ``find``, and the new server finds
+    them there. Same tokens and logprobs as the engine's own, nothing held."""
+    _, engine = engines
+    prompt = tokens(120, 700)  # two chunks and a tail: three objects of one rank
+    status, colocated = post_json(engine.url + "/v1/completions", body(prompt, cache_salt="ref-3"))
+    assert status == 200, colocated
+    before = written_back(kv_server)
+    produce = body(prompt, max_tokens=1, kv_transfer_params={"do_remote_decode": True})
+    status, produced = post_json(engine.url + "/v1/completions", produce)
+    assert status == 200, produced
+    assert wait_for(lambda: written_back(kv_server), lambda n: n >= before + 3) >= before + 3
+    restarted = module_servers.restart(kv_server)
+    # The engine's clients (its scheduler's and its worker's) said hello again.
+    assert wait_for(restarted.status, lambda s: s["clients"] >= 2, timeout_s=60)["clients"] >= 2
+    decode_like(engine, prompt, produced, colocated)
+    # The server's status is a snapshot taken each tick: wait for the take in it.
+    seen = wait_for(
+        restarted.status,
+        lambda s: s["server"].get("handoffs.consumed", 0) == 1 and s["handoffs"]["held"] == 0,
+    )
+    assert seen["server"].get("handoffs.found") == seen["server"].get("handoffs.consumed") == 1
+    assert seen["handoffs"]["held"] == 0
+    assert seen["storage"]["held_lookup_locks"] == 0
