@@ -321,15 +321,17 @@ def test_a_consumer_that_dies_after_taking_is_reclaimed_by_the_lease(
 
 def test_the_cache_server_killed_mid_hand_off(kvtier_server: ServerFactory) -> None:
     """Killed after the offer: the decode engine's take finds no server (a
-    recompute); restarted, the new server never heard of the hand-off, and
-    the wait for it ends as the producer's death would."""
-    first = kvtier_server.start()
+    recompute); restarted, the new server never heard of the hand-off and
+    has no tier it could find the chunks in (L1 only: a restart that keeps
+    them on disk is ``test_vllm_pd.py``'s last test), and the wait for it
+    ends as the producer's death would."""
+    first = kvtier_server.start("--cache-dir", "none")
     producer = side_for(first.rpc)
     consumer = side_for(first.rpc, handoff_wait_s=1.0, request_timeout_s=0.5)
     try:
         tokens, params = handed_off(producer, seed=52)
         wait_for(lambda: status(consumer)["handoffs"]["held"], lambda n: n == 1)
-        second = kvtier_server.restart(first)
+        second = kvtier_server.restart(first, "--cache-dir", "none")
         req = consumer_request(tokens, params)
         answer = wait_for(
             lambda: consumer.get_num_new_matched_tokens(req, 0), lambda a: a[0] is not None
