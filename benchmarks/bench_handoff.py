@@ -32,7 +32,7 @@ cheap and the hand-off's fixed costs (the TAKE's round trips, the
 asynchronous load's extra scheduler steps) weigh more than they would on a
 real model.
 
-    python benchmarks/bench_handoff.py [--tokens 4096 4000] [--rounds 10] [--across-nodes]
+    python benchmarks/bench_handoff.py [--tokens 4096 4000] [--rounds 20] [--across-nodes]
 """
 
 from __future__ import annotations
@@ -55,6 +55,7 @@ from kvtier.bench.engines import EngineOptions, kvtier_transfer, vllm_servers
 from kvtier.bench.stores import RedisProcess, redis_binary
 from kvtier.models import demo_model
 from kvtier.process import ServerProcess
+from stalls import StallWatch
 
 MAX_MODEL_LEN = 8192
 KV_BYTES = 1 << 30
@@ -90,24 +91,34 @@ def complete(address: str, body: dict[str, Any], stream: bool) -> tuple[float, d
 
 
 def measure(
-    prefill: str, decode: str, sizes: list[int], rounds: int, settle_s: float, across: bool
+    prefill: str,
+    decode: str,
+    sizes: list[int],
+    rounds: int,
+    settle_s: float,
+    across: bool,
+    watch: StallWatch,
 ) -> dict[str, Any]:
     rng = random.Random(0)
 
     def tokens(n: int) -> list[int]:
         return [rng.randrange(2, 4096) for _ in range(n)]
 
-    def first_token_wait(prompt: list[int], **extra: Any) -> float:
-        return complete(decode, {"prompt": prompt, "max_tokens": 1, **extra}, stream=True)[0]
+    def first_token_wait(prompt: list[int], **extra: Any) -> tuple[float, float]:
+        """When it was sent (wall clock) and the seconds to its first token."""
+        sent = time.time()
+        body = {"prompt": prompt, "max_tokens": 1, **extra}
+        return sent, complete(decode, body, stream=True)[0]
 
     results: dict[str, Any] = {}
     for size in sizes:
         names = ["l1_hit", "handoff", *(["l2_hit"] if across else [])]
         places = [f"{name}_{place}" for name in names for place in ("first", "later")]
         samples: dict[str, list[float]] = {n: [] for n in ("full_prefill", *names, *places)}
+        windows: dict[str, list[tuple[float, float]]] = {n: [] for n in names}
         for round_ in range(rounds + 1):  # round 0 warms this shape up
             prompt = tokens(size + 1)
-            full = first_token_wait(prompt)  # stores the prompt's chunks
+            _, full = first_token_wait(prompt)  # stores the prompt's chunks
             requests = {"l1_hit": (prompt, {})}
             if across:  # computed on the other node: its chunks reach Redis
                 requests["l2_hit"] = (tokens(size + 1), {})
@@ -129,18 +140,26 @@ def measure(
             # an idle engine pays for waking it up.
             requests["handoff"] = (handoff_prompt, {"kv_transfer_params": params})
             order = names[round_ % len(names) :] + names[: round_ % len(names)]
-            seconds = {}
+            timed = {}
             for name in order:
-                sent, extra = requests[name]
-                seconds[name] = first_token_wait(sent, **extra)
+                prompt_sent, extra = requests[name]
+                timed[name] = first_token_wait(prompt_sent, **extra)
             if round_:
                 samples["full_prefill"].append(full)
-                for name, value in seconds.items():
+                for name, (sent, value) in timed.items():
                     samples[name].append(value)
                     samples[f"{name}_{'first' if name == order[0] else 'later'}"].append(value)
+                    windows[name].append((sent, sent + value))
+        # Samples the machine stalled in, and the others apart (see stalls.py).
+        stalled = {name: [bool(watch.during(*w)) for w in windows[name]] for name in names}
+        for name in names:
+            samples[f"{name}_unstalled"] = [
+                value for value, hit in zip(samples[name], stalled[name], strict=True) if not hit
+            ]
         results[str(size)] = {
             **{f"{name}_p50_s": statistics.median(s) for name, s in samples.items() if s},
             **{f"{name}_p90_s": percentile(s, 90) for name, s in samples.items() if s},
+            "stalled": {name: sum(hits) for name, hits in stalled.items()},
             "samples": samples,
         }
     return results
@@ -149,7 +168,7 @@ def measure(
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--tokens", type=int, nargs="+", default=[4096, 4000])
-    parser.add_argument("--rounds", type=int, default=10)
+    parser.add_argument("--rounds", type=int, default=20)
     parser.add_argument(
         "--settle-s",
         type=float,
@@ -193,7 +212,7 @@ def main() -> None:
                 ("decode", "1", nodes[-1], {}),
             )
         ]
-        with vllm_servers(configs) as (prefill, decode):
+        with vllm_servers(configs) as (prefill, decode), StallWatch() as watch:
             results = measure(
                 prefill.address,
                 decode.address,
@@ -201,9 +220,16 @@ def main() -> None:
                 args.rounds,
                 args.settle_s,
                 args.across_nodes,
+                watch,
             )
+        stalls = watch.stalls()
         time.sleep(2.5)  # the admin's status is a snapshot taken each tick; A's lease ends
         statuses = [node.status_json() for node in nodes]
+    results["stalls"] = {
+        "count": len(stalls),
+        "max_s": max((stall.seconds for stall in stalls), default=0.0),
+        "threshold_s": watch.threshold_s,
+    }
     results["settle_s"] = args.settle_s
     results["across_nodes"] = args.across_nodes
     results["servers"] = [
@@ -238,6 +264,16 @@ def main() -> None:
                  f"{r['handoff_over_l2_hit']:.2f}x (p90 {r['handoff_p90_s'] * 1e3:.1f} vs "
                  f"{r['l2_hit_p90_s'] * 1e3:.1f} ms)")
             )  # fmt: skip
+        if "handoff_unstalled_p50_s" in r and "l1_hit_unstalled_p50_s" in r:
+            clean = r["handoff_unstalled_p50_s"] / r["l1_hit_unstalled_p50_s"]
+            r["handoff_over_l1_hit_unstalled"] = clean
+            kept = {name: len(r["samples"][f"{name}_unstalled"]) for name in ("handoff", "l1_hit")}
+            rows.append(
+                (f"{size} tokens: the same, samples no core stalled in",
+                 f"{clean:.2f}x ({kept['handoff']} hand-offs, {kept['l1_hit']} L1 hits; p90 "
+                 f"{r['handoff_unstalled_p90_s'] * 1e3:.1f} vs "
+                 f"{r['l1_hit_unstalled_p90_s'] * 1e3:.1f} ms)")
+            )  # fmt: skip
         for place in ("first", "later"):
             rows.append(
                 (f"{size} tokens: {place} after the idle: "
@@ -245,6 +281,10 @@ def main() -> None:
                  " / ".join(f"{ms.get(f'{n}_{place}', math.nan):.1f}" for n in [*hits, "handoff"])
                  + " ms")
             )  # fmt: skip
+    rows.append(
+        ("machine: a core's 1 ms nap overslept (> 50 ms)",
+         f"{len(stalls)} times, at most {results['stalls']['max_s'] * 1e3:.0f} ms")
+    )  # fmt: skip
     held = ", ".join(str(status["handoffs"]["held"]) for status in statuses)
     rows.append(("servers: hand-offs held after the run", held))
     report("vLLM-CPU prefill/decode hand-off: decode's first-token wait", rows, results)

@@ -20,6 +20,7 @@ from kvtier.engine.vllm.handoff import (
     CAUSE,
     HANDOFF_ID,
     OUTCOME,
+    PAGES,
     PROMPT_TOKENS,
     RANKS,
     SERVER,
@@ -255,11 +256,12 @@ def test_bad_hand_off_parameters_and_an_absent_server_are_policy_outcomes(
     consumer = side_for(server.rpc)
     try:
         tokens = prompt(PROMPT, seed=46)
-        bad = {"do_remote_prefill": True, HANDOFF_ID: "x", PROMPT_TOKENS: PROMPT + 5}
-        req = consumer_request(tokens, bad)
-        assert consumer.get_num_new_matched_tokens(req, 0) == (0, False)
-        _, outcome = consumer.request_finished(req, [])
-        assert outcome is not None and outcome[CAUSE] == "bad_params"
+        base = {"do_remote_prefill": True, HANDOFF_ID: "x", PROMPT_TOKENS: PROMPT}
+        for n, bad in enumerate(({**base, PROMPT_TOKENS: PROMPT + 5}, {**base, PAGES: 5})):
+            req = consumer_request(tokens, bad, rid=f"bad{n}")
+            assert consumer.get_num_new_matched_tokens(req, 0) == (0, False)
+            _, outcome = consumer.request_finished(req, [])
+            assert outcome is not None and outcome[CAUSE] == "bad_params"
     finally:
         consumer.close()
     away = SchedulerSide(
@@ -461,6 +463,7 @@ def test_a_consumer_of_another_tp_size_is_given_its_own_rank_split(server: Serve
     try:
         tokens, params = handed_off(producer, seed=60)
         assert params[RANKS] == 1
+        assert params[PAGES] == producer.clients.layout(CHUNK).format  # e.g. vllm-cpu-vec-bs16
         req = consumer_request(tokens, params)
         take_and_load(consumer, req, [30, 31, 32, 33, 34])
         assert status(consumer)["server"]["handoffs.resharded"] == 1

@@ -50,6 +50,7 @@ class EngineOptions:
     kv_events: dict[str, Any] | None = None
     cpus: str = ""  # VLLM_CPU_OMP_THREADS_BIND, e.g. "0" (one engine per core); "" vLLM's choice
     tensor_parallel: int = 1  # --tensor-parallel-size (on CPU, bind one core per rank: "0|1")
+    block_size: int = 0  # --block-size (0: vLLM's choice, 128 on CPU)
     dev_mode: bool = False  # VLLM_SERVER_DEV_MODE: POST /reset_prefix_cache, between runs
     name: str = ""  # --served-model-name ("": the model's path)
 
@@ -152,6 +153,8 @@ def _launch(
     command += ["--tensor-parallel-size", str(options.tensor_parallel)]
     if options.name:
         command += ["--served-model-name", options.name]
+    if options.block_size:
+        command += ["--block-size", str(options.block_size)]
     command += ["--kv-cache-memory-bytes", str(options.kv_cache_bytes)]
     command += ["--max-num-seqs", str(options.max_num_seqs)]
     command += ["--max-num-batched-tokens", str(options.max_num_batched_tokens)]

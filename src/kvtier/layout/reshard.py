@@ -1,4 +1,5 @@
-"""Re-sharding one chunk's objects between tensor-parallel rank layouts.
+"""Re-sharding one chunk's objects between tensor-parallel rank layouts
+(and vLLM CPU block sizes).
 
 A prefill engine with TP ``p`` stores each chunk as ``p`` objects (one per
 rank); a decode engine with TP ``d`` reads ``d``. Tensor parallelism splits
@@ -18,7 +19,9 @@ packs K and V within one head's part of a block, by rules that depend on the
 instruction set, block size, head size and dtype (all in the format and the
 layout) and not on how many heads a rank holds. Any other engine format is
 refused, as is any difference besides the rank split (layers, head size,
-dtype, chunk size, format, codec). Replicas that disagree are refused too:
+dtype, chunk size, codec) and, between vLLM CPU pages kvtier can re-page
+(``kvtier.layout.repage``), the block size: the heads are cut at the source's
+block size, then each object is re-paged at the receiver's. Replicas that disagree are refused too:
 the source is inconsistent, and loading either copy could be wrong KV.
 """
 
@@ -32,6 +35,7 @@ import numpy as np
 import numpy.typing as npt
 
 from kvtier.layout import KVLayout
+from kvtier.layout.repage import page_block, repage
 
 Bytes = npt.NDArray[np.uint8]
 _HEAD_MAJOR_PAGES = re.compile(r"vllm-cpu-[^-]+-bs(\d+)")  # vLLM's CPU pages: head-major
@@ -107,10 +111,14 @@ def reshard(
                 raise ValueError(f"the replicas of KV head {head} differ: refusing to load either")
             chunk[:, head] = part[:, j]
             filled[head] = True
-    return [
+    cut = [
         np.ascontiguousarray(chunk[:, held]).reshape(-1)
         for held in rank_heads(target, total_kv_heads)
     ]
+    if source.format == target.format:
+        return cut
+    paged = dataclasses.replace(target, format=source.format)  # the cut's block size
+    return [repage(obj, paged, target) for obj in cut]
 
 
 def check_convertible(source: KVLayout, target: KVLayout, total_kv_heads: int) -> None:
@@ -122,12 +130,23 @@ def check_convertible(source: KVLayout, target: KVLayout, total_kv_heads: int) -
 
 def _check_convertible(source: KVLayout, target: KVLayout) -> None:
     head_rows(source)
-    split = {"kv_heads", "num_ranks"}
+    convertible = {"kv_heads", "num_ranks"}
+    if source.format != target.format:
+        try:  # both pages of a packing kvtier can re-page
+            page_block(source)
+            page_block(target)
+        except ValueError as error:
+            shown = [layout.format or "canonical" for layout in (source, target)]
+            message = f"the page formats differ ({shown[0]!r} vs {shown[1]!r}): {error}"
+            raise ValueError(message) from None
+        convertible.add("format")
     for field in dataclasses.fields(KVLayout):
-        if field.name not in split and getattr(source, field.name) != getattr(target, field.name):
+        name = field.name
+        if name not in convertible and getattr(source, name) != getattr(target, name):
             raise ValueError(
-                f"the layouts differ in {field.name} ({getattr(source, field.name)!r} vs "
-                f"{getattr(target, field.name)!r}): only the rank split can be converted"
+                f"the layouts differ in {name} ({getattr(source, name)!r} vs "
+                f"{getattr(target, name)!r}): only the rank split and the block size of "
+                "vLLM's CPU pages can be converted"
             )
 
 

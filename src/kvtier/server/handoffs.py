@@ -18,11 +18,12 @@ behind (the last ``REMEMBERED``), so a late consumer learns what happened
 
 A take names the chunks it expects (its prompt's, under its own namespace):
 another model or tenant, another layout (TP size, block size, page format)
-or another prompt is refused, never loaded. A consumer whose TP size alone
-differs from the producer's may be given its own rank split instead: its
-take also names the prompt's chunks under the producer's layout (its hashes
-must be the offer's) and the model's KV heads (the offer's). The server
-re-shards each chunk by KV heads (``kvtier.layout.reshard``) into objects
+or another prompt is refused, never loaded. A consumer whose TP size (or
+vLLM CPU block size) alone differs from the producer's may be given its own
+rank split and pages instead: its take also names the prompt's chunks under
+the producer's layout (its hashes must be the offer's) and the model's KV
+heads (the offer's). The server re-shards each chunk by KV heads, re-paging
+it if the block sizes differ (``kvtier.layout.reshard``), into objects
 under the consumer's keys, off the loop thread (``Conversion``), holds them
 with the hand-off, and grants it; the taker then loads its own objects. The
 converted objects are ordinary cache entries afterwards: engines of the

@@ -21,6 +21,7 @@ from tests.conftest import FakeClock
 from tests.integration.harness import wait_for
 from tests.ledger import assert_clean
 from tests.servers import RedisProcess
+from tests.unit.layout.test_repage import cpu_pages
 from tests.unit.server.test_core import OBJECT, answer, call, hashes, hello, store
 
 
@@ -277,6 +278,38 @@ def test_a_consumer_of_another_tp_size_loads_its_own_rank_split(
     assert_clean(storage.l1)
 
 
+@pytest.mark.parametrize(("producer", "consumer"), [((1, 8), (2, 16)), ((2, 16), (2, 8))])
+def test_a_consumer_of_another_block_size_loads_its_own_pages(
+    server: CacheServer,
+    storage: StorageManager,
+    producer: tuple[int, int],
+    consumer: tuple[int, int],
+) -> None:
+    """vLLM CPU pages of another block size (and TP size) are re-paged."""
+    (producer_tp, producer_block), (consumer_tp, consumer_block) = producer, consumer
+
+    def pages(kv: np.ndarray, tp: int, block: int) -> list[bytes]:
+        share = HEADS // tp
+        return [cpu_pages(kv[:, :, r * share : (r + 1) * share], block) for r in range(tp)]
+
+    hello_tp(server, b"P", producer_tp, fmt=f"vllm-cpu-vec-bs{producer_block}")
+    hello_tp(server, b"D", consumer_tp, fmt=f"vllm-cpu-vec-bs{consumer_block}", shm=False)
+    source, own = hashes(2), hashes(2, seed=1)
+    kv = chunk_kv(2)
+    frames = [o for chunk in kv for o in pages(chunk, producer_tp, producer_block)]
+    call(server, b"P", p.Store("w", source), frames)
+    call(server, b"P", p.HandoffOffer("h1", source, 30, kv_heads=HEADS))
+    assert take_tp(server, b"D", own, source) == p.HandoffState("granted")
+    call(server, b"D", p.Lookup("r", own))
+    assert call(server, b"D", p.Query("r")).hit_chunks == 2  # type: ignore[union-attr]
+    _, got = answer(server, b"D", p.Retrieve("r", 0, 2))
+    want = [o for chunk in kv for o in pages(chunk, consumer_tp, consumer_block)]
+    assert [bytes(g) for g in got] == want
+    call(server, b"D", p.EndSession("r"))
+    assert done(server, b"D") == "released"
+    assert_clean(storage.l1)
+
+
 def test_what_cannot_be_resharded_is_refused_naming_why(
     server: CacheServer, storage: StorageManager
 ) -> None:
@@ -298,7 +331,7 @@ def test_what_cannot_be_resharded_is_refused_naming_why(
     hello_tp(server, b"F", 2, fmt="vllm-cuda-NHD-bs16")  # pages not cut by heads
     reply = take_tp(server, b"F", own, source)
     assert reply.outcome == "layout_mismatch"  # type: ignore[union-attr]
-    assert "the layouts differ in format" in reply.message  # type: ignore[union-attr]
+    assert "page formats differ ('canonical' vs 'vllm-cuda-NHD-bs16')" in reply.message  # type: ignore[union-attr]
     assert server.status()["handoffs"]["taken"] == 0  # refusals took nothing
     assert take_tp(server, b"D", own, source) == p.HandoffState("granted")
     assert done(server, b"D") == "released"

@@ -9,6 +9,7 @@ chunks all ranks have), each worker's for its own rank.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 from kvtier.engine.identity import ModelIdentity
@@ -54,7 +55,7 @@ class ClientPool:
         self.num_ranks = probe.num_ranks
         self.kv_heads: int = vllm_config.model_config.get_total_num_kv_heads()
         self._clients: dict[str, CacheClient] = {}
-        self._hashers: dict[tuple[str, int, int], TokenHasher] = {}
+        self._hashers: dict[tuple[str, int, int, str], TokenHasher] = {}
 
     def client(self, salt: str) -> CacheClient | None:
         """The client of ``salt``, or None while the server is away (each
@@ -83,18 +84,24 @@ class ClientPool:
     def layout(self, chunk_size: int) -> KVLayout:
         return engine_kv_layout(self.vllm_config, chunk_size)
 
-    def hasher(self, salt: str, chunk_size: int, ranks: int = 0) -> TokenHasher:
+    def hasher(
+        self, salt: str, chunk_size: int, ranks: int = 0, page_format: str = ""
+    ) -> TokenHasher:
         """Chunk hashes of this engine's namespace, or of the same model under
-        TP ``ranks`` (a producer's, in a hand-off; ValueError if TP
-        ``ranks`` cannot split the model's KV heads)."""
-        key = (salt, chunk_size, ranks or self.num_ranks)
+        TP ``ranks`` and pages in ``page_format`` (a producer's, in a
+        hand-off; ValueError if TP ``ranks`` cannot split the model's KV
+        heads)."""
+        own = self.layout(chunk_size)
+        key = (salt, chunk_size, ranks or self.num_ranks, page_format or own.format)
         if key not in self._hashers:
             identity = ModelIdentity(
                 model=self.identity.model, revision=self.identity.revision, salt=salt
             )
-            layout = self.layout(chunk_size)
+            layout = own
             if ranks and ranks != self.num_ranks:
                 layout = tp_layout(layout, self.kv_heads, ranks)
+            if page_format and page_format != own.format:
+                layout = dataclasses.replace(layout, format=page_format)
             self._hashers[key] = TokenHasher(identity.namespace(layout), chunk_size)
         return self._hashers[key]
 

@@ -20,7 +20,9 @@ sets them:
   only the last token, and tells the server it is done. A producer of
   another TP size (``kvtier_ranks``) is no obstacle: the take also names the
   prompt's chunks under the producer's layout, and the server re-shards them
-  into this engine's ranks before it grants the take. Nor is a producer on
+  into this engine's ranks before it grants the take; likewise a producer of
+  another block size (``kvtier_page_format``), whose vLLM CPU pages the
+  server re-pages (``kvtier.layout.repage``). Nor is a producer on
   another node (``kvtier_server``, its cache server's boot id, is not this
   engine's): the take asks this engine's server to find the chunks in its
   tiers, where the producer's server writes them back (a shared L2).
@@ -55,6 +57,7 @@ PROMPT_TOKENS = "kvtier_prompt_tokens"
 CONSUMER = "kvtier_consumer"  # the decode engine's id that alone may take it ("" any)
 RANKS = "kvtier_ranks"  # the producer's TP size: a consumer of another has its objects re-sharded
 SERVER = "kvtier_server"  # the boot id of the producer's cache server: another's is found in L2
+PAGES = "kvtier_page_format"  # the producer's page format: another block size is re-paged
 ON_FAILURE = "kvtier_on_failure"  # "recompute" or "error", for this request
 OUTCOME = "kvtier_handoff_outcome"  # the consumer's response: "loaded", "recomputed", "error"
 CAUSE = "kvtier_handoff_cause"  # why it was not loaded
@@ -84,6 +87,7 @@ class Consume:
     consumer: str
     producer_ranks: int = 0  # the producer's TP size (0: this engine's)
     producer_server: str = ""  # the boot id of the producer's cache server ("": unknown)
+    producer_format: str = ""  # the producer's page format ("": not given, this engine's)
     find: bool = False  # offered on another cache server: found in this one's tiers
     source_hashes: list[bytes] = field(default_factory=list)  # the prompt under its layout
     kv_heads: int = 0  # the model's KV heads, for the server's re-sharding
@@ -129,11 +133,15 @@ def role_of(
         consumer,
     )
     tokens, ranks = params.get(PROMPT_TOKENS), params.get(RANKS, 0)
+    pages = params.get(PAGES, "")
     fits = isinstance(tokens, int) and 0 < tokens < prompt_tokens
+    named = isinstance(pages, str) and len(pages) <= 128
     if not fits or policy not in POLICIES or not consume.handoff_id or not _count(ranks):
+        named = False
+    if not named:
         log.warning(
-            "kvtier: %s: bad hand-off parameters %s=%r %s=%r %s=%r %s=%r (the prompt has %d "
-            "tokens: the producer's and its first token)",
+            "kvtier: %s: bad hand-off parameters %s=%r %s=%r %s=%r %s=%r %s=%r (the prompt has "
+            "%d tokens: the producer's and its first token)",
             request_id,
             HANDOFF_ID,
             params.get(HANDOFF_ID),
@@ -143,6 +151,8 @@ def role_of(
             policy,
             RANKS,
             ranks,
+            PAGES,
+            pages,
             prompt_tokens,
         )
         consume.outcome = BAD_PARAMS
@@ -150,6 +160,7 @@ def role_of(
     consume.prompt_tokens = int(tokens)  # type: ignore[arg-type]
     consume.producer_ranks = int(ranks)
     consume.producer_server = str(params.get(SERVER) or "")
+    consume.producer_format = str(pages)
     return consume
 
 
@@ -202,7 +213,9 @@ def poll_take(
         consume.outcome = SERVER_AWAY
 
 
-def handoff_params(produce: Produce, prompt_tokens: int, ranks: int, server: str) -> dict[str, Any]:
+def handoff_params(
+    produce: Produce, prompt_tokens: int, ranks: int, server: str, page_format: str
+) -> dict[str, Any]:
     """What the producer's response tells the proxy to pass the consumer."""
     return {
         CONSUME: True,
@@ -211,6 +224,7 @@ def handoff_params(produce: Produce, prompt_tokens: int, ranks: int, server: str
         CONSUMER: produce.consumer,
         RANKS: ranks,
         SERVER: server,
+        PAGES: page_format,
     }
 
 

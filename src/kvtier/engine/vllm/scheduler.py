@@ -433,7 +433,8 @@ class SchedulerSide:
             return None
         self.outcomes.add("handoff_offered")
         server = tracked.client.boot_id or ""
-        return handoff_params(role, tracked.prompt_tokens, self.clients.num_ranks, server)
+        pages = self.clients.layout(tracked.chunk_size).format
+        return handoff_params(role, tracked.prompt_tokens, self.clients.num_ranks, server, pages)
 
     def _consumed(self, tracked: Tracked, whole: bool) -> None:
         """A consumer's load came back (``whole``: every block): drop the
@@ -510,12 +511,15 @@ class SchedulerSide:
         return tracked
 
     def _source_hashes(self, role: Consume, prompt: list[int], salt: str, chunk_size: int) -> None:
-        """A producer of another TP size hashed the prompt under its own
-        layout: name those chunks too, for the server to re-shard."""
-        if role.producer_ranks in (0, self.clients.num_ranks):
+        """A producer of another TP size or block size hashed the prompt under
+        its own layout: name those chunks too, for the server to convert."""
+        own = self.clients.layout(chunk_size).format
+        ranks = role.producer_ranks or self.clients.num_ranks
+        pages = role.producer_format or own
+        if ranks == self.clients.num_ranks and pages == own:
             return
         try:
-            hasher = self.clients.hasher(salt, chunk_size, role.producer_ranks)
+            hasher = self.clients.hasher(salt, chunk_size, ranks, pages)
         except ValueError as error:  # no TP split of this model's heads
             role.outcome, role.cause = HandoffOutcome.LAYOUT_MISMATCH, str(error)
             return
