@@ -1,15 +1,19 @@
-"""Pipelined requests: a bytes-path store split over several messages, and a
-LOOKUP with its WAIT sent in one round trip."""
+"""Pipelined requests: a bytes-path store split over several messages, a
+LOOKUP with its WAIT sent in one round trip, and a call nobody waits for."""
 
 from __future__ import annotations
+
+import os
+import resource
 
 import numpy as np
 import pytest
 
 from kvtier.server import client as client_module
+from kvtier.server import protocol as p
 from kvtier.server.client import CacheClient
 from tests.integration import workload as w
-from tests.integration.harness import Server
+from tests.integration.harness import Server, wait_for
 
 
 def test_bytes_store_in_several_messages_round_trips(
@@ -37,3 +41,26 @@ def test_bytes_store_in_several_messages_round_trips(
     finally:
         writer.close()
         reader.close()
+
+
+def test_a_call_nobody_waits_for_is_answered_past_fd_setsize(server: Server) -> None:
+    """The client's I/O thread answers what callers posted without waiting,
+    in a process holding more than select()'s 1024 descriptors (an engine
+    with many connections): its wake-up pipe is then numbered past them."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if max(soft, hard) < 1200:
+        pytest.skip(f"RLIMIT_NOFILE {soft}/{hard} cannot hold 1,200 descriptors")
+    resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, 1200), hard))
+    held = [os.open(os.devnull, os.O_RDONLY) for _ in range(1100)]
+    try:
+        client = CacheClient(w.client_config(server.rpc))
+        try:
+            call = client.handoff(p.HandoffDone("nobody-offered-this", ""))
+            wait_for(lambda: call.ready, lambda ready: ready)  # never led by this thread
+            assert isinstance(call.reply, p.HandoffState), call.reply
+        finally:
+            client.close()
+    finally:
+        for fd in held:
+            os.close(fd)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))

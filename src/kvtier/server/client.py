@@ -539,9 +539,11 @@ class CacheClient:
         over) or a timer is due (heartbeat, reconnect); then hold the socket
         while anything is queued or in flight."""
         self._poller.register(self._wake_read, zmq.POLLIN)
+        idle = select.poll()  # not select(): a process may hold over FD_SETSIZE (1024) files
+        idle.register(self._wake_read, select.POLLIN)
         while not self._stop.is_set():
             idle_s = 0.0 if self._pending() else self._next_timer() - time.monotonic()
-            select.select([self._wake_read], [], [], min(1.0, max(0.0, idle_s)))
+            idle.poll(math.ceil(min(1.0, max(0.0, idle_s)) * 1000))
             with self._io:  # a caller doing its own I/O hands over when answered
                 try:
                     self._turn(0.0)
