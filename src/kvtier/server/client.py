@@ -649,8 +649,9 @@ class CacheClient:
         late = [call for call in self._in_flight.values() if call.deadline <= now]
         if late:
             log.warning(
-                "client: no answer from %s within %.1f s; degraded",
+                "client: no answer from %s to %s within %.1f s; degraded",
                 self.config.address,
+                ", ".join(sorted({type(call.message).__name__ for call in late})),
                 late[0].timeout_s,
             )
             self._degrade()
