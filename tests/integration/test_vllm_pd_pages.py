@@ -15,27 +15,19 @@ take (``tests/unit/server/test_handoffs.py``).
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from kvtier.bench.engines import Engine, EngineOptions, kvtier_transfer, vllm_servers
-from tests.integration.harness import Server, post_json, wait_for
+from tests.integration.harness import Server, wait_for
 
 pytest.importorskip("vllm")
 from tests.integration.test_vllm_connector import tokens
-from tests.integration.test_vllm_pd import MODEL, NEW_TOKENS, assert_same, body, pd_proxy
+from tests.integration.test_vllm_pd import MODEL, hand_off_each, on_demand
 
-pytestmark = [
-    pytest.mark.slow,
-    pytest.mark.engine,
-    pytest.mark.skipif(
-        not os.environ.get("KVTIER_LAYOUT_ENGINE_TESTS"),
-        reason="two more engines: KVTIER_LAYOUT_ENGINE_TESTS=1 runs them",
-    ),
-]
+pytestmark = on_demand("KVTIER_LAYOUT_ENGINE_TESTS", "two more engines")
 
 PROMPTS = [tokens(120 + i, n) for i, n in enumerate((700, 512, 200))]
 
@@ -62,17 +54,8 @@ def test_hand_offs_between_block_sizes_are_repaged_and_equal_colocated(
     big, small = engines
     prefill, decode = (big, small) if direction == "128 to 32" else (small, big)
     before = kv_server.status()["server"].get("handoffs.resharded", 0)
-    with pd_proxy(prefill, decode) as proxy:
-        for i, prompt in enumerate(PROMPTS):
-            status, colocated = post_json(
-                decode.url + "/v1/completions", body(prompt, cache_salt=f"ref-{direction}")
-            )
-            assert status == 200, colocated
-            status, pd = post_json(proxy + "/v1/completions", body(prompt))
-            assert status == 200, pd
-            assert_same(colocated, pd, f"{direction}, prompt {i} ({len(prompt)} tokens)")
-            assert pd["usage"]["completion_tokens"] == NEW_TOKENS
-            assert pd["usage"]["kvtier_handoff"]["kvtier_handoff_outcome"] == "loaded", pd["usage"]
+    outcomes = hand_off_each(prefill, decode, PROMPTS, f"ref-{direction}")
+    assert all(o["kvtier_handoff_outcome"] == "loaded" for o in outcomes), outcomes
     seen = wait_for(
         kv_server.status,
         lambda s: (

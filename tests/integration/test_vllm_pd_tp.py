@@ -19,33 +19,19 @@ take runs against a real server in ``test_vllm_handoff.py``.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from kvtier.bench.engines import Engine, EngineOptions, kvtier_transfer, vllm_servers
-from tests.integration.harness import Server, post_json, wait_for
+from tests.integration.harness import Server, wait_for
 
 pytest.importorskip("vllm")
 from tests.integration.test_vllm_connector import tokens
-from tests.integration.test_vllm_pd import (
-    MODEL,
-    NEW_TOKENS,
-    assert_same,
-    body,
-    pd_proxy,
-)
+from tests.integration.test_vllm_pd import MODEL, hand_off_each, on_demand
 
-pytestmark = [
-    pytest.mark.slow,
-    pytest.mark.engine,
-    pytest.mark.skipif(
-        not os.environ.get("KVTIER_TP_ENGINE_TESTS"),
-        reason="a TP 2 engine on two cores stalls under load: KVTIER_TP_ENGINE_TESTS=1 runs it",
-    ),
-]
+pytestmark = on_demand("KVTIER_TP_ENGINE_TESTS", "a TP 2 engine on two cores stalls under load")
 
 PROMPTS = [tokens(100 + i, n) for i, n in enumerate((700, 512, 200))]
 
@@ -84,19 +70,7 @@ def test_hand_offs_between_tp_sizes_are_resharded_and_equal_colocated(
     tp1, tp2 = engines
     prefill, decode = (tp1, tp2) if direction == "tp1 to tp2" else (tp2, tp1)
     before = kv_server.status()["server"].get("handoffs.resharded", 0)
-    outcomes = []
-    with pd_proxy(prefill, decode) as proxy:
-        for i, prompt in enumerate(PROMPTS):
-            # The decoding engine's own output (its own salt: nothing reused).
-            status, colocated = post_json(
-                decode.url + "/v1/completions", body(prompt, cache_salt=f"ref-{direction}")
-            )
-            assert status == 200, colocated
-            status, pd = post_json(proxy + "/v1/completions", body(prompt))
-            assert status == 200, pd
-            assert_same(colocated, pd, f"{direction}, prompt {i} ({len(prompt)} tokens)")
-            assert pd["usage"]["completion_tokens"] == NEW_TOKENS
-            outcomes.append(pd["usage"]["kvtier_handoff"])
+    outcomes = hand_off_each(prefill, decode, PROMPTS, f"ref-{direction}")
     loaded = sum(o["kvtier_handoff_outcome"] == "loaded" for o in outcomes)
     assert loaded >= len(PROMPTS) - 1, outcomes  # every output above is right either way
     assert all(

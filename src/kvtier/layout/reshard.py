@@ -20,9 +20,10 @@ instruction set, block size, head size and dtype (all in the format and the
 layout) and not on how many heads a rank holds. Any other engine format is
 refused, as is any difference besides the rank split (layers, head size,
 dtype, chunk size, codec) and, between vLLM CPU pages kvtier can re-page
-(``kvtier.layout.repage``), the block size: the heads are cut at the source's
-block size, then each object is re-paged at the receiver's. Replicas that disagree are refused too:
-the source is inconsistent, and loading either copy could be wrong KV.
+(``kvtier.layout.repage``), the block size: the heads are cut at the
+source's block size, then each object is re-paged at the receiver's.
+Replicas that disagree are refused too: the source is inconsistent, and
+loading either copy could be wrong KV.
 """
 
 from __future__ import annotations

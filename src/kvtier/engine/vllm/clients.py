@@ -56,6 +56,7 @@ class ClientPool:
         self.kv_heads: int = vllm_config.model_config.get_total_num_kv_heads()
         self._clients: dict[str, CacheClient] = {}
         self._hashers: dict[tuple[str, int, int, str], TokenHasher] = {}
+        self._layouts: dict[int, KVLayout] = {}
 
     def client(self, salt: str) -> CacheClient | None:
         """The client of ``salt``, or None while the server is away (each
@@ -82,7 +83,9 @@ class ClientPool:
         return None if client.degraded else client
 
     def layout(self, chunk_size: int) -> KVLayout:
-        return engine_kv_layout(self.vllm_config, chunk_size)
+        if chunk_size not in self._layouts:
+            self._layouts[chunk_size] = engine_kv_layout(self.vllm_config, chunk_size)
+        return self._layouts[chunk_size]
 
     def hasher(
         self, salt: str, chunk_size: int, ranks: int = 0, page_format: str = ""

@@ -135,10 +135,8 @@ def role_of(
     tokens, ranks = params.get(PROMPT_TOKENS), params.get(RANKS, 0)
     pages = params.get(PAGES, "")
     fits = isinstance(tokens, int) and 0 < tokens < prompt_tokens
-    named = isinstance(pages, str) and len(pages) <= 128
-    if not fits or policy not in POLICIES or not consume.handoff_id or not _count(ranks):
-        named = False
-    if not named:
+    layout = _count(ranks) and isinstance(pages, str) and len(pages) <= 128
+    if not fits or not layout or policy not in POLICIES or not consume.handoff_id:
         log.warning(
             "kvtier: %s: bad hand-off parameters %s=%r %s=%r %s=%r %s=%r %s=%r (the prompt has "
             "%d tokens: the producer's and its first token)",
