@@ -28,6 +28,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
+import pytest
 from hypothesis import HealthCheck, event, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
@@ -547,3 +548,5 @@ L1ManagerMachine.TestCase.settings = settings(
     suppress_health_check=[HealthCheck.too_slow],
 )
 TestL1ManagerStateful = L1ManagerMachine.TestCase
+# 200 programs of 60 steps take about 20 s: the full run's, not the quick one's.
+pytestmark = pytest.mark.slow
