@@ -151,7 +151,11 @@ def measure(
                     samples[f"{name}_{'first' if name == order[0] else 'later'}"].append(value)
                     windows[name].append((sent, sent + value))
         # Samples the machine stalled in, and the others apart (see stalls.py).
-        stalled = {name: [bool(watch.during(*w)) for w in windows[name]] for name in names}
+        stalls = watch.stalls()  # so far: every sample of this size is in
+        stalled = {
+            name: [any(s.overlaps(*window) for s in stalls) for window in windows[name]]
+            for name in names
+        }
         for name in names:
             samples[f"{name}_unstalled"] = [
                 value for value, hit in zip(samples[name], stalled[name], strict=True) if not hit

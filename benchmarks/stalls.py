@@ -33,14 +33,14 @@ class Stall:
     start: float  # wall clock (time.time), when the sleeper went to sleep
     seconds: float  # how long it slept instead of NAP_S
 
-    @property
-    def end(self) -> float:
-        return self.start + self.seconds
+    def overlaps(self, start: float, end: float) -> bool:
+        """Whether it overlaps [start, end] (wall-clock seconds)."""
+        return self.start < end and self.start + self.seconds > start
 
 
 class StallWatch:
     """``with StallWatch() as watch:`` around a benchmark, then ``watch.stalls()``
-    and ``watch.during(start, end)`` (wall-clock seconds)."""
+    (each ``Stall.overlaps(start, end)`` a timed sample or not)."""
 
     def __init__(self, threshold_s: float = 0.05, cores: set[int] | None = None) -> None:
         self.threshold_s = threshold_s
@@ -72,10 +72,6 @@ class StallWatch:
                     start, seconds = line.split()
                     found.append(Stall(core, float(start), float(seconds)))
         return sorted(found, key=lambda stall: stall.start)
-
-    def during(self, start: float, end: float) -> list[Stall]:
-        """The stalls that overlap [start, end]."""
-        return [s for s in self.stalls() if s.start < end and s.end > start]
 
     def _path(self, core: int) -> Path:
         return self._dir / f"core-{core}.txt"

@@ -54,7 +54,8 @@ def test_the_kernel_packs_pages_as_kvtier_repages_them(dtype: str) -> None:
     written = {}
     for block in (16, 32, 64):
         isa, written[block] = kernel_object(kv, block, DTYPES[dtype])
-        assert isa in ("vec", "vec16"), f"this machine packs {isa!r} pages: not covered here"
+        if isa not in ("vec", "vec16"):  # e.g. amx for bf16: kvtier refuses to re-page those
+            pytest.skip(f"this machine packs {dtype} pages of {block} tokens as {isa!r}")
         assert written[block] == reference[block]  # the rule, as the kernel writes
     for source, target in ((16, 32), (32, 16), (64, 16)):
         got = repage(

@@ -32,6 +32,12 @@ def cpu_pages(kv: np.ndarray, block: int) -> bytes:
     return bytes(out)
 
 
+def rank_pages(kv: np.ndarray, tp: int, block: int) -> list[bytes]:
+    """What each rank of TP ``tp`` stores of ``kv`` as vLLM's CPU pages."""
+    share = kv.shape[2] // tp
+    return [cpu_pages(kv[:, :, r * share : (r + 1) * share], block) for r in range(tp)]
+
+
 def pages_layout(block: int, dtype: str = "float32", dim: int = DIM) -> KVLayout:
     isa = "vec16" if block == 16 else "vec"
     return KVLayout(LAYERS, HEADS, dim, dtype, TOKENS, format=f"vllm-cpu-{isa}-bs{block}")
@@ -77,12 +83,8 @@ def test_resharding_and_repaging_together(source_tp: int, target_tp: int) -> Non
     target = tp_layout(pages_layout(32), HEADS, target_tp)
     check_convertible(source, target, HEADS)
 
-    def objects(tp: int, block: int) -> list[bytes]:
-        share = HEADS // tp
-        return [cpu_pages(kv[:, :, r * share : (r + 1) * share], block) for r in range(tp)]
-
-    got = reshard([as_array(o) for o in objects(source_tp, 16)], source, target, HEADS)
-    assert [g.tobytes() for g in got] == objects(target_tp, 32)
+    got = reshard([as_array(o) for o in rank_pages(kv, source_tp, 16)], source, target, HEADS)
+    assert [g.tobytes() for g in got] == rank_pages(kv, target_tp, 32)
 
 
 def test_pages_kvtier_does_not_know_are_refused_naming_why() -> None:

@@ -21,7 +21,7 @@ from tests.conftest import FakeClock
 from tests.integration.harness import wait_for
 from tests.ledger import assert_clean
 from tests.servers import RedisProcess
-from tests.unit.layout.test_repage import cpu_pages
+from tests.unit.layout.test_repage import rank_pages
 from tests.unit.server.test_core import OBJECT, answer, call, hashes, hello, store
 
 
@@ -287,23 +287,18 @@ def test_a_consumer_of_another_block_size_loads_its_own_pages(
 ) -> None:
     """vLLM CPU pages of another block size (and TP size) are re-paged."""
     (producer_tp, producer_block), (consumer_tp, consumer_block) = producer, consumer
-
-    def pages(kv: np.ndarray, tp: int, block: int) -> list[bytes]:
-        share = HEADS // tp
-        return [cpu_pages(kv[:, :, r * share : (r + 1) * share], block) for r in range(tp)]
-
     hello_tp(server, b"P", producer_tp, fmt=f"vllm-cpu-vec-bs{producer_block}")
     hello_tp(server, b"D", consumer_tp, fmt=f"vllm-cpu-vec-bs{consumer_block}", shm=False)
     source, own = hashes(2), hashes(2, seed=1)
     kv = chunk_kv(2)
-    frames = [o for chunk in kv for o in pages(chunk, producer_tp, producer_block)]
+    frames = [o for chunk in kv for o in rank_pages(chunk, producer_tp, producer_block)]
     call(server, b"P", p.Store("w", source), frames)
     call(server, b"P", p.HandoffOffer("h1", source, 30, kv_heads=HEADS))
     assert take_tp(server, b"D", own, source) == p.HandoffState("granted")
     call(server, b"D", p.Lookup("r", own))
     assert call(server, b"D", p.Query("r")).hit_chunks == 2  # type: ignore[union-attr]
     _, got = answer(server, b"D", p.Retrieve("r", 0, 2))
-    want = [o for chunk in kv for o in pages(chunk, consumer_tp, consumer_block)]
+    want = [o for chunk in kv for o in rank_pages(chunk, consumer_tp, consumer_block)]
     assert [bytes(g) for g in got] == want
     call(server, b"D", p.EndSession("r"))
     assert done(server, b"D") == "released"
