@@ -98,10 +98,13 @@ class Engine:
         prompts: Sequence[list[int]],
         max_tokens: int = NEW_TOKENS,
         salts: Sequence[str] | None = None,
+        params: Sequence[dict[str, Any] | None] | None = None,
     ) -> list[Any]:
         command: dict[str, Any] = {"prompts": list(prompts), "max_tokens": max_tokens}
         if salts is not None:
             command["salts"] = list(salts)
+        if params is not None:
+            command["params"] = list(params)  # each prompt's kv_transfer_params
         outputs: list[Any] = self.call(command)["outputs"]
         return outputs
 

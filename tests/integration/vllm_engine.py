@@ -1,12 +1,14 @@
 """One vLLM-CPU engine in its own process, driven over stdin/stdout.
 
     python -m tests.integration.vllm_engine --model DIR [--kvtier RPC] [--no-prefix-caching]
-        [--kv-bytes N] [--max-model-len N] [--request-timeout S] [--kvtier-option KEY=VALUE]...
+        [--blend] [--kv-bytes N] [--max-model-len N] [--request-timeout S]
+        [--kvtier-option KEY=VALUE]...
 
 Prints ``{"ready": true}`` once the engine is up, then answers one JSON line
 per command line on stdin:
 
-- ``{"prompts": [[ids...], ...], "max_tokens": N[, "salts": [cache_salt, ...]]}`` ->
+- ``{"prompts": [[ids...], ...], "max_tokens": N[, "salts": [cache_salt, ...]]
+  [, "params": [kv_transfer_params or null, ...]]}`` ->
   ``{"outputs": [{"tokens": [...], "logprobs": [...], "cached": n}, ...]}``
   (greedy, ``ignore_eos``; ``logprobs`` of each chosen token; ``cached`` is
   vLLM's ``num_cached_tokens``: its own prefix-cache hit plus the connector's);
@@ -38,6 +40,9 @@ def main() -> None:
     parser.add_argument("--model", required=True)
     parser.add_argument("--kvtier", help="the kvtier server's RPC address (else: no connector)")
     parser.add_argument("--no-prefix-caching", action="store_true")
+    parser.add_argument(
+        "--blend", action="store_true", help="kvtier.blend (and what it needs: no prefix caching)"
+    )
     parser.add_argument("--kv-bytes", type=int, help="KV cache bytes (else 1 GiB)")
     parser.add_argument("--max-model-len", type=int, default=4096)
     parser.add_argument("--request-timeout", type=float, default=0.5)
@@ -54,6 +59,10 @@ def main() -> None:
     if not args.kv_bytes:  # VLLM_CPU_KVCACHE_SPACE would win over kv_cache_memory_bytes
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    if args.blend:
+        os.environ["VLLM_KVTIER_BLEND"] = "1"  # kvtier's plugin captures the model
+        args.no_prefix_caching = True
+        args.kvtier_option.append("kvtier.blend=true")
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
@@ -93,13 +102,18 @@ def main() -> None:
             metrics = {k: v for k, v in values.items() if isinstance(v, int | float)}
             print(json.dumps({"metrics": metrics}), file=answers)
             continue
-        params = SamplingParams(
-            max_tokens=command["max_tokens"],
-            temperature=0.0,
-            logprobs=1,
-            ignore_eos=True,
-            detokenize=False,
-        )
+        transfer = command.get("params") or [None] * len(command["prompts"])
+        params = [
+            SamplingParams(
+                max_tokens=command["max_tokens"],
+                temperature=0.0,
+                logprobs=1,
+                ignore_eos=True,
+                detokenize=False,
+                extra_args={"kv_transfer_params": ask} if ask else None,
+            )
+            for ask in transfer
+        ]
         salts = command.get("salts") or [None] * len(command["prompts"])
         prompts = [
             TokensPrompt(prompt_token_ids=p, cache_salt=salt)

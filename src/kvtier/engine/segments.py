@@ -21,6 +21,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import numpy.typing as npt
@@ -172,7 +173,7 @@ class Blended:
 
 
 def blend_prefill(
-    model: torch.nn.Module,
+    model: Any,
     ids: Sequence[int],
     spans: Sequence[Span],
     config: BlendConfig,
@@ -180,7 +181,9 @@ def blend_prefill(
     shift: RopeShift,
     compute: Compute,
 ) -> Blended:
-    """Blend one prompt whose reusable segments are ``spans`` (checked)."""
+    """Blend one prompt whose reusable segments are ``spans`` (checked);
+    ``model`` is a transformers causal LM, or what ``blend_forward`` takes
+    for one (``kvtier.engine.vllm.blend_model``)."""
     layout = store.layout
     total = len(ids)
     timings = SegmentTimings()

@@ -67,6 +67,12 @@ class KVTierConnector(KVConnectorBase_V1):  # type: ignore[misc]
                 '"recompute": vLLM recomputes failed hand-offs instead. Set '
                 '"kv_load_failure_policy": "fail" for errors.'
             )
+        if settings.blend and vllm_config.cache_config.enable_prefix_caching:
+            raise ValueError(
+                "kvtier.blend is set but vLLM's prefix cache is on: its block hashes would "
+                "serve blended KV as the plain prompt's. Start vLLM with "
+                "--no-enable-prefix-caching (enable_prefix_caching=False), or unset kvtier.blend"
+            )
         self._scheduler: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
         if role == KVConnectorRole.SCHEDULER:

@@ -6,6 +6,8 @@ from dataclasses import dataclass, field
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
 
+from kvtier.blend import BlendConfig
+
 
 @dataclass(slots=True)
 class LoadSpec:
@@ -48,8 +50,23 @@ class ShadowSpec:
 
 
 @dataclass(slots=True)
+class BlendSpec:
+    """Blend a request's prompt ``tokens`` (up to where its question starts)
+    from its ``spans`` into ``block_ids`` before the forward
+    (``kvtier.engine.vllm.blending``)."""
+
+    request_id: str
+    salt: str
+    tokens: list[int]
+    spans: list[tuple[int, int]]
+    config: BlendConfig
+    block_ids: list[int]
+
+
+@dataclass(slots=True)
 class KVTierMetadata(KVConnectorMetadata):  # type: ignore[misc]
     loads: list[LoadSpec] = field(default_factory=list)
     stores: list[StoreSpec] = field(default_factory=list)
     shadows: list[ShadowSpec] = field(default_factory=list)
+    blends: list[BlendSpec] = field(default_factory=list)
     computed_tokens: int = 0  # tokens this step's forward computes, every request together

@@ -173,3 +173,27 @@ class PagedKV:
         if self._pinned is None or self._pinned.numel() < nbytes:
             self._pinned = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
         return self._pinned[:nbytes]
+
+
+def write_tokens(
+    pages: torch.Tensor,
+    block_ids: Sequence[int],
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    block: int,
+) -> None:
+    """Write the K and V of tokens ``0 .. n-1`` (``[kv_heads][n][head_dim]``)
+    into one layer of vLLM-CPU ``vec``/``vec16`` pages (``[blocks][kv_heads]
+    [block x 2 x head_dim]``, the packing ``kvtier.layout.repage`` describes):
+    token ``t`` into block ``block_ids[t // block]`` at slot ``t % block``;
+    slots past ``n`` in the last block are left as they are."""
+    heads, tokens, dim = keys.shape
+    blocks = pages.shape[0]
+    paired = pages.view(blocks, heads, 2, dim * block)
+    k_t = paired[:, :, 0].view(blocks, heads, dim, block)  # K transposed, per page
+    v = paired[:, :, 1].view(blocks, heads, block, dim)
+    positions = torch.arange(tokens)
+    where = torch.tensor(list(block_ids), dtype=torch.long)[positions // block]
+    slot = positions % block
+    k_t[where, :, :, slot] = keys.transpose(0, 1).to(pages.dtype)
+    v[where, :, slot, :] = values.transpose(0, 1).to(pages.dtype)

@@ -51,6 +51,7 @@ connector's scheduler calls take per step and logs a summary every
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import time
@@ -60,6 +61,7 @@ from typing import Any
 
 from kvtier.counters import Counters
 from kvtier.engine.shadow import ShadowCheck
+from kvtier.engine.vllm.blending import blend_request
 from kvtier.engine.vllm.clients import ClientPool
 from kvtier.engine.vllm.handoff import (
     NOT_OFFERED,
@@ -70,7 +72,13 @@ from kvtier.engine.vllm.handoff import (
     poll_take,
     role_of,
 )
-from kvtier.engine.vllm.metadata import KVTierMetadata, LoadSpec, ShadowSpec, StoreSpec
+from kvtier.engine.vllm.metadata import (
+    BlendSpec,
+    KVTierMetadata,
+    LoadSpec,
+    ShadowSpec,
+    StoreSpec,
+)
 from kvtier.engine.vllm.settings import ConnectorSettings
 from kvtier.engine.vllm.timing import StepTimer
 from kvtier.read_or_recompute import ewma
@@ -104,6 +112,7 @@ class Tracked:
     role: Produce | Consume | None = None  # its part in a prefill/decode hand-off
     load_blocks: set[int] = field(default_factory=set)  # the blocks its loads fill
     loaded: bool = False  # a consumer's hand-off load came back whole
+    blend: BlendSpec | None = None  # a blend it asked for (block ids once allocated)
 
 
 class SchedulerSide:
@@ -123,6 +132,7 @@ class SchedulerSide:
         self.block_size = self.clients.block_size
         self.requests: dict[str, Tracked] = {}
         self._loads: list[LoadSpec] = []
+        self._blends: list[BlendSpec] = []
         self._pin_prefixes = settings.pin_prefixes()
         self._pinned: dict[tuple[str, int], float] = {}  # (salt, prefix) -> last pin sent
         self._loading: deque[list[tuple[str, int, int]]] = deque()  # per step: (id, start, end)
@@ -146,6 +156,8 @@ class SchedulerSide:
         if tracked is None or tracked.preemptions != request.num_preemptions:
             tracked = self._track(request)
         tracked.local = num_computed_tokens
+        if tracked.blend is not None:
+            return max(0, len(tracked.blend.tokens) - num_computed_tokens), False
         client = tracked.client
         role = tracked.role
         if isinstance(role, Consume):
@@ -248,6 +260,12 @@ class SchedulerSide:
         if tracked is None:
             return
         role = tracked.role
+        if tracked.blend is not None:
+            if num_external_tokens > 0:
+                tokens = len(tracked.blend.tokens)
+                ids = blocks.get_block_ids()[0][: -(-tokens // self.block_size)]
+                self._blends.append(dataclasses.replace(tracked.blend, block_ids=list(ids)))
+            return
         if isinstance(role, Consume) and role.settled and not role.granted:
             if num_external_tokens > 0:  # the error policy: a load whose every block fails
                 self._loads.append(self._failed_load(request, tracked, blocks, num_external_tokens))
@@ -322,7 +340,7 @@ class SchedulerSide:
     def _build(self, scheduler_output: Any) -> KVTierMetadata:
         scheduled = scheduler_output.num_scheduled_tokens
         meta = KVTierMetadata(loads=self._loads, computed_tokens=sum(scheduled.values()))
-        self._loads = []
+        meta.blends, self._loads, self._blends = self._blends, [], []
         step: list[tuple[str, int, int]] = []
         for spec in meta.loads:
             held = (spec.request_id, spec.first_chunk, spec.first_chunk + len(spec.hashes))
@@ -477,8 +495,9 @@ class SchedulerSide:
             self._resume(old, role)
         if isinstance(role, Consume) and role.prompt_tokens:
             prompt = prompt[: role.prompt_tokens]  # the producer's prompt; its first token follows
+        blend = self._blend_of(request, salt, prompt, role) if self.settings.blend else None
         hashes: list[bytes] = []
-        if chunk_size is not None:
+        if chunk_size is not None and blend is None:  # a blend stores and loads no chunks
             hasher = self.clients.hasher(salt, chunk_size)
             hashes = hasher.chunk_hashes(prompt)
             tail = hasher.tail_hash(prompt, hashes) if role is not None else None
@@ -504,11 +523,35 @@ class SchedulerSide:
             len(prompt),
             request.num_preemptions,
             role=role,
+            blend=blend,
         )
         if self._pin_prefixes:
             tracked.pin = self._listed_prefix(prompt, chunk_size or 0)
         self.requests[request.request_id] = tracked
         return tracked
+
+    def _blend_of(
+        self, request: Any, salt: str, prompt: list[int], role: Produce | Consume | None
+    ) -> BlendSpec | None:
+        """The blend a request asks for (``kvtier.engine.vllm.blending``); a bad
+        ask, or one beside a hand-off, is served without blending (logged,
+        counted)."""
+        try:
+            asked = blend_request(getattr(request, "kv_transfer_params", None), len(prompt))
+        except ValueError as e:
+            self.outcomes.add("blend_bad_params")
+            log.warning("kvtier: %s: not blended: %s", request.request_id, e)
+            return None
+        if asked is None:
+            return None
+        if role is not None:
+            self.outcomes.add("blend_with_handoff")
+            log.warning("kvtier: %s: not blended: a hand-off is exact KV", request.request_id)
+            return None
+        spans, config = asked
+        self.outcomes.add("blend")
+        tokens = prompt[: spans[-1][1]]
+        return BlendSpec(request.request_id, salt, tokens, spans, config, [])
 
     def _source_hashes(self, role: Consume, prompt: list[int], salt: str, chunk_size: int) -> None:
         """A producer of another TP size or block size hashed the prompt under

@@ -42,6 +42,9 @@
   hand-off for its decode engine.
 - ``handoff_wait_s`` (10): how long a decode engine waits for a hand-off to
   be offered before its producer counts as dead.
+- ``blend`` (false): serve requests that ask for a blend of their segments
+  (``kvtier_blend`` in ``kv_transfer_params``, ``kvtier.engine.vllm.blending``);
+  needs vLLM's prefix cache off and ``VLLM_KVTIER_BLEND=1``.
 - ``log_level`` (``info``): of kvtier's messages in vLLM's log (``debug``
   adds a line per lookup with its hit and why it ends there).
 """
@@ -85,6 +88,7 @@ class ConnectorSettings:
     handoff_failure: str = "recompute"
     handoff_lease_s: float = 30.0
     handoff_wait_s: float = 10.0
+    blend: bool = False
     log_level: str = "info"
 
     def __post_init__(self) -> None:

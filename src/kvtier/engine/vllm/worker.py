@@ -42,10 +42,18 @@ import numpy.typing as npt
 import torch
 
 from kvtier.engine.shadow import ShadowCheck
+from kvtier.engine.vllm.blending import Blender
 from kvtier.engine.vllm.clients import ClientPool
-from kvtier.engine.vllm.metadata import KVTierMetadata, LoadSpec, ShadowSpec, StoreSpec
+from kvtier.engine.vllm.metadata import (
+    BlendSpec,
+    KVTierMetadata,
+    LoadSpec,
+    ShadowSpec,
+    StoreSpec,
+)
 from kvtier.engine.vllm.pages import PagedKV
 from kvtier.engine.vllm.settings import ConnectorSettings
+from kvtier.layout.repage import page_block
 from kvtier.server.ledger import prefill_rate
 
 log = logging.getLogger(__name__)
@@ -63,6 +71,7 @@ class WorkerSide:
         self._paged: dict[int, PagedKV] = {}  # per chunk size
         self.stats = {"loaded_chunks": 0, "stored_chunks": 0, "failed_chunks": 0}
         self.shadow = ShadowCheck(settings.shadow_fraction, settings.shadow_tolerance)
+        self.blender = Blender(vllm_config, settings, self.clients.identity)
         self._step_began = time.perf_counter()  # when this step's metadata was bound
         self._load_s = 0.0  # what this step's start_load_kv took
         # Shared with the load thread (under _lock):
@@ -81,6 +90,8 @@ class WorkerSide:
 
     def start_load_kv(self, meta: KVTierMetadata) -> None:
         started = time.perf_counter()
+        for blend in meta.blends:
+            self._blend(blend)
         for spec in meta.loads:
             if spec.asynchronous:
                 self._load_thread().submit(self._receive, spec)
@@ -122,6 +133,9 @@ class WorkerSide:
             )
         if self._receiver is not None:
             self._receiver.shutdown(wait=True, cancel_futures=True)
+        if self.blender.stats["blends"] or self.blender.stats["failed_blends"]:
+            log.info("kvtier worker %d: blends: %s", self.rank, self.blender.stats)
+        self.blender.close()
         self.clients.close()
 
     # ------------------------------------------------------------ internals
@@ -144,6 +158,20 @@ class WorkerSide:
         finally:
             with self._lock:
                 self._received.add(spec.request_id)
+
+    def _blend(self, spec: BlendSpec) -> None:
+        """A blend before the forward; one that fails is a load error (vLLM
+        recomputes its blocks), never a half-written prompt served as KV."""
+        try:
+            page_block(self.clients.layout(self.block_size))  # pages kvtier can write
+            layers = self._paged_kv(self.block_size).layers
+            self.blender.blend(spec, layers, self.block_size)
+        except Exception:
+            log.exception(
+                "kvtier: %s: the blend failed; vLLM recomputes the prompt", spec.request_id
+            )
+            self.blender.stats["failed_blends"] += 1
+            self._failed([dict(enumerate(spec.block_ids))])
 
     def _timed_load(self, spec: LoadSpec) -> None:
         started = time.perf_counter()
