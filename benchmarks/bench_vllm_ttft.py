@@ -48,12 +48,21 @@ MAX_MODEL_LEN = 9216
 KV_BYTES = 2 << 30  # vLLM's KV space: the prefixes stay in it (prefix caching is off anyway)
 
 
-def ttft(address: str, model: Path, prompt: list[int]) -> tuple[float, str]:
-    """Seconds to the first streamed token, and the text of two greedy tokens."""
+def ttft(
+    address: str,
+    model: Path,
+    prompt: list[int],
+    max_tokens: int = 2,
+    kv_transfer_params: dict[str, Any] | None = None,
+) -> tuple[float, str]:
+    """Seconds to the first streamed token, and the text of ``max_tokens``
+    greedy tokens; ``kv_transfer_params`` go to the connector."""
     host, port = address.split(":")
     connection = http.client.HTTPConnection(host, int(port), timeout=300)
-    body = {"model": str(model), "prompt": prompt, "max_tokens": 2, "temperature": 0}
-    body |= {"stream": True, "ignore_eos": True}
+    body: dict[str, Any] = {"model": str(model), "prompt": prompt, "temperature": 0}
+    body |= {"max_tokens": max_tokens, "stream": True, "ignore_eos": True}
+    if kv_transfer_params is not None:
+        body["kv_transfer_params"] = kv_transfer_params
     started = time.perf_counter()
     connection.request(
         "POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json"}

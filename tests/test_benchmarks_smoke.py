@@ -63,6 +63,7 @@ TINY = {
         "0.2",
     ],
     "bench_vllm_tiers.py": ["--prefix", "256", "--rounds", "1"],
+    "bench_vllm_blend.py": ["--prompts", "1", "--ratios", "0.15", "--static", "--tokens", "2"],
     "bench_handoff.py": ["--tokens", "300", "--rounds", "1", "--model-dir", "{tmp}"],
     "bench_pd_itl.py": [
         "--seconds",
@@ -107,6 +108,7 @@ def test_every_benchmark_has_a_smoke_run() -> None:
 ENGINE_SCRIPTS = {
     "bench_vllm_ttft.py",
     "bench_vllm_tiers.py",
+    "bench_vllm_blend.py",
     "bench_scheduler_wait.py",
     "bench_handoff.py",
     "bench_pd_itl.py",

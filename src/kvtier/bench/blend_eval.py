@@ -44,6 +44,7 @@ from kvtier.bench.retrieval import (
     RetrievalSpec,
     document_pool,
     retrieval_prompts,
+    tokenize,
 )
 from kvtier.blend import BlendConfig
 from kvtier.engine.hf import KVTierModel, Prefill, cache_argument
@@ -102,15 +103,7 @@ class _Runner:
         self.engine.close()
 
     def tokens(self, prompt: Prompt) -> tuple[list[int], list[tuple[int, int]]]:
-        """The prompt's ids and the spans of its segments (all parts but the question)."""
-        ids: list[int] = []
-        spans = []
-        for i, part in enumerate(prompt.parts):
-            encoded = self.tokenizer(part, add_special_tokens=False).input_ids
-            if i < len(prompt.parts) - 1:
-                spans.append((len(ids), len(ids) + len(encoded)))
-            ids += encoded
-        return ids, spans
+        return tokenize(prompt, self.tokenizer)
 
     def warm(self, pool: list[Document]) -> None:
         """Every document once: as a segment, and right after the system prompt
@@ -234,6 +227,18 @@ def latency(rows: list[dict[str, Any]], names: Sequence[str]) -> dict[str, Any]:
     return out
 
 
+def latency_spec(spec: RetrievalSpec, prompts: int) -> RetrievalSpec:
+    """The latency set's task: ``prompts`` prompts of 4 documents of 300-450
+    words (1.5-3 K tokens), from ``spec``'s pool size and seed."""
+    return RetrievalSpec(
+        prompts=max(prompts, 1),  # none are made with --latency-prompts 0
+        pool=spec.pool,
+        documents=(4, 4),
+        words=(300, 450),
+        seed=spec.seed + 7,
+    )
+
+
 def run_blend_eval(
     request: BlendEvalRequest, progress: Callable[[str], None] = lambda _: None
 ) -> dict[str, Any]:
@@ -245,13 +250,7 @@ def run_blend_eval(
     names = configurations(request.ratios, request.static)
     pool = document_pool(request.spec)
     prompts = retrieval_prompts(request.spec, pool)
-    latency_spec = RetrievalSpec(
-        prompts=max(request.latency_prompts, 1),  # none are made with --latency-prompts 0
-        pool=request.spec.pool,
-        documents=(4, 4),
-        words=(300, 450),
-        seed=request.spec.seed + 7,
-    )
+    timed_spec = latency_spec(request.spec, request.latency_prompts)
     args = ["--port", "0", "--http-port", "-1", "--l1-size", request.l1_size]
     args += ["--cache-dir", "none"]
     started = time.perf_counter()
@@ -280,9 +279,9 @@ def run_blend_eval(
                 per_prompt.flush()
                 progress(f"prompt {i + 1}/{len(prompts)}")
             if request.latency_prompts:
-                latency_pool = document_pool(latency_spec)
+                latency_pool = document_pool(timed_spec)
                 runner.warm(latency_pool)
-                for prompt in retrieval_prompts(latency_spec, latency_pool):
+                for prompt in retrieval_prompts(timed_spec, latency_pool):
                     timed.append(_latency_row(runner, prompt, names))
                 progress("latency set done")
         finally:
@@ -345,4 +344,4 @@ def _latency_row(runner: _Runner, prompt: Prompt, names: dict[str, BlendConfig])
     return row
 
 
-__all__ = ["BlendEvalRequest", "configurations", "run_blend_eval", "summarize"]
+__all__ = ["BlendEvalRequest", "configurations", "latency_spec", "run_blend_eval", "summarize"]

