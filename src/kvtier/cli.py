@@ -212,7 +212,7 @@ def build_parser() -> argparse.ArgumentParser:
     blend.add_argument(
         "--ratios",
         type=_ratios,
-        help="recompute ratios of the deviation blends, with commas (0,0.05,0.15,0.3,0.5,0.7,1)",
+        help="recompute ratios of the default blends, with commas (0,0.05,0.15,0.3,0.5,0.7,1)",
     )
     blend.add_argument(
         "--static", type=_ratios, help="recompute ratios of the static blends (0.15,0.3)"

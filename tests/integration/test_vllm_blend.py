@@ -3,15 +3,17 @@ alone once, are blended into its prompt in any order on the engine's own
 model, and vLLM computes the question over them.
 
 Checked against references computed here: at ratio 1 the blend is the plain
-prompt's output (vLLM, no blend); at ratio 0 and with the static selection
-it is the transformers blend's output (``KVTierModel``, the same weights and
-selection), token for token, so the moved K, the selection, the blended
-pass on vLLM's modules and the pages it writes agree with the tested
-transformers path. Segments are stored once and found after; a bad ask is
+prompt's output (vLLM, no blend); at ratio 0, with the default (impact)
+selection, the static one and CacheBlend's deviation over documents
+computed alone, it is the transformers blend's output (``KVTierModel``, the
+same weights and selection), token for token, so the moved K, the anchor,
+the selection (the attention probe included), the blended pass on vLLM's
+modules and the pages it writes agree with the tested transformers path. Segments are stored once and found after; a bad ask is
 served unblended; nothing stays locked."""
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -102,12 +104,13 @@ def test_blends_match_the_transformers_blend_and_reuse_stored_segments(
     ids, spans = rag([2, 0, 1], 61)
     configs = {
         "plain concatenation": BlendConfig(ratio=0.0),
+        "impact 0.15": BlendConfig(ratio=0.15),
         "static 0.3": BlendConfig(ratio=0.3, selection="static"),
+        "deviation 0.15, alone": BlendConfig(ratio=0.15, selection="deviation", anchor=False),
     }
     for what, config in configs.items():
-        got = engine.generate(
-            [ids], NEW_TOKENS, params=[ask(spans, ratio=config.ratio, selection=config.selection)]
-        )[0]
+        params = [ask(spans, **dataclasses.asdict(config))]
+        got = engine.generate([ids], NEW_TOKENS, params=params)[0]
         assert_close(transformers_blend(transformers_model, ids, spans, config), got, what)
     # every segment was stored by now (this module's first blend stored them):
     # another order stores nothing new and still matches

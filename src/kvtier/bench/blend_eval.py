@@ -9,8 +9,11 @@ task (``kvtier.bench.retrieval``). Every prompt goes through:
   ``generated`` tokens (stopping after the end-of-turn token);
 - *prefix-only reuse* through the same server (kvtier's exact prefix chunks;
   every document was seen once right after the system prompt beforehand);
-- one *blend* per configuration (``configurations``): CacheBlend's deviation
-  selection at each recompute ratio, the static option, the bottom-right mask.
+- one *blend* per configuration (``configurations``): kvtier's blend (the
+  ``impact`` selection over documents anchored on the system prompt) at
+  each recompute ratio; at 0.15 CacheBlend's own (``deviation`` over
+  documents computed alone), the deviation selection over anchored
+  documents (the anchor alone), the static option and the bottom-right mask.
 
 Per blend, against full prefill: teacher-forced top-1 agreement over full
 prefill's generated tokens (the blend's argmax at each position, the
@@ -54,9 +57,12 @@ END_OF_TURN = "<|im_end|>"
 
 
 def configurations(ratios: Sequence[float], static: Sequence[float]) -> dict[str, BlendConfig]:
-    """The blends compared: deviation selection at every ratio, static at
-    ``static``, and the bottom-right mask at 0.15."""
+    """The blends compared: kvtier's default blend at every ratio; at 0.15
+    CacheBlend's (deviation, documents alone) and the deviation selection
+    over anchored documents; static at ``static``; the bottom-right mask."""
     out = {f"blend {r:g}": BlendConfig(ratio=r) for r in ratios}
+    out["CacheBlend 0.15"] = BlendConfig(ratio=0.15, selection="deviation", anchor=False)
+    out["deviation 0.15"] = BlendConfig(ratio=0.15, selection="deviation")
     out |= {f"static {r:g}": BlendConfig(ratio=r, selection="static") for r in static}
     out["bottom-right 0.15"] = BlendConfig(ratio=0.15, mask="bottom_right")
     return out
@@ -106,11 +112,14 @@ class _Runner:
         return tokenize(prompt, self.tokenizer)
 
     def warm(self, pool: list[Document]) -> None:
-        """Every document once: as a segment, and right after the system prompt
-        (the prefix chunks prefix-only reuse can find)."""
+        """Every document once: as a segment (after the system prompt, and
+        alone), and right after the system prompt (the prefix chunks
+        prefix-only reuse can find)."""
         for document in pool:
             ids, spans = self.tokens(Prompt((SYSTEM, document.text, END_OF_TURN), (), 0, ""))
-            self.engine.prefill(ids, segments=spans, blend=BlendConfig(ratio=0.0))
+            for anchor in (True, False):
+                config = BlendConfig(ratio=0.0, anchor=anchor)
+                self.engine.prefill(ids, segments=spans, blend=config)
             self.engine.prefill(ids[: spans[-1][1]])
 
     def full(self, ids: list[int]) -> tuple[list[int], torch.Tensor, float]:

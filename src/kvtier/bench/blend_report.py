@@ -67,43 +67,40 @@ def latency_table(results: dict[str, Any]) -> Table:
 
 
 def quality_plot(results: dict[str, Any], path: Path) -> None:
-    """Top-1 agreement and retention against the recompute ratio, per selection."""
+    """Top-1 agreement and retention against the recompute ratio: a line per
+    kind of blend measured at several ratios, a marker for the others."""
     quality = results["quality"]
-    configurations = results["configurations"]
     figure = Figure(figsize=(7, 4.5))
     axes = figure.subplots()
-    for selection, style in (("deviation", "o-"), ("static", "s--")):
-        points = sorted(
-            (c["ratio"], quality[name])
-            for name, c in configurations.items()
-            if c["selection"] == selection and c["mask"] == "exact"
-        )
-        if selection == "static":  # ratio 0 and 1 select the same with either
-            ends = [(r, q) for r, q in _deviation(results) if r in (0.0, 1.0)]
-            points = sorted(points + ends)
-        ratios = [r for r, _ in points]
-        for metric, color in (("top1_agreement", "tab:blue"), ("retention", "tab:orange")):
-            axes.plot(ratios, [q[metric] for _, q in points], style, color=color,
-                      label=f"{metric.replace('_', ' ')}, {selection}")  # fmt: skip
-    for name, c in configurations.items():
-        if c["mask"] == "bottom_right":
-            axes.plot([c["ratio"]], [quality[name]["top1_agreement"]], "x", color="tab:red",
-                      markersize=9, label=f"top1 agreement, {name}")  # fmt: skip
+    markers = iter("xD^v*P")
+    for kind, points in _kinds(results).items():
+        if len(points) > 1:
+            ratios = [r for r, _ in points]
+            for metric, color in (("top1_agreement", "tab:blue"), ("retention", "tab:orange")):
+                style = "o-" if kind.startswith("impact") else "s--"
+                axes.plot(ratios, [quality[name][metric] for _, name in points], style,
+                          color=color, label=f"{metric.replace('_', ' ')}, {kind}")  # fmt: skip
+        else:
+            (ratio, name), marker = points[0], next(markers, "x")
+            axes.plot([ratio], [quality[name]["top1_agreement"]], marker, color="tab:red",
+                      markersize=8, label=f"top1 agreement, {name}")  # fmt: skip
     axes.set_xlabel("recompute ratio")
     axes.set_ylabel("against full prefill")
     axes.set_title(f"SmolLM2-135M, {quality['prompts']} prompts: quality vs recompute ratio")
     axes.grid(True, alpha=0.3)
-    axes.legend(fontsize=8)
+    axes.legend(fontsize=7)
     figure.tight_layout()
     figure.savefig(path, dpi=120)
 
 
-def _deviation(results: dict[str, Any]) -> list[tuple[float, dict[str, Any]]]:
-    return [
-        (c["ratio"], results["quality"][name])
-        for name, c in results["configurations"].items()
-        if c["selection"] == "deviation" and c["mask"] == "exact"
-    ]
+def _kinds(results: dict[str, Any]) -> dict[str, list[tuple[float, str]]]:
+    """Configurations by kind (selection, anchor, mask): (ratio, name), sorted."""
+    kinds: dict[str, list[tuple[float, str]]] = {}
+    for name, c in results["configurations"].items():
+        kind = c["selection"] + ("" if c.get("anchor", False) else ", alone")
+        kind += ", bottom-right" if c["mask"] == "bottom_right" else ""
+        kinds.setdefault(kind, []).append((c["ratio"], name))
+    return {kind: sorted(points) for kind, points in kinds.items()}
 
 
 __all__ = ["latency_table", "quality_plot", "quality_table"]

@@ -15,12 +15,23 @@ Masks over the ``N`` keys for the ``S`` selected queries (sorted positions
 ``p``): ``exact``, key ``j`` visible to query ``i`` iff ``j <= p_i``;
 ``bottom_right``, iff ``j <= N - S + i`` (a causal mask aligned to the last
 key, as a prefill kernel given S new tokens over N cached ones applies it).
+
+The ``impact`` selection also needs the attention the computed positions
+(the question) pay every position, which only the attention itself sees
+(its queries are rotated, normed and split into heads inside it). Each
+layer's attention gets the ``_Scatter`` as ``kvtier_probe`` and hands it
+its queries (``_Scatter.observe``): a transformers model through an
+attention function registered with transformers' ``AttentionInterface``
+(``probing_attention``, which wraps the model's own, set for the length of
+the pass), a vLLM model (``kvtier.engine.vllm.blend_model``) in its own
+layer code.
 """
 
 from __future__ import annotations
 
+import contextlib
 import inspect
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -29,6 +40,9 @@ import torch
 from kvtier.blend.select import Selector
 
 CACHE_ARGUMENTS = ("cache", "past_key_values")  # transformers >= 5.24, then 5.19-5.23
+PROBE = "kvtier_probe"  # the keyword a layer's attention gets the pass's _Scatter by
+PROBING = "kvtier_probing"  # the attention function registered with transformers
+HEADS_AT_ONCE = 8  # query heads scored together by _Scatter.observe (bounds its memory)
 
 
 def cache_keyword(function: Callable[..., Any], owner: str) -> str:
@@ -63,11 +77,15 @@ class _Scatter:
         values: list[torch.Tensor],
         positions: torch.Tensor,
         measure: bool,
+        rows: torch.Tensor | None = None,
     ) -> None:
         self.keys, self.values = keys, values
         self.positions = positions
         self.measure = measure
+        self.rows = rows  # indices into positions whose attention ``observe`` reads
+        self.inner = "sdpa"  # the transformers attention probing_attention runs
         self.deviation: torch.Tensor | None = None  # [S]: |dK|^2 + |dV|^2 per position
+        self.attention: torch.Tensor | None = None  # [S]: what the rows pay each position
 
     def update(
         self,
@@ -87,6 +105,86 @@ class _Scatter:
         keys.index_copy_(2, self.positions, key_states.to(keys.dtype))
         values.index_copy_(2, self.positions, value_states.to(values.dtype))
         return keys, values
+
+    def observe(
+        self, query: torch.Tensor, keys: torch.Tensor, mask: torch.Tensor | None, scaling: float
+    ) -> None:
+        """Called by the attention with its ``query`` (``[1, heads, S, dim]``,
+        rotated), the layer's ``keys`` (``[1, kv_heads, N, dim]``), the
+        additive ``mask`` it applies (None: causal) and its ``scaling``: keeps
+        the attention the ``rows`` pay each running position, averaged over
+        heads and rows. A no-op where nothing is measured."""
+        if not self.measure or self.rows is None:
+            return
+        rows = self.rows
+        queries = query[0].index_select(1, rows).float()  # [heads, R, dim]
+        group = queries.shape[0] // keys.shape[1]
+        if mask is None:
+            seen = torch.arange(keys.shape[2])[None] <= self.positions[rows][:, None]
+            bias = torch.zeros(seen.shape).masked_fill_(~seen, float("-inf"))
+        else:
+            bias = mask[0, 0].index_select(0, rows).float()
+        paid = torch.zeros(keys.shape[2])
+        for first in range(0, queries.shape[0], HEADS_AT_ONCE):
+            q = queries[first : first + HEADS_AT_ONCE]
+            heads = torch.arange(first, first + q.shape[0]) // group
+            k = keys[0].index_select(0, heads).float()  # [h, N, dim]
+            scores = torch.baddbmm(
+                bias.expand(q.shape[0], -1, -1), q, k.transpose(1, 2), alpha=scaling
+            )
+            paid += scores.softmax(-1).sum(dim=(0, 1))
+        self.attention = paid.index_select(0, self.positions) / (queries.shape[0] * rows.numel())
+
+
+def probing_attention(
+    module: Any,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """A transformers attention function: the model's own (the probe's
+    ``inner``), then the probe's ``observe``."""
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+    from transformers.models.llama.modeling_llama import eager_attention_forward
+
+    probe = kwargs.pop(PROBE, None)
+    # no probe: another caller of the model while a pass runs; its own attention
+    inner_name = probe.inner if probe is not None else _INNER.get(id(module.config), "sdpa")
+    inner = ALL_ATTENTION_FUNCTIONS.get_interface(inner_name, eager_attention_forward)
+    out: tuple[torch.Tensor, torch.Tensor | None] = inner(
+        module, query, key, value, attention_mask, **kwargs
+    )
+    if probe is not None:
+        scaling = kwargs.get("scaling") or query.shape[-1] ** -0.5
+        probe.observe(query, key, attention_mask, scaling)
+    return out
+
+
+_INNER: dict[int, str] = {}  # id(config) -> the implementation probing_attention wraps
+
+
+@contextlib.contextmanager
+def _probing(model: Any) -> Iterator[str]:
+    """A transformers model's attention set to ``probing_attention`` for the
+    block; yields the implementation it wraps. Models that call the probe
+    themselves (``probes_attention``) are left as they are."""
+    config = model.config
+    inner = str(getattr(config, "_attn_implementation", None) or "eager")
+    if getattr(model, "probes_attention", False) or inner == PROBING:
+        yield inner
+        return
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(PROBING, probing_attention)
+    _INNER[id(config)] = inner
+    config._attn_implementation = PROBING
+    try:
+        yield inner
+    finally:
+        config._attn_implementation = inner
+        _INNER.pop(id(config), None)
 
 
 def attention_mask(
@@ -121,6 +219,20 @@ def blend_forward(
     V preloaded in ``keys``/``values`` (the stored ones at reused positions;
     overwritten in place where a layer runs a position). The last position
     must be one ``selector`` always computes."""
+    probing = _probing(model) if selector.wants_attention else contextlib.nullcontext("")
+    with probing as inner:
+        return _blend_layers(model, ids, keys, values, selector, mask, inner)
+
+
+def _blend_layers(
+    model: Any,
+    ids: torch.Tensor,
+    keys: list[torch.Tensor],
+    values: list[torch.Tensor],
+    selector: Selector,
+    mask: str,
+    inner: str,
+) -> BlendPass:
     decoder = model.model
     layers = decoder.layers
     keyword = cache_keyword(layers[0].forward, type(layers[0]).__name__)
@@ -130,12 +242,16 @@ def blend_forward(
         raise ValueError("the blend must compute the last prompt token (it gives the logits)")
     hidden = decoder.embed_tokens(ids[positions][None])
     rope = decoder.rotary_emb(hidden, positions[None])
-    causal = getattr(model.config, "_attn_implementation", "") == "sdpa"
+    implementation = inner or getattr(model.config, "_attn_implementation", "")
+    causal = implementation == "sdpa"
     mask_tensor = attention_mask(positions, total, mask, hidden.dtype, causal)
     layer_tokens = []
     for n, layer in enumerate(layers):
         narrows = selector.narrows_after(n)
-        scatter = _Scatter(keys, values, positions, measure=narrows)
+        rows = torch.nonzero(selector.computed[positions]).flatten() if inner else None
+        scatter = _Scatter(keys, values, positions, measure=narrows, rows=rows)
+        scatter.inner = inner
+        probe = {PROBE: scatter} if inner else {}
         out = layer(
             hidden,
             attention_mask=mask_tensor,
@@ -143,12 +259,17 @@ def blend_forward(
             position_embeddings=rope,
             use_cache=True,
             **{keyword: scatter},
+            **probe,
         )
         hidden = out[0] if isinstance(out, tuple) else out
         layer_tokens.append(int(positions.numel()))
         if narrows:
-            assert scatter.deviation is not None
-            keep = selector.after(n, positions, scatter.deviation)
+            if scatter.deviation is None or (inner and scatter.attention is None):
+                raise RuntimeError(
+                    f"layer {n} ({type(layer).__name__}) did not hand the blend its K/V "
+                    "through the cache, or its queries through kvtier_probe"
+                )
+            keep = selector.after(n, positions, scatter.deviation, scatter.attention)
             if keep.numel() != positions.numel():
                 positions, hidden = positions[keep], hidden[:, keep]
                 rope = tuple(t[:, keep] for t in rope)
@@ -160,8 +281,10 @@ def blend_forward(
 
 __all__ = [
     "CACHE_ARGUMENTS",
+    "PROBE",
     "BlendPass",
     "attention_mask",
     "blend_forward",
     "cache_keyword",
+    "probing_attention",
 ]

@@ -399,9 +399,7 @@ class KVTierModel:
         started = time.perf_counter()
         if self._shift is None:
             self._shift = RopeShift.of(self.model)
-        blended = blend_prefill(
-            self.model, ids, spans, config, self._segments(), self._shift, self._alone
-        )
+        blended = blend_prefill(self.model, ids, spans, config, self._segments(), self._shift)
         t, stats = blended.timings, blended.stats
         object_bytes = self._segments().layout.object_bytes()
         return Prefill(
@@ -436,12 +434,6 @@ class KVTierModel:
             self._segment_store = SegmentStore(link, layout, hasher, self.model.dtype)
         self._segment_store.link = link
         return self._segment_store
-
-    def _alone(self, tokens: Sequence[int]) -> DynamicCache:
-        """A segment's KV computed on its own (positions 0 .. n-1)."""
-        cache = DynamicCache()
-        self._forward(tokens, cache)
-        return cache
 
     def _hasher(self, chunk_size: int) -> tuple[KVLayout, TokenHasher]:
         if chunk_size not in self._hashers:

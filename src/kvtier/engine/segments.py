@@ -4,12 +4,22 @@ placed in a prompt (CacheBlend, ``kvtier.blend``).
 A prompt comes with ``segments``, the ``(start, end)`` token spans of its
 reusable parts (a system prompt, RAG documents); tokens outside them (the
 question, glue) are always computed. ``SegmentStore.fetch`` gets one
-segment's KV as computed *on its own* (positions ``0 .. n-1``): from kvtier
-(every piece found: ``kvtier.keys.segments``), else computed now and stored
-for next time. ``blend_prefill`` then moves each segment's K to its place
-(``RopeShift``), runs the blended forward pass (``blend_forward``, the
-``Selector`` deciding what to recompute) and returns an ordinary ``Prefill``
-whose cache generation continues from.
+segment's KV as computed *on its own* (positions ``0 .. n-1``), or, with
+``BlendConfig.anchor`` (the default), each moved segment's KV as computed
+right after the prompt's first segment when that one starts the prompt (the
+system prompt: positions ``A .. A+n-1``, ``segment_kv``): from kvtier
+(every piece found: ``kvtier.keys.segments``, keyed by the anchor too),
+else computed now and stored for next time. ``blend_prefill`` then moves
+each segment's K to its place (``RopeShift``), runs the blended forward
+pass (``blend_forward``, the ``Selector`` deciding what to recompute) and
+returns an ordinary ``Prefill`` whose cache generation continues from.
+
+Why an anchor: a segment computed alone starts a sequence, so its first
+token becomes an attention sink (and the first few frequent tokens lesser
+ones) that, moved into a prompt, draw the attention the prompt's own first
+token should get; it also never saw the chat template the system prompt
+opens. Computed after the system prompt it has neither problem, at the cost
+of being found only after that same system prompt.
 
 Blended KV is approximate: it is never stored under prefix-chunk keys (it
 would be served as exact KV), only the segments computed alone are stored,
@@ -21,6 +31,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 import numpy as np
@@ -30,12 +41,12 @@ from transformers import DynamicCache
 
 from kvtier.blend import BlendConfig, RopeShift, Selector, blend_forward
 from kvtier.engine.link import CacheLink, new_request_id
-from kvtier.engine.tensors import cache_layers, dynamic_cache, object_tensor, read_chunks
+from kvtier.engine.tensors import dynamic_cache, object_tensor, read_chunks
 from kvtier.keys import SegmentHasher
 from kvtier.layout import KVLayout
 
 Span = tuple[int, int]
-Compute = Callable[[Sequence[int]], DynamicCache]  # a segment alone -> its cache
+ANCHORS_KEPT = 16  # anchors whose segment hasher a store keeps
 
 
 def check_segments(segments: Sequence[Span], prompt_tokens: int) -> list[Span]:
@@ -96,13 +107,22 @@ class SegmentStore:
         self.layout = layout
         self.hasher = hasher
         self.dtype = dtype
+        self._anchored: dict[tuple[int, ...], SegmentHasher] = {}
 
-    def fetch(self, tokens: Sequence[int], compute: Compute, timings: SegmentTimings) -> Fetched:
-        """The segment's KV as computed alone; see the module docstring."""
+    def fetch(
+        self,
+        tokens: Sequence[int],
+        compute: Callable[[], torch.Tensor],
+        timings: SegmentTimings,
+        anchor: Sequence[int] | None = None,
+    ) -> Fetched:
+        """The segment's KV (``[layers, 2, 1, kv_heads, tokens, head_dim]``)
+        as computed alone, or after ``anchor``: loaded, else ``compute()``d
+        and stored; see the module docstring."""
         link = self.link
         if link is None:
-            return Fetched(self._computed(tokens, compute, timings), {})
-        hashes = self.hasher.piece_hashes(tokens)
+            return Fetched(self._computed(compute, timings), {})
+        hashes = self._hasher(anchor).piece_hashes(tokens)
         request_id = new_request_id("seg")
         try:
             started = time.perf_counter()
@@ -116,7 +136,7 @@ class SegmentStore:
                     return Fetched(kv, dict(hit.chunks_by_tier))
             elif hit.chunks:
                 link.release(request_id, 0, hit.chunks)
-            kv = self._computed(tokens, compute, timings)
+            kv = self._computed(compute, timings)
             started = time.perf_counter()
             first = hit.chunks if hit.chunks < len(hashes) else 0
             stored = link.store(
@@ -127,12 +147,21 @@ class SegmentStore:
         finally:
             link.end(request_id)
 
+    def _hasher(self, anchor: Sequence[int] | None) -> SegmentHasher:
+        if anchor is None:
+            return self.hasher
+        key = tuple(anchor)
+        if key not in self._anchored:
+            if len(self._anchored) >= ANCHORS_KEPT:
+                self._anchored.clear()
+            self._anchored[key] = self.hasher.after(anchor)
+        return self._anchored[key]
+
     def _computed(
-        self, tokens: Sequence[int], compute: Compute, timings: SegmentTimings
+        self, compute: Callable[[], torch.Tensor], timings: SegmentTimings
     ) -> torch.Tensor:
         started = time.perf_counter()
-        layers = cache_layers(compute(tokens), self.layout)
-        kv = torch.stack([torch.stack(pair) for pair in layers])  # [layers, 2, 1, kvh, n, d]
+        kv = compute()
         timings.compute_s += time.perf_counter() - started
         return kv
 
@@ -172,6 +201,32 @@ class Blended:
     timings: SegmentTimings
 
 
+def segment_kv(
+    model: Any, ids: Sequence[int], anchor_kv: torch.Tensor | None, store: SegmentStore
+) -> torch.Tensor:
+    """The KV of a segment computed on its own, ``[layers, 2, 1, kv_heads,
+    n, head_dim]``: ``ids`` is the segment's tokens, or the anchor's and then
+    the segment's when ``anchor_kv`` (the anchor's KV, as ``fetch`` gives it)
+    is given, and only the segment's positions run, over the anchor's KV."""
+    layout = store.layout
+    held = 0 if anchor_kv is None else anchor_kv.shape[4]
+    shape = (layout.num_layers, 1, layout.kv_heads, len(ids), layout.head_dim)
+    keys = torch.zeros(shape, dtype=store.dtype)
+    values = torch.zeros(shape, dtype=store.dtype)
+    if anchor_kv is not None:
+        keys[:, :, :, :held] = anchor_kv[:, 0]
+        values[:, :, :, :held] = anchor_kv[:, 1]
+    run = torch.zeros(len(ids), dtype=torch.bool)
+    run[held:] = True
+    selector = Selector(BlendConfig(ratio=0.0), layout.num_layers, run, torch.zeros_like(run), [])
+    out = blend_forward(model, torch.tensor(list(ids)), list(keys), list(values), selector)
+    layers = [
+        torch.stack((k[:, :, held:], v[:, :, held:]))
+        for k, v in zip(out.keys, out.values, strict=True)
+    ]
+    return torch.stack(layers)
+
+
 def blend_prefill(
     model: Any,
     ids: Sequence[int],
@@ -179,7 +234,6 @@ def blend_prefill(
     config: BlendConfig,
     store: SegmentStore,
     shift: RopeShift,
-    compute: Compute,
 ) -> Blended:
     """Blend one prompt whose reusable segments are ``spans`` (checked);
     ``model`` is a transformers causal LM, or what ``blend_forward`` takes
@@ -195,10 +249,20 @@ def blend_prefill(
     moved: list[Span] = []
     tiers: dict[str, int] = {}
     found = stored = loaded = alone = 0
+    anchored = config.anchor and len(spans) > 1 and spans[0][0] == 0
+    anchor_kv: torch.Tensor | None = None  # the first segment's, once fetched
     for start, end in spans:
-        fetched = store.fetch(ids[start:end], compute, timings)
+        tokens = ids[start:end]
+        after = anchor_kv if anchored and start > 0 else None
+        anchor = ids[: spans[0][1]] if after is not None else None
+
+        compute = partial(segment_kv, model, [*(anchor or ()), *tokens], after, store)
+        fetched = store.fetch(tokens, compute, timings, anchor)
+        if start == 0:
+            anchor_kv = fetched.kv
+        origin = len(anchor) if anchor is not None else 0  # where the stored K sits
         started = time.perf_counter()
-        keys[:, :, :, start:end] = shift.rotate(fetched.kv[:, 0], start)
+        keys[:, :, :, start:end] = shift.rotate(fetched.kv[:, 0], start - origin)
         values[:, :, :, start:end] = fetched.kv[:, 1]
         timings.load_s += time.perf_counter() - started
         computed[start:end] = False
@@ -248,4 +312,5 @@ __all__ = [
     "Span",
     "blend_prefill",
     "check_segments",
+    "segment_kv",
 ]

@@ -18,6 +18,17 @@ tokens at position 0. The namespace (model, revision, LoRA, KV dtype, layout
 digest, tenant salt) and the position rule (how the stored K was rotated)
 are both under the root: a segment never loads into another model, layout,
 tenant or position convention.
+
+A segment may also be computed *after an anchor* (the prompt's first
+segment, ``kvtier.blend.BlendConfig.anchor``): its KV then depends on the
+anchor's tokens too, and its K was rotated for positions ``A .. A+n-1`` (A:
+the anchor's length). Such a segment's position rule names the anchor
+(``SegmentHasher.after``)::
+
+    rule = "after:" + hex(segment hash of the anchor under rope-from-0)
+
+so it is found only after the same anchor, and never taken for a segment
+computed alone or after another anchor.
 """
 
 from __future__ import annotations
@@ -32,6 +43,7 @@ from kvtier.keys.namespace import Namespace
 SEGMENT_DOMAIN = b"kvtier-seg-v1\x00"
 # K rotated by RoPE for positions 0..n-1 of the segment alone (kvtier.blend.rope).
 ROPE_FROM_ZERO = "rope-from-0"
+AFTER = "after:"  # + the anchor's segment hash: computed after that anchor (module docstring)
 
 
 class SegmentHasher:
@@ -54,17 +66,29 @@ class SegmentHasher:
     def piece_hashes(self, tokens: Tokens) -> list[ChunkHash]:
         """One 32-byte hash per piece of the segment, in order; ValueError for
         an empty segment."""
+        segment = self.segment_hash(tokens)
+        count = math.ceil(len(token_array(tokens)) / self.chunk_size)
+        return [blake3(segment + i.to_bytes(4, "little")).digest() for i in range(count)]
+
+    def segment_hash(self, tokens: Tokens) -> bytes:
+        """The segment's own hash, which its pieces' derive from; ValueError
+        for an empty segment."""
         data = token_array(tokens)
         if len(data) == 0:
             raise ValueError("a segment must hold at least one token")
-        segment = (
+        return (
             blake3(self.root)
             .update(len(data).to_bytes(4, "little"))
             .update(memoryview(data.data).cast("B"))
             .digest()
         )
-        count = math.ceil(len(data) / self.chunk_size)
-        return [blake3(segment + i.to_bytes(4, "little")).digest() for i in range(count)]
+
+    def after(self, anchor: Tokens) -> SegmentHasher:
+        """The hasher of segments computed after ``anchor`` (same namespace and
+        piece size); see the module docstring."""
+        alone = SegmentHasher(self.namespace, self.chunk_size)
+        rule = AFTER + alone.segment_hash(anchor).hex()
+        return SegmentHasher(self.namespace, self.chunk_size, rule)
 
 
-__all__ = ["ROPE_FROM_ZERO", "SEGMENT_DOMAIN", "SegmentHasher"]
+__all__ = ["AFTER", "ROPE_FROM_ZERO", "SEGMENT_DOMAIN", "SegmentHasher"]

@@ -67,6 +67,8 @@ def rows() -> list[dict[str, Any]]:
         row["blend 0"] = measured(False, agreement=0.5, ttft=0.5)
         row["blend 0.15"] = measured(blend_ok, agreement=0.75 if not blend_ok else 1.0, ttft=1.0)
         row["bottom-right 0.15"] = measured(blend_ok, ttft=1.1)
+        row["CacheBlend 0.15"] = measured(False, agreement=0.75, ttft=1.0)
+        row["deviation 0.15"] = measured(blend_ok, agreement=0.9, ttft=1.0)
         out.append(row)
     return out
 
@@ -111,7 +113,8 @@ def test_tables_and_plot(tmp_path: Path) -> None:
     console.print(quality_table(results))
     console.print(latency_table(results))
     text = console.export_text()
-    assert "static 0.15" in text and "3.00x" in text and "2.50x" in text
+    assert "static 0.15" in text and "CacheBlend 0.15" in text
+    assert "3.00x" in text and "2.50x" in text
     plot = tmp_path / "quality.png"
     quality_plot(results, plot)
     assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and plot.stat().st_size > 10_000

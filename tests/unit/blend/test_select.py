@@ -22,8 +22,11 @@ def masks(
 def test_deviation_runs_everything_to_the_check_layer_then_keeps_the_most_deviating() -> None:
     # positions 0-9: an exact segment, 10-29 and 30-49: candidates, 50-54: the question
     computed, candidates = masks(55, list(range(50, 55)), [(10, 30), (30, 50)])
-    config = BlendConfig(ratio=0.25, check_layer=1, spread=1.0, filter_layers=2)
+    config = BlendConfig(
+        ratio=0.25, selection="deviation", check_layer=1, spread=1.0, filter_layers=2
+    )
     selector = Selector(config, 8, computed, candidates, [(10, 30), (30, 50)])
+    assert not selector.wants_attention
     assert selector.initial().tolist() == list(range(55))
     assert [selector.narrows_after(n) for n in range(8)] == [False, True, True, True] + [False] * 4
     # after the check layer: 0.25 x 2 = half of the 40 candidates, the 20 most deviating
@@ -42,6 +45,28 @@ def test_deviation_runs_everything_to_the_check_layer_then_keeps_the_most_deviat
     assert positions[keep].tolist() == list(range(40, 55))
 
 
+def test_impact_ranks_by_deviation_times_the_attention_the_question_pays() -> None:
+    computed, candidates = masks(55, list(range(50, 55)), [(10, 30), (30, 50)])
+    config = BlendConfig(ratio=0.25, check_layer=1, spread=0.0, filter_layers=2)
+    assert config.selection == "impact"  # the default
+    selector = Selector(config, 8, computed, candidates, [(10, 30), (30, 50)])
+    assert selector.wants_attention
+    positions = torch.arange(55)
+    deviation = torch.zeros(55)
+    deviation[10:50] = torch.arange(40, dtype=torch.float)  # later = more deviating
+    attention = torch.full((55,), 0.001)
+    attention[10:30] = 1.0  # the question reads the first segment, hardly the second
+    # deviation alone would keep 40-49; times attention the first segment's top ten win
+    keep = selector.after(1, positions, deviation, attention)
+    assert positions[keep].tolist() == list(range(20, 30)) + list(range(50, 55))
+    with pytest.raises(ValueError, match="attention"):
+        selector.after(1, positions, deviation)
+    # ratio 0 or 1 narrows nothing: no attention wanted
+    for ratio in (0.0, 1.0):
+        whole = Selector(BlendConfig(ratio=ratio), 8, computed, candidates, [(10, 50)])
+        assert not whole.wants_attention
+
+
 def test_static_recomputes_the_first_tokens_of_each_moved_segment_from_layer_zero() -> None:
     computed, candidates = masks(40, [38, 39], [(10, 20), (20, 38)])
     selector = Selector(BlendConfig(ratio=0.2, selection="static"), 4, computed, candidates,
@@ -50,13 +75,13 @@ def test_static_recomputes_the_first_tokens_of_each_moved_segment_from_layer_zer
     assert not any(selector.narrows_after(n) for n in range(4))
 
 
-@pytest.mark.parametrize("selection", ["deviation", "static"])
+@pytest.mark.parametrize("selection", ["impact", "deviation", "static"])
 def test_ratio_zero_runs_only_the_computed_positions_and_one_runs_all(selection: str) -> None:
     computed, candidates = masks(30, [29], [(5, 29)])
     zero = Selector(BlendConfig(ratio=0.0, selection=selection), 4, computed, candidates, [(5, 29)])
     assert zero.initial().tolist() == [29]
     one = Selector(BlendConfig(ratio=1.0, selection=selection), 4, computed, candidates, [(5, 29)])
-    expected = list(range(30)) if selection == "deviation" else list(range(5, 30))
+    expected = list(range(5, 30)) if selection == "static" else list(range(30))
     assert one.initial().tolist() == expected
     assert not any(one.narrows_after(n) or zero.narrows_after(n) for n in range(4))
 

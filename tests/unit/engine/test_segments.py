@@ -43,20 +43,25 @@ def llama() -> transformers.PreTrainedModel:
     return tiny_model("llama", num_hidden_layers=4)
 
 
-def concatenated(model: transformers.PreTrainedModel, parts: list[list[int]]) -> torch.Tensor:
-    """Plain concatenation, built by hand: each part's KV computed alone,
-    K moved to its place, the question run on top. Its last logits."""
+def concatenated(
+    model: transformers.PreTrainedModel, parts: list[list[int]], anchored: bool
+) -> torch.Tensor:
+    """Plain concatenation, built by hand: each part's KV computed alone (or,
+    ``anchored``, each but the first after the first), K moved to its place,
+    the question run on top. Its last logits."""
     shift = RopeShift.of(model)
     keys: list[list[torch.Tensor]] = [[] for _ in range(model.config.num_hidden_layers)]
     values: list[list[torch.Tensor]] = [[] for _ in range(model.config.num_hidden_layers)]
     offset = 0
     with torch.inference_mode():
-        for part in parts[:-1]:
+        for i, part in enumerate(parts[:-1]):
+            before = parts[0] if anchored and i > 0 else []
             cache = DynamicCache()
-            model(torch.tensor([part]), past_key_values=cache, use_cache=True)
+            model(torch.tensor([before + part]), past_key_values=cache, use_cache=True)
             for n, layer in enumerate(cache.layers):
-                keys[n].append(shift.rotate(layer.keys, offset))
-                values[n].append(layer.values)
+                own = slice(len(before), None)
+                keys[n].append(shift.rotate(layer.keys[:, :, own], offset - len(before)))
+                values[n].append(layer.values[:, :, own])
             offset += len(part)
         cache = dynamic_cache(
             [torch.cat(k, dim=2) for k in keys], [torch.cat(v, dim=2) for v in values]
@@ -78,18 +83,22 @@ def test_ratio_one_is_full_prefill_and_generation_goes_on_from_it(
     assert_clean(storage.l1)
 
 
+@pytest.mark.parametrize("anchored", [True, False])
 def test_ratio_zero_is_plain_concatenation(
-    llama: transformers.PreTrainedModel, storage: StorageManager
+    llama: transformers.PreTrainedModel, storage: StorageManager, anchored: bool
 ) -> None:
     ids, spans = joined(PARTS)
     engine = KVTierModel(llama, storage=storage, chunk_size=CHUNK)
-    for _ in range(2):  # computed alone and stored, then loaded
-        got = engine.prefill(ids, segments=spans, blend=BlendConfig(ratio=0.0))
-        expected = concatenated(llama, PARTS)
+    expected = concatenated(llama, PARTS, anchored)
+    other = concatenated(llama, PARTS, not anchored)
+    assert (expected - other).abs().max().item() > 0.01  # the anchor changes the KV
+    for found in (0, 4):  # computed and stored, then loaded
+        config = BlendConfig(ratio=0.0, anchor=anchored)
+        got = engine.prefill(ids, segments=spans, blend=config)
         assert (got.logits - expected).abs().max().item() <= TOLERANCE
         full = KVTierModel(llama).prefill(ids).logits
         assert (got.logits - full).abs().max().item() > 0.01  # and it is not full prefill
-        assert got.blend is not None
+        assert got.blend is not None and got.blend.segments_found == found
         assert got.blend.layer_tokens == [len(PARTS[-1])] * 4
         assert got.blend.recomputed_tokens == 0
 
@@ -133,6 +142,25 @@ def test_the_same_documents_in_another_order_reuse_the_same_objects(
     assert got.blend is not None and got.blend.segments_found == 4
     full = KVTierModel(llama).prefill(ids2).logits
     assert (got.logits - full).abs().max().item() <= TOLERANCE
+
+
+def test_documents_stored_after_a_system_prompt_are_found_after_it_only(
+    llama: transformers.PreTrainedModel, storage: StorageManager
+) -> None:
+    engine = KVTierModel(llama, storage=storage, chunk_size=CHUNK)
+    ids, spans = joined(PARTS)
+    engine.prefill(ids, segments=spans)  # the system prompt alone, each document after it
+    # another system prompt: its documents' KV would differ, so none is found
+    other_ids, other_spans = joined([prompt(8, 12), *PARTS[1:]])
+    got = engine.prefill(other_ids, segments=other_spans, blend=BlendConfig(ratio=0.0))
+    assert got.blend is not None and got.blend.segments_found == 0
+    # without the anchor only the system prompt (alone, at position 0) is the same object
+    got = engine.prefill(ids, segments=spans, blend=BlendConfig(ratio=0.0, anchor=False))
+    assert got.blend is not None and got.blend.segments_found == 1
+    # and the anchored documents are still there for the first system prompt
+    got = engine.prefill(ids, segments=spans, blend=BlendConfig(ratio=0.0))
+    assert got.blend is not None and got.blend.segments_found == 4
+    assert_clean(storage.l1)
 
 
 def test_blended_kv_is_never_stored_as_prefix_chunks(
@@ -229,11 +257,11 @@ def test_a_failing_load_computes_the_segment_and_nothing_is_held(
     assert isinstance(engine.link.inner, LocalLink) and engine.link.inner._locked == {}
 
 
-def test_without_a_cache_every_segment_is_computed_alone(
+def test_without_a_cache_every_segment_is_computed(
     llama: transformers.PreTrainedModel,
 ) -> None:
     ids, spans = joined(PARTS)
     got = KVTierModel(llama).prefill(ids, segments=spans, blend=BlendConfig(ratio=0.0))
     assert got.blend is not None and got.blend.segments_found == 0
-    assert (got.logits - concatenated(llama, PARTS)).abs().max().item() <= TOLERANCE
+    assert (got.logits - concatenated(llama, PARTS, True)).abs().max().item() <= TOLERANCE
     assert np.isfinite(got.logits.numpy()).all()

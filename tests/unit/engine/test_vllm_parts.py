@@ -1,5 +1,5 @@
 """The vLLM connector's parts that run without an engine: settings, salts, the step timer,
-layer names and page copies (``PagedKV``)."""
+layer names, page copies (``PagedKV``) and a consumer's TAKE polling (``poll_take``)."""
 
 from __future__ import annotations
 
@@ -10,9 +10,12 @@ import pytest
 import torch
 
 from kvtier.engine.vllm import timing
+from kvtier.engine.vllm.handoff import Consume, poll_take
 from kvtier.engine.vllm.pages import PagedKV, layer_index
 from kvtier.engine.vllm.settings import ConnectorSettings
 from kvtier.layout import KVLayout
+from kvtier.server import protocol as p
+from kvtier.server.client import PendingReply
 
 
 def test_settings_read_kvtier_keys_and_ignore_others() -> None:
@@ -124,3 +127,44 @@ def test_step_timer_logs_every_thousand_steps_or_every_thirty_seconds(
     assert timer.step() is True  # ... but a summary every LOG_EVERY_S all the same
     summaries = [r.message for r in caplog.records if "connector time per step" in r.message]
     assert len(summaries) == 2 and "2 steps" in summaries[1]
+
+
+class _ScriptedServer:
+    """A client whose TAKEs get these replies in turn (None: given up on, no answer)."""
+
+    def __init__(self, *replies: p.Reply | None) -> None:
+        self.replies = list(replies)
+        self.takes = 0
+
+    def handoff(self, message: p.Message) -> PendingReply:
+        self.takes += 1
+        call = PendingReply(message, (), 0.0)
+        call.reply = self.replies.pop(0)
+        call.done.set()
+        return call
+
+
+def _consume() -> Consume:
+    return Consume("h", 700, "recompute", deadline=10.0, consumer="")
+
+
+@pytest.mark.parametrize(
+    ("replies", "outcome"),
+    [
+        # a server quiet for a while, then answering: the take goes on, nothing settles early
+        ((None, p.HandoffState("pending"), p.HandoffState("pending")), "not_offered"),
+        ((None, None, None), "server_away"),  # away until the wait ends
+        ((None, p.HandoffState("granted")), "granted"),  # back, and the offer was there
+    ],
+)
+def test_an_unanswered_take_is_asked_again_until_the_wait_ends(
+    replies: tuple[p.Reply | None, ...], outcome: str
+) -> None:
+    consume, server = _consume(), _ScriptedServer(*replies)
+    for step, now in enumerate((1.0, 2.0, 3.0)):
+        if consume.settled:
+            break
+        poll_take(consume, server, [], now)  # type: ignore[arg-type]
+        assert consume.settled == (step == len(replies) - 1 and outcome == "granted")
+    poll_take(consume, server, [], 11.0)  # past the deadline, no TAKE in flight
+    assert (consume.outcome, server.takes) == (outcome, min(len(replies), 3))

@@ -8,7 +8,7 @@ import pytest
 from blake3 import blake3
 
 from kvtier.keys import Namespace, SegmentHasher, TokenHasher
-from kvtier.keys.segments import SEGMENT_DOMAIN
+from kvtier.keys.segments import AFTER, SEGMENT_DOMAIN
 
 NS = Namespace(model="m", revision="r", kv_dtype="bfloat16", layout="abc", salt="s")
 
@@ -23,6 +23,25 @@ def test_golden_vectors() -> None:
     expected = [blake3(segment + i.to_bytes(4, "little")).digest() for i in range(2)]
     assert hasher.piece_hashes(tokens) == expected
     assert [h.hex()[:16] for h in expected] == ["f030282fcc76392c", "b32343d4a35993f6"]
+
+
+def test_golden_vectors_after_an_anchor() -> None:
+    anchor, tokens = [7, 8, 9], [1, 2, 3, 4, 5, 70000]
+    alone = SegmentHasher(NS, 4)
+    rule = AFTER + alone.segment_hash(anchor).hex()
+    root = blake3(SEGMENT_DOMAIN + NS.canonical_json() + b"\x00" + rule.encode()).digest()
+    segment = blake3(
+        root + (6).to_bytes(4, "little") + b"".join(t.to_bytes(4, "little") for t in tokens)
+    ).digest()
+    expected = [blake3(segment + i.to_bytes(4, "little")).digest() for i in range(2)]
+    after = alone.after(anchor)
+    assert after.position_rule == rule and after.piece_hashes(tokens) == expected
+    assert [h.hex()[:16] for h in expected] == ["fcc91573bcf77be6", "872a61d07be43fce"]
+    # the same tokens alone, or after another anchor, are other objects
+    assert not set(expected) & set(alone.piece_hashes(tokens))
+    assert not set(expected) & set(alone.after([7, 8]).piece_hashes(tokens))
+    with pytest.raises(ValueError, match="at least one token"):
+        alone.after([])
 
 
 @pytest.mark.parametrize(("tokens", "pieces"), [(1, 1), (4, 1), (5, 2), (8, 2), (9, 3)])

@@ -50,6 +50,7 @@ class _Layer:
         position_embeddings: tuple[torch.Tensor],
         past_key_values: Any,
         use_cache: bool = True,
+        kvtier_probe: Any = None,
     ) -> torch.Tensor:
         layer, attn = self.layer, self.layer.self_attn
         positions = position_embeddings[0][0]
@@ -64,6 +65,8 @@ class _Layer:
         v = v.reshape(tokens, kv_heads, dim).transpose(0, 1)[None]
         keys, values = past_key_values.update(k, v, self.index)
         query = q.view(tokens, heads, dim).transpose(0, 1)[None]
+        if kvtier_probe is not None:  # the impact selection's attention (kvtier.blend.forward)
+            kvtier_probe.observe(query, keys, attention_mask, attn.scaling)
         out = F.scaled_dot_product_attention(
             query,
             keys.to(query.dtype),
@@ -102,6 +105,8 @@ class _Decoder:
 
 class BlendModel:
     """A vLLM Llama for ``blend_forward`` and ``RopeShift`` (see the module docstring)."""
+
+    probes_attention = True  # its layers hand the blend's probe their queries themselves
 
     def __init__(self, model: Any, config: Any) -> None:
         self.vllm_model = model

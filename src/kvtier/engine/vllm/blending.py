@@ -33,13 +33,12 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
-from transformers import DynamicCache
 
-from kvtier.blend import BlendConfig, RopeShift, Selector, blend_forward
+from kvtier.blend import BlendConfig, RopeShift
 from kvtier.engine.identity import ModelIdentity
 from kvtier.engine.link import ServerLink
 from kvtier.engine.segments import SegmentStore, Span, blend_prefill, check_segments
-from kvtier.engine.tensors import cache_layers, dynamic_cache
+from kvtier.engine.tensors import cache_layers
 from kvtier.engine.vllm.blend_model import BlendModel
 from kvtier.engine.vllm.capture import ENABLE, captured_model
 from kvtier.engine.vllm.metadata import BlendSpec
@@ -103,9 +102,7 @@ class Blender:
         tensor per layer in order); raises for a blend that could not run."""
         model, shift = self._prepared()
         store = self._store(spec.salt)
-        blended = blend_prefill(
-            model, spec.tokens, spec.spans, spec.config, store, shift, self._alone
-        )
+        blended = blend_prefill(model, spec.tokens, spec.spans, spec.config, store, shift)
         blended_layers = cache_layers(blended.cache, store.layout)
         for pages, (keys, values) in zip(layers, blended_layers, strict=True):
             write_tokens(pages, spec.block_ids, keys[0], values[0], block_size)
@@ -164,19 +161,6 @@ class Blender:
             dtype=str(model.dtype).removeprefix("torch."),
             tokens_per_chunk=chunk_size,
         )
-
-    def _alone(self, tokens: Sequence[int]) -> DynamicCache:
-        """A segment's KV computed on its own: every layer runs every position."""
-        model, _ = self._prepared()
-        layers = len(model.model.layers)
-        every = torch.ones(len(tokens), dtype=torch.bool)
-        selector = Selector(BlendConfig(ratio=0.0), layers, every, ~every, [])
-        attn = model.vllm_model.model.layers[0].self_attn
-        shape = (1, attn.num_kv_heads, len(tokens), attn.head_dim)
-        keys = [torch.zeros(shape, dtype=model.dtype) for _ in range(layers)]
-        values = [torch.zeros(shape, dtype=model.dtype) for _ in range(layers)]
-        out = blend_forward(model, torch.tensor(list(tokens)), keys, values, selector)
-        return dynamic_cache(out.keys, out.values)
 
 
 __all__ = ["PARAM", "Blender", "blend_request"]

@@ -92,6 +92,7 @@ class Consume:
     source_hashes: list[bytes] = field(default_factory=list)  # the prompt under its layout
     kv_heads: int = 0  # the model's KV heads, for the server's re-sharding
     call: PendingReply | None = None  # the TAKE in flight
+    unanswered: bool = False  # the last TAKE got no answer: the server is away
     outcome: str = ""  # once settled: "granted", or why not
     cause: str = ""  # the server's words, if any
     done_sent: bool = False
@@ -176,7 +177,10 @@ def poll_take(
 ) -> None:
     """Advance the TAKE one step: send one if none is in flight (while the
     wait for an offer lasts), read its answer if it came (within
-    ``block_s``), and settle on anything but ``pending``."""
+    ``block_s``), and settle on anything but ``pending``. A TAKE left
+    unanswered (the client gave up on a quiet server) is sent again next
+    step: the hand-off may still come while the wait lasts, and a server
+    still away when it ends makes the cause ``server_away``."""
     if consume.settled:
         return
     if client is None:
@@ -184,7 +188,7 @@ def poll_take(
         return
     if consume.call is None:
         if now >= consume.deadline:
-            consume.outcome = NOT_OFFERED
+            consume.outcome = SERVER_AWAY if consume.unanswered else NOT_OFFERED
             return
         take = p.HandoffTake(
             consume.handoff_id,
@@ -202,13 +206,12 @@ def poll_take(
         return
     consume.call = None
     reply = call.reply
+    consume.unanswered = reply is None
     if isinstance(reply, p.HandoffState):
         if reply.outcome not in WAITING:
             consume.outcome, consume.cause = reply.outcome, reply.message
     elif isinstance(reply, p.Error):
         consume.outcome, consume.cause = REFUSED, f"{reply.code}: {reply.message}"
-    else:
-        consume.outcome = SERVER_AWAY
 
 
 def handoff_params(

@@ -1,0 +1,76 @@
+"""``blend_forward``'s attention probe: what the ``impact`` selection ranks by
+is the attention the model itself pays, and the model is left as it was."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvtier.blend import BlendConfig, Selector, blend_forward
+from tests.hf_helpers import tiny_model
+
+
+class _Recording(Selector):
+    """A selector that keeps what ``after`` was given, per layer."""
+
+    seen: dict[int, tuple[torch.Tensor, torch.Tensor | None]]
+
+    def after(
+        self,
+        layer: int,
+        positions: torch.Tensor,
+        deviation: torch.Tensor,
+        attention: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        self.seen[layer] = (positions.clone(), attention)
+        return super().after(layer, positions, deviation, attention)
+
+
+@pytest.mark.parametrize("implementation", ["sdpa", "eager"])
+def test_the_probe_reads_the_attention_the_question_pays(implementation: str) -> None:
+    model = tiny_model("llama", num_hidden_layers=4)
+    model.set_attn_implementation(implementation)
+    total, question = 60, list(range(52, 60))
+    ids = torch.randint(0, 512, (total,), generator=torch.Generator().manual_seed(3))
+    computed = torch.zeros(total, dtype=torch.bool)
+    computed[question] = True
+    candidates = torch.zeros(total, dtype=torch.bool)
+    candidates[10:52] = True
+    config = BlendConfig(ratio=0.3, check_layer=1, filter_layers=1)
+    selector = _Recording(config, 4, computed, candidates, [(10, 52)])
+    selector.seen = {}
+    layers, heads, dim = 4, 2, 32
+    keys = [torch.randn(1, heads, total, dim) for _ in range(layers)]  # stale: overwritten
+    values = [torch.randn(1, heads, total, dim) for _ in range(layers)]
+    blend_forward(model, ids, keys, values, selector)
+
+    # Up to the check layer every position runs, so layer 1's attention is full prefill's.
+    model.set_attn_implementation("eager")
+    with torch.inference_mode():
+        weights = model(ids[None], output_attentions=True).attentions[1][0]  # [heads, N, N]
+    expected = weights[:, question].mean(dim=(0, 1))
+    positions, attention = selector.seen[1]
+    assert positions.tolist() == list(range(total))
+    assert attention is not None
+    assert torch.allclose(attention, expected, atol=1e-5)
+    assert attention[52:].sum() > 0 and abs(float(attention.sum()) - 1.0) < 1e-4
+    # one layer on, only the kept positions ran: the probe covers those
+    positions, attention = selector.seen[2]
+    assert attention is not None and attention.shape == positions.shape
+    assert model.config._attn_implementation == "eager"  # restored after each pass
+
+
+def test_the_model_is_left_as_it_was_when_a_layer_fails() -> None:
+    model = tiny_model("llama", num_hidden_layers=2)
+    before = model.config._attn_implementation
+    total = 20
+    computed = torch.zeros(total, dtype=torch.bool)
+    computed[-2:] = True
+    candidates = ~computed
+    candidates[:4] = False
+    selector = Selector(BlendConfig(ratio=0.5), 2, computed, candidates, [(4, 18)])
+    bad_keys = [torch.zeros(1, 2, total - 1, 32) for _ in range(2)]  # one position short
+    values = [torch.zeros(1, 2, total, 32) for _ in range(2)]
+    with pytest.raises(IndexError):
+        blend_forward(model, torch.arange(total), bad_keys, values, selector)
+    assert model.config._attn_implementation == before
