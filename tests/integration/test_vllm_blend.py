@@ -8,8 +8,9 @@ selection, the static one and CacheBlend's deviation over documents
 computed alone, it is the transformers blend's output (``KVTierModel``, the
 same weights and selection), token for token, so the moved K, the anchor,
 the selection (the attention probe included), the blended pass on vLLM's
-modules and the pages it writes agree with the tested transformers path. Segments are stored once and found after; a bad ask is
-served unblended; nothing stays locked."""
+modules and the pages it writes agree with the tested transformers path.
+Segments are stored once and found after; a bad ask is served unblended;
+nothing stays locked."""
 
 from __future__ import annotations
 
