@@ -31,6 +31,8 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import sys
+import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -145,14 +147,19 @@ def probing_attention(
     **kwargs: Any,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """A transformers attention function: the model's own (the probe's
-    ``inner``), then the probe's ``observe``."""
+    ``inner``; its modeling module's ``eager_attention_forward`` for
+    ``eager``), then the probe's ``observe``."""
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
-    from transformers.models.llama.modeling_llama import eager_attention_forward
 
     probe = kwargs.pop(PROBE, None)
     # no probe: another caller of the model while a pass runs; its own attention
     inner_name = probe.inner if probe is not None else _INNER.get(id(module.config), "sdpa")
-    inner = ALL_ATTENTION_FUNCTIONS.get_interface(inner_name, eager_attention_forward)
+    from transformers.models.llama.modeling_llama import eager_attention_forward
+
+    # the model's own eager attention (the Llama family's where it has none)
+    own = sys.modules[type(module).__module__]
+    eager: Callable[..., Any] = getattr(own, "eager_attention_forward", eager_attention_forward)
+    inner = ALL_ATTENTION_FUNCTIONS.get_interface(inner_name, eager)
     out: tuple[torch.Tensor, torch.Tensor | None] = inner(
         module, query, key, value, attention_mask, **kwargs
     )
@@ -163,6 +170,9 @@ def probing_attention(
 
 
 _INNER: dict[int, str] = {}  # id(config) -> the implementation probing_attention wraps
+# Held while a model's attention is switched: probing passes run one at a time
+# (each uses every core anyway), so one never restores what another still needs.
+_SWITCH = threading.Lock()
 
 
 @contextlib.contextmanager
@@ -171,20 +181,21 @@ def _probing(model: Any) -> Iterator[str]:
     block; yields the implementation it wraps. Models that call the probe
     themselves (``probes_attention``) are left as they are."""
     config = model.config
-    inner = str(getattr(config, "_attn_implementation", None) or "eager")
-    if getattr(model, "probes_attention", False) or inner == PROBING:
-        yield inner
+    if getattr(model, "probes_attention", False):
+        yield str(getattr(config, "_attn_implementation", None) or "eager")
         return
     from transformers import AttentionInterface
 
     AttentionInterface.register(PROBING, probing_attention)
-    _INNER[id(config)] = inner
-    config._attn_implementation = PROBING
-    try:
-        yield inner
-    finally:
-        config._attn_implementation = inner
-        _INNER.pop(id(config), None)
+    with _SWITCH:
+        inner = str(getattr(config, "_attn_implementation", None) or "eager")
+        _INNER[id(config)] = inner
+        config._attn_implementation = PROBING
+        try:
+            yield inner
+        finally:
+            config._attn_implementation = inner
+            _INNER.pop(id(config), None)
 
 
 def attention_mask(
