@@ -82,13 +82,14 @@ def quality_plot(results: dict[str, Any], path: Path) -> None:
                           color=color, label=f"{metric.replace('_', ' ')}, {kind}")  # fmt: skip
         else:
             (ratio, name), marker = points[0], next(markers, "x")
-            axes.plot([ratio], [quality[name]["top1_agreement"]], marker, color="tab:red",
-                      markersize=8, label=f"top1 agreement, {name}")  # fmt: skip
+            for metric, color in (("top1_agreement", "tab:red"), ("retention", "tab:purple")):
+                axes.plot([ratio], [quality[name][metric]], marker, color=color, markersize=7,
+                          label=f"{metric.replace('_', ' ')}, {name}")  # fmt: skip
     axes.set_xlabel("recompute ratio")
     axes.set_ylabel("against full prefill")
     axes.set_title(f"SmolLM2-135M, {quality['prompts']} prompts: quality vs recompute ratio")
     axes.grid(True, alpha=0.3)
-    axes.legend(fontsize=7)
+    axes.legend(fontsize=6, ncol=2)
     figure.tight_layout()
     figure.savefig(path, dpi=120)
 
