@@ -74,17 +74,24 @@ def quality_plot(results: dict[str, Any], path: Path) -> None:
     axes = figure.subplots()
     markers = iter("xD^v*P")
     for kind, points in _kinds(results).items():
-        if len(points) > 1:
-            ratios = [r for r, _ in points]
-            for metric, color in (("top1_agreement", "tab:blue"), ("retention", "tab:orange")):
-                style = "o-" if kind.startswith("impact") else "s--"
-                axes.plot(ratios, [quality[name][metric] for _, name in points], style,
-                          color=color, label=f"{metric.replace('_', ' ')}, {kind}")  # fmt: skip
+        if len(points) > 1:  # a kind measured at several ratios: a line
+            style, size, colors, label = (
+                ("o-" if kind.startswith("impact") else "s--"),
+                None,
+                ("tab:blue", "tab:orange"),
+                kind,
+            )
         else:
-            (ratio, name), marker = points[0], next(markers, "x")
-            for metric, color in (("top1_agreement", "tab:red"), ("retention", "tab:purple")):
-                axes.plot([ratio], [quality[name][metric]], marker, color=color, markersize=7,
-                          label=f"{metric.replace('_', ' ')}, {name}")  # fmt: skip
+            style, size, colors, label = (
+                next(markers, "x"),
+                7,
+                ("tab:red", "tab:purple"),
+                points[0][1],
+            )
+        ratios = [r for r, _ in points]
+        for metric, color in zip(("top1_agreement", "retention"), colors, strict=True):
+            axes.plot(ratios, [quality[name][metric] for _, name in points], style, color=color,
+                      markersize=size, label=f"{metric.replace('_', ' ')}, {label}")  # fmt: skip
     axes.set_xlabel("recompute ratio")
     axes.set_ylabel("against full prefill")
     axes.set_title(f"SmolLM2-135M, {quality['prompts']} prompts: quality vs recompute ratio")
