@@ -38,6 +38,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 
 from kvtier.blend.select import Selector
 
@@ -45,6 +46,7 @@ CACHE_ARGUMENTS = ("cache", "past_key_values")  # transformers >= 5.24, then 5.1
 PROBE = "kvtier_probe"  # the keyword a layer's attention gets the pass's _Scatter by
 PROBING = "kvtier_probing"  # the attention function registered with transformers
 HEADS_AT_ONCE = 8  # query heads scored together by _Scatter.observe (bounds its memory)
+QUERIES_AT_ONCE = 64  # queries per SDPA call in prefix_attention
 
 
 def cache_keyword(function: Callable[..., Any], owner: str) -> str:
@@ -175,6 +177,14 @@ _INNER: dict[int, str] = {}  # id(config) -> the implementation probing_attentio
 _SWITCH = threading.Lock()
 
 
+def _attention_of(model: Any) -> str:
+    """The attention ``model``'s layers run: the one it declares
+    (``attention_implementation``, as ``kvtier.engine.vllm``'s ``BlendModel``
+    does), else its transformers config's."""
+    declared = getattr(model, "attention_implementation", None)
+    return str(declared or getattr(model.config, "_attn_implementation", None) or "eager")
+
+
 @contextlib.contextmanager
 def _probing(model: Any) -> Iterator[str]:
     """A transformers model's attention set to ``probing_attention`` for the
@@ -182,13 +192,13 @@ def _probing(model: Any) -> Iterator[str]:
     themselves (``probes_attention``) are left as they are."""
     config = model.config
     if getattr(model, "probes_attention", False):
-        yield str(getattr(config, "_attn_implementation", None) or "eager")
+        yield _attention_of(model)
         return
     from transformers import AttentionInterface
 
     AttentionInterface.register(PROBING, probing_attention)
     with _SWITCH:
-        inner = str(getattr(config, "_attn_implementation", None) or "eager")
+        inner = _attention_of(model)
         _INNER[id(config)] = inner
         config._attn_implementation = PROBING
         try:
@@ -215,6 +225,42 @@ def attention_mask(
     mask = torch.zeros(allowed.shape, dtype=dtype)
     mask.masked_fill_(~allowed, torch.finfo(dtype).min)
     return mask[None, None]
+
+
+def prefix_attention(
+    query: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    mask: torch.Tensor | None,
+    scale: float,
+) -> torch.Tensor:
+    """SDPA of ``query`` (``[1, heads, S, dim]``) over ``keys`` and
+    ``values`` (``[1, kv_heads, N, dim]``) under an ``attention_mask``
+    (None: causal, S == N). Each query there sees a prefix of the keys, so
+    queries go ``QUERIES_AT_ONCE`` at a time over the prefix the last of
+    them sees, not over all ``N``: the same numbers, with the work the mask
+    throws away mostly not done (SDPA's CPU kernel computes every score an
+    explicit mask covers)."""
+    gqa = query.shape[1] != keys.shape[1]
+    if mask is None:
+        causal: torch.Tensor = F.scaled_dot_product_attention(
+            query, keys, values, is_causal=True, scale=scale, enable_gqa=gqa
+        )
+        return causal
+    seen = (mask[0, 0] == 0).sum(dim=-1).tolist()  # keys each query sees
+    out = query.new_empty(query.shape[:-1] + values.shape[-1:])
+    for first in range(0, query.shape[2], QUERIES_AT_ONCE):
+        last = min(first + QUERIES_AT_ONCE, query.shape[2])
+        width = max(seen[first:last])
+        out[:, :, first:last] = F.scaled_dot_product_attention(
+            query[:, :, first:last],
+            keys[:, :, :width],
+            values[:, :, :width],
+            attn_mask=mask[:, :, first:last, :width],
+            scale=scale,
+            enable_gqa=gqa,
+        )
+    return out
 
 
 @torch.inference_mode()
@@ -253,8 +299,7 @@ def _blend_layers(
         raise ValueError("the blend must compute the last prompt token (it gives the logits)")
     hidden = decoder.embed_tokens(ids[positions][None])
     rope = decoder.rotary_emb(hidden, positions[None])
-    implementation = inner or getattr(model.config, "_attn_implementation", "")
-    causal = implementation == "sdpa"
+    causal = (inner or _attention_of(model)) == "sdpa"
     mask_tensor = attention_mask(positions, total, mask, hidden.dtype, causal)
     layer_tokens = []
     for n, layer in enumerate(layers):
@@ -297,5 +342,6 @@ __all__ = [
     "attention_mask",
     "blend_forward",
     "cache_keyword",
+    "prefix_attention",
     "probing_attention",
 ]

@@ -1,5 +1,6 @@
 """``blend_forward``'s attention probe: what the ``impact`` selection ranks by
-is the attention the model itself pays, and the model is left as it was."""
+is the attention the model itself pays, and the model is left as it was;
+``prefix_attention`` computes what one SDPA call over every key does."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import pytest
 import torch
 
 from kvtier.blend import BlendConfig, Selector, blend_forward
+from kvtier.blend.forward import QUERIES_AT_ONCE, attention_mask, prefix_attention
 from tests.hf_helpers import tiny_model
 
 
@@ -74,3 +76,29 @@ def test_the_model_is_left_as_it_was_when_a_layer_fails() -> None:
     with pytest.raises(IndexError):
         blend_forward(model, torch.arange(total), bad_keys, values, selector)
     assert model.config._attn_implementation == before
+
+
+@pytest.mark.parametrize("mask_mode", ["exact", "bottom_right"])
+@pytest.mark.parametrize("selected", [1, QUERIES_AT_ONCE, QUERIES_AT_ONCE + 1, 150, 300])
+def test_prefix_attention_equals_one_sdpa_over_every_key(mask_mode: str, selected: int) -> None:
+    total, heads, kv_heads, dim = 300, 6, 2, 16
+    generator = torch.Generator().manual_seed(selected)
+    picked = torch.randperm(total - 1, generator=generator)[: selected - 1]
+    positions = torch.cat([picked.sort().values, torch.tensor([total - 1])])
+    query = torch.randn(1, heads, selected, dim, generator=generator)
+    keys = torch.randn(1, kv_heads, total, dim, generator=generator)
+    values = torch.randn(1, kv_heads, total, dim, generator=generator)
+    mask = attention_mask(positions, total, mask_mode, torch.float32)
+    expected = torch.nn.functional.scaled_dot_product_attention(
+        query, keys, values, attn_mask=mask, scale=0.3, enable_gqa=True
+    )
+    got = prefix_attention(query, keys, values, mask, 0.3)
+    assert torch.allclose(got, expected, atol=1e-5)
+
+
+def test_prefix_attention_without_a_mask_is_causal() -> None:
+    query = torch.randn(1, 4, 90, 8)
+    keys, values = torch.randn(1, 4, 90, 8), torch.randn(1, 4, 90, 8)
+    mask = attention_mask(torch.arange(90), 90, "exact", torch.float32)
+    expected = prefix_attention(query, keys, values, mask, 0.5)
+    assert torch.allclose(prefix_attention(query, keys, values, None, 0.5), expected, atol=1e-5)

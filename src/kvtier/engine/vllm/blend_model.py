@@ -5,9 +5,10 @@ model: the blend runs on vLLM's own weights and modules.
 ``model.norm``, ``model.rotary_emb``, ``lm_head`` and ``config`` with the
 transformers calling conventions the blended pass uses. Each layer runs
 vLLM's norms, QKV projection, rotary embedding, output projection and MLP
-around PyTorch's SDPA over every position's K and V (handed back by the
-pass's stand-in cache); it never calls vLLM's ``Attention`` module, whose
-paged kernel and connector hooks belong to the engine's own forward. The
+around ``kvtier.blend.forward.prefix_attention`` (PyTorch's SDPA) over
+every position's K and V (handed back by the pass's stand-in cache); it
+never calls vLLM's ``Attention`` module, whose paged kernel and connector
+hooks belong to the engine's own forward. The
 "position embeddings" the pass threads through the layers are the position
 ids themselves: vLLM's rotary embedding takes positions.
 
@@ -20,7 +21,8 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-import torch.nn.functional as F
+
+from kvtier.blend.forward import prefix_attention
 
 
 class _Rotary:
@@ -67,14 +69,8 @@ class _Layer:
         query = q.view(tokens, heads, dim).transpose(0, 1)[None]
         if kvtier_probe is not None:  # the impact selection's attention (kvtier.blend.forward)
             kvtier_probe.observe(query, keys, attention_mask, attn.scaling)
-        out = F.scaled_dot_product_attention(
-            query,
-            keys.to(query.dtype),
-            values.to(query.dtype),
-            attn_mask=attention_mask,
-            is_causal=attention_mask is None,
-            scale=attn.scaling,
-            enable_gqa=heads != kv_heads,
+        out = prefix_attention(
+            query, keys.to(query.dtype), values.to(query.dtype), attention_mask, attn.scaling
         )
         out, _ = attn.o_proj(out[0].transpose(0, 1).reshape(tokens, heads * dim))
         x = residual + out
@@ -107,6 +103,7 @@ class BlendModel:
     """A vLLM Llama for ``blend_forward`` and ``RopeShift`` (see the module docstring)."""
 
     probes_attention = True  # its layers hand the blend's probe their queries themselves
+    attention_implementation = "sdpa"  # prefix_attention: causal where given no mask
 
     def __init__(self, model: Any, config: Any) -> None:
         self.vllm_model = model
