@@ -85,6 +85,15 @@ class Server(ServerProcess):
     def status(self) -> dict[str, Any]:
         return self.status_json(self.token)
 
+    def fresh_status(self) -> dict[str, Any]:
+        """The status from a snapshot taken after this call began: the
+        server refreshes it once a tick (``kvtier.server.transport``), so
+        ``status()`` may not show yet what a reply just confirmed."""
+        began = self.status()["uptime_s"]
+        status = wait_for(self.status, lambda s: s["uptime_s"] > began, timeout_s=10.0)
+        assert status["uptime_s"] > began, "the server took no status snapshot in 10 s"
+        return status
+
     def metrics(self) -> str:
         code, body = self.http_get("/metrics")
         assert code == 200, (code, body)

@@ -103,11 +103,11 @@ def test_blends_match_the_transformers_blend_and_reuse_stored_segments(
     engine: Engine, kv_server: Server, transformers_model: Any
 ) -> None:
     ids, spans = rag([2, 0, 1], 61)
-    configs = {  # the one that stores new (unanchored) segments first, long before `before`
-        "deviation 0.15, alone": BlendConfig(ratio=0.15, selection="deviation", anchor=False),
+    configs = {
         "plain concatenation": BlendConfig(ratio=0.0),
         "impact 0.15": BlendConfig(ratio=0.15),
         "static 0.3": BlendConfig(ratio=0.3, selection="static"),
+        "deviation 0.15, alone": BlendConfig(ratio=0.15, selection="deviation", anchor=False),
     }
     for what, config in configs.items():
         params = [ask(spans, **dataclasses.asdict(config))]

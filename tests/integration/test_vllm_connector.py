@@ -185,11 +185,11 @@ def assert_same(reference: Sequence[Any], outputs: Sequence[Any]) -> None:
 
 
 def held_locks(server: Server) -> int:
-    return int(server.status()["storage"]["held_lookup_locks"])
+    return int(server.fresh_status()["storage"]["held_lookup_locks"])
 
 
 def stored_objects(server: Server) -> int:
-    return int(server.status()["storage"]["l1"]["resident_objects"])
+    return int(server.fresh_status()["storage"]["l1"]["resident_objects"])
 
 
 # ------------------------------------------------------------------ tests
