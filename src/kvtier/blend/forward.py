@@ -25,6 +25,11 @@ attention function registered with transformers' ``AttentionInterface``
 (``probing_attention``, which wraps the model's own, set for the length of
 the pass), a vLLM model (``kvtier.engine.vllm.blend_model``) in its own
 layer code.
+
+Where the model's attention is SDPA, the pass runs ``prefix_attention``
+instead: the same numbers, without scoring the keys the mask hides from
+each selected query (PyTorch's CPU kernel scores every key an explicit mask
+covers).
 """
 
 from __future__ import annotations
@@ -150,7 +155,8 @@ def probing_attention(
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """A transformers attention function: the model's own (the probe's
     ``inner``; its modeling module's ``eager_attention_forward`` for
-    ``eager``), then the probe's ``observe``."""
+    ``eager``; ``prefix_attention`` for ``sdpa`` in a blended pass), then
+    the probe's ``observe``."""
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
     probe = kwargs.pop(PROBE, None)
@@ -162,11 +168,15 @@ def probing_attention(
     own = sys.modules[type(module).__module__]
     eager: Callable[..., Any] = getattr(own, "eager_attention_forward", eager_attention_forward)
     inner = ALL_ATTENTION_FUNCTIONS.get_interface(inner_name, eager)
-    out: tuple[torch.Tensor, torch.Tensor | None] = inner(
-        module, query, key, value, attention_mask, **kwargs
-    )
+    scaling = kwargs.get("scaling") or query.shape[-1] ** -0.5
+    out: tuple[torch.Tensor, torch.Tensor | None]
+    if probe is not None and inner_name == "sdpa" and not kwargs.get("dropout"):
+        # transformers' functions return [batch, S, heads, dim]
+        attended = prefix_attention(query, key, value, attention_mask, scaling)
+        out = attended.transpose(1, 2).contiguous(), None
+    else:
+        out = inner(module, query, key, value, attention_mask, **kwargs)
     if probe is not None:
-        scaling = kwargs.get("scaling") or query.shape[-1] ** -0.5
         probe.observe(query, key, attention_mask, scaling)
     return out
 
@@ -276,8 +286,7 @@ def blend_forward(
     V preloaded in ``keys``/``values`` (the stored ones at reused positions;
     overwritten in place where a layer runs a position). The last position
     must be one ``selector`` always computes."""
-    probing = _probing(model) if selector.wants_attention else contextlib.nullcontext("")
-    with probing as inner:
+    with _probing(model) as inner:
         return _blend_layers(model, ids, keys, values, selector, mask, inner)
 
 
@@ -299,28 +308,27 @@ def _blend_layers(
         raise ValueError("the blend must compute the last prompt token (it gives the logits)")
     hidden = decoder.embed_tokens(ids[positions][None])
     rope = decoder.rotary_emb(hidden, positions[None])
-    causal = (inner or _attention_of(model)) == "sdpa"
+    causal = inner == "sdpa"
     mask_tensor = attention_mask(positions, total, mask, hidden.dtype, causal)
+    probed = selector.wants_attention
     layer_tokens = []
     for n, layer in enumerate(layers):
         narrows = selector.narrows_after(n)
-        rows = torch.nonzero(selector.computed[positions]).flatten() if inner else None
+        rows = torch.nonzero(selector.computed[positions]).flatten() if probed else None
         scatter = _Scatter(keys, values, positions, measure=narrows, rows=rows)
         scatter.inner = inner
-        probe = {PROBE: scatter} if inner else {}
         out = layer(
             hidden,
             attention_mask=mask_tensor,
             position_ids=positions[None],
             position_embeddings=rope,
             use_cache=True,
-            **{keyword: scatter},
-            **probe,
+            **{keyword: scatter, PROBE: scatter},
         )
         hidden = out[0] if isinstance(out, tuple) else out
         layer_tokens.append(int(positions.numel()))
         if narrows:
-            if scatter.deviation is None or (inner and scatter.attention is None):
+            if scatter.deviation is None or (probed and scatter.attention is None):
                 raise RuntimeError(
                     f"layer {n} ({type(layer).__name__}) did not hand the blend its K/V "
                     "through the cache, or its queries through kvtier_probe"
