@@ -53,6 +53,9 @@ class ModelConfig:
     def get_num_kv_heads(self, parallel: Any) -> int:
         return 2
 
+    def get_total_num_kv_heads(self) -> int:
+        return 2
+
     def get_head_size(self) -> int:
         return 64
 

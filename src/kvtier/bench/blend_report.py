@@ -75,19 +75,11 @@ def quality_plot(results: dict[str, Any], path: Path) -> None:
     markers = iter("xD^v*P")
     for kind, points in _kinds(results).items():
         if len(points) > 1:  # a kind measured at several ratios: a line
-            style, size, colors, label = (
-                ("o-" if kind.startswith("impact") else "s--"),
-                None,
-                ("tab:blue", "tab:orange"),
-                kind,
-            )
-        else:
-            style, size, colors, label = (
-                next(markers, "x"),
-                7,
-                ("tab:red", "tab:purple"),
-                points[0][1],
-            )
+            style = "o-" if kind.startswith("impact") else "s--"
+            size, colors, label = None, ("tab:blue", "tab:orange"), kind
+        else:  # one configuration: a marker
+            style, size, colors = next(markers, "x"), 7, ("tab:red", "tab:purple")
+            label = points[0][1]
         ratios = [r for r, _ in points]
         for metric, color in zip(("top1_agreement", "retention"), colors, strict=True):
             axes.plot(ratios, [quality[name][metric] for _, name in points], style, color=color,

@@ -253,10 +253,9 @@ def prefix_attention(
     explicit mask covers)."""
     gqa = query.shape[1] != keys.shape[1]
     if mask is None:
-        causal: torch.Tensor = F.scaled_dot_product_attention(
+        return F.scaled_dot_product_attention(
             query, keys, values, is_causal=True, scale=scale, enable_gqa=gqa
         )
-        return causal
     seen = (mask[0, 0] == 0).sum(dim=-1).tolist()  # keys each query sees
     out = query.new_empty(query.shape[:-1] + values.shape[-1:])
     for first in range(0, query.shape[2], QUERIES_AT_ONCE):
