@@ -64,7 +64,7 @@ def _serve(args: argparse.Namespace) -> int:
         print(dump_toml(config), end="")
         return 0
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
-    serve(config)
+    serve(config, stop_with_stdin=args.stop_with_stdin)
     return 0
 
 
@@ -244,6 +244,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     srv.add_argument("--config", help="TOML file with any of the options")
     srv.add_argument("--print-config", action="store_true", help="print the merged options, exit")
+    srv.add_argument(
+        "--stop-with-stdin",
+        action="store_true",
+        help="stop (as on SIGTERM) when stdin ends: a parent that holds a pipe to it has "
+        "exited, however it died (kvtier's own tools start the server this way)",
+    )
     srv.add_argument("--host", help="bind address (default 127.0.0.1)")
     srv.add_argument("--port", type=int, help="RPC port (default 5555; 0 picks one)")
     srv.add_argument("--http-port", type=int, help="admin HTTP port (default 8765; -1: off)")

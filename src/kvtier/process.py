@@ -1,11 +1,15 @@
 """Run ``kvtier serve`` as a child process: start it, read its ready line,
 stop it by PID.
 
-``ServerProcess.start(args)`` launches ``python -m kvtier.cli serve ARGS``,
-waits for the ready line ``serve()`` prints and parses the addresses from it.
-``stop()`` sends SIGTERM (or the signal given), waits until a deadline, then
-SIGKILLs; a shared-memory arena left by a killed server is removed. Used by
-``kvtier demo``, the benchmarks and the tests.
+``ServerProcess.start(args)`` launches ``python -m kvtier.cli serve ARGS
+--stop-with-stdin``, waits for the ready line ``serve()`` prints and parses
+the addresses from it. ``stop()`` sends SIGTERM (or the signal given), waits
+until a deadline, then SIGKILLs; a shared-memory arena left by a killed
+server is removed. The child's stdin is a pipe this process holds and never
+writes: if this process dies without stopping it (SIGKILL, a SIGTERM it does
+not handle), the pipe ends and the server stops by itself, arena and all,
+instead of holding its L1 memory for nobody. Used by ``kvtier demo``, the
+benchmarks and the tests.
 """
 
 from __future__ import annotations
@@ -94,13 +98,13 @@ class ServerProcess:
     ) -> ServerProcess:
         """Start ``kvtier serve ARGS`` (stderr to ``log_path``) and wait for its
         ready line; RuntimeError with the log if it does not come."""
-        command = [sys.executable, "-m", "kvtier.cli", "serve", *args]
+        command = [sys.executable, "-m", "kvtier.cli", "serve", *args, "--stop-with-stdin"]
         with log_path.open("w") as log_file:
             proc = subprocess.Popen(
                 command,
                 stdout=subprocess.PIPE,
                 stderr=log_file,
-                stdin=subprocess.DEVNULL,
+                stdin=subprocess.PIPE,  # held, never written: it ends when this process does
                 text=True,
                 cwd=cwd,
                 env=clean_env(env),
@@ -151,8 +155,9 @@ class ServerProcess:
     def stop(self, sig: int = signal.SIGTERM, timeout_s: float = STOP_TIMEOUT_S) -> int:
         """Stop by PID; return the exit status. A killed server's arena is removed."""
         code = stop_process(self.proc, sig, timeout_s)
-        if self.proc.stdout is not None:
-            self.proc.stdout.close()
+        for stream in (self.proc.stdin, self.proc.stdout):
+            if stream is not None:
+                stream.close()
         if code != 0:
             (self.shm_dir / self.arena).unlink(missing_ok=True)
         return code

@@ -4,10 +4,15 @@ register again and find what was stored before in the fs L2."""
 from __future__ import annotations
 
 import signal
+import subprocess
+import sys
 import threading
+from pathlib import Path
+from typing import Any
 
 import numpy as np
 
+from kvtier.process import clean_env, read_line, stop_process
 from kvtier.server.client import CacheClient
 from tests.integration import workload as w
 from tests.integration.harness import SHM_DIR, ServerFactory, wait_for, wait_written_back
@@ -58,9 +63,16 @@ def test_client_degrades_while_down_then_hits_after_restart(
         assert client.retrieve_into("up", 0, CHUNKS, out)
         for got, want in zip(out, w.payloads(31, CHUNKS, SIZE), strict=True):
             assert np.array_equal(got, want)
-        status = client.status()
+
+        # The prefetcher counts a lookup's hits just after it answers it: wait for them.
+        def fs_hits(status: dict[str, Any] | None) -> bool:
+            return (
+                status is not None and status["storage"]["prefetch"].get("hit_objects.fs") == CHUNKS
+            )
+
+        status = wait_for(client.status, fs_hits)
         assert status is not None
-        assert status["storage"]["prefetch"]["hit_objects.fs"] == CHUNKS
+        assert status["storage"]["prefetch"].get("hit_objects.fs") == CHUNKS
         assert status["storage"]["held_lookup_locks"] == 0
 
         # Stores work again too (a chunk never stored before).
@@ -142,3 +154,46 @@ def test_a_lookup_against_a_dead_server_waits_for_its_ack_only(
         assert (states[0].acked, states[0].hit_chunks) == (False, 0)
     finally:
         client.close()
+
+
+PARENT = """
+import sys
+from pathlib import Path
+from kvtier.process import ServerProcess
+
+server = ServerProcess.start(
+    ["--port", "0", "--http-port", "-1", "--l1-size", "16MiB", "--cache-dir", "none"],
+    Path(sys.argv[1]),
+)
+print(server.pid, server.arena, flush=True)
+sys.stdin.read()  # until the test kills this process
+"""
+
+
+def test_a_server_whose_parent_dies_stops_by_itself(tmp_path: Path) -> None:
+    """The finding: a tool that started a server with ServerProcess and was
+    killed (SIGKILL, or a SIGTERM it does not handle) left the server running
+    with its L1 arena, 8 GiB of /dev/shm for blend-eval's, held for nobody.
+    The server's stdin is a pipe only the parent holds: it stops when it ends."""
+    parent = subprocess.Popen(
+        [sys.executable, "-c", PARENT, str(tmp_path / "serve.log")],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+        env=clean_env(),
+    )
+    try:
+        assert parent.stdout is not None
+        line = read_line(parent.stdout, 30.0)
+        assert line, (
+            f"the parent printed nothing; serve log:\n{(tmp_path / 'serve.log').read_text()}"
+        )
+        pid, arena = int(line.split()[0]), SHM_DIR / line.split()[1]
+        assert arena.exists() and Path(f"/proc/{pid}").exists()
+        parent.send_signal(signal.SIGKILL)  # by PID: no clean-up of its own
+        parent.wait()
+        assert wait_for(lambda: Path(f"/proc/{pid}/status").exists(), lambda up: not up) is False
+        assert wait_for(arena.exists, lambda exists: not exists) is False
+        assert "stdin closed; stopping" in (tmp_path / "serve.log").read_text()
+    finally:
+        stop_process(parent, signal.SIGKILL)

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import signal
+import sys
 import threading
 from pathlib import Path
 from types import FrameType
@@ -40,8 +42,28 @@ def tenant_table(config: ServerConfig) -> TenantTable:
     return TenantTable.single(config.auth_token)
 
 
-def serve(config: ServerConfig, stop: threading.Event | None = None) -> None:
-    """Run until ``stop`` is set, SIGTERM or SIGINT; release everything on the way out."""
+def stop_at_end_of(fd: int, stop: threading.Event) -> threading.Thread:
+    """Set ``stop`` once the pipe ``fd`` ends (a daemon thread reads and drops
+    it, unbuffered: a daemon blocked in a buffered read aborts interpreter
+    shutdown): a parent that started the server with a pipe on its stdin has
+    closed it or exited, however it died, and the server stops as on SIGTERM."""
+
+    def drain() -> None:
+        while os.read(fd, 4096):
+            pass
+        log.info("kvtier serve: stdin closed; stopping")
+        stop.set()
+
+    thread = threading.Thread(target=drain, name="kvtier-stdin-watch", daemon=True)
+    thread.start()
+    return thread
+
+
+def serve(
+    config: ServerConfig, stop: threading.Event | None = None, *, stop_with_stdin: bool = False
+) -> None:
+    """Run until ``stop`` is set, SIGTERM or SIGINT (or, with
+    ``stop_with_stdin``, stdin ends); release everything on the way out."""
     stop = stop or threading.Event()
     if threading.current_thread() is threading.main_thread():  # before the slow start-up
 
@@ -50,6 +72,8 @@ def serve(config: ServerConfig, stop: threading.Event | None = None) -> None:
 
         signal.signal(signal.SIGTERM, on_signal)
         signal.signal(signal.SIGINT, on_signal)
+    if stop_with_stdin:
+        stop_at_end_of(sys.stdin.fileno(), stop)
     residency = Residency(config.chunk_size) if config.events.enabled else None
     storage = StorageManager(storage_config(config), residency)
     core = CacheServer(
