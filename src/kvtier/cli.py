@@ -127,7 +127,12 @@ def _ratios(text: str) -> tuple[float, ...]:
 def _blend_eval(args: argparse.Namespace) -> int:
     try:
         from kvtier.bench.blend_eval import BlendEvalRequest, run_blend_eval
-        from kvtier.bench.blend_report import latency_table, quality_plot, quality_table
+        from kvtier.bench.blend_report import (
+            answers_table,
+            latency_table,
+            quality_plot,
+            quality_table,
+        )
     except ImportError as exc:
         return missing_extra("blend-eval", exc, '"torch==2.13.0" "kvtier[blend]"')
     from pathlib import Path
@@ -151,6 +156,7 @@ def _blend_eval(args: argparse.Namespace) -> int:
     plot = request.out / "quality-vs-ratio.png"
     quality_plot(results, plot)
     console.print(quality_table(results))
+    console.print(answers_table(results))
     if results["latency"] is not None:
         console.print(latency_table(results))
     console.print(f"plot: {plot}; per-prompt rows: {request.out / 'prompts.jsonl'}")

@@ -24,8 +24,14 @@ right (its own greedy output, decoded only where it differs from full
 prefill's), its TTFT and its prefill work (token-layers run / full
 prefill's). Summaries are over all prompts, and *retention* over the
 prompts full prefill answers right: the share each blend still answers
-right. A latency set (4 documents, 1.5-3 K tokens) times full prefill,
-prefix-only reuse and the blends on the same prompts, documents warm in L1.
+right. Where the answers go: whether a wrong answer is another document's
+code or none, and retention apart over the surer and the less sure half of
+full prefill's right answers, by their *margin* (the least lead in
+probability of full prefill's chosen token over the runner-up, over the
+tokens that spell the code): how much an answer a blend loses was already
+a near thing. A
+latency set (4 documents, 1.5-3 K tokens) times full prefill, prefix-only
+reuse and the blends on the same prompts, documents warm in L1.
 """
 
 from __future__ import annotations
@@ -38,6 +44,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 from kvtier.bench.retrieval import (
@@ -91,6 +98,7 @@ class Measured:
     kl: float = 0.0
     equal: bool = True
     correct: bool = False
+    answered: str = ""  # Prompt.answered of its greedy answer: asked, another or none
     hit_tokens: int = 0
     computed_alone_tokens: int = 0  # a blend's segments not found (computed alone)
 
@@ -140,7 +148,7 @@ class _Runner:
         config: BlendConfig,
         answer: list[int],
         reference: torch.Tensor,
-        full_correct: bool,
+        full_answered: str,
     ) -> Measured:
         prefill = self.engine.prefill(ids, segments=spans, blend=config)
         assert prefill.blend is not None
@@ -151,17 +159,18 @@ class _Runner:
         ).sum(-1)
         equal = bool(agree.all())
         if equal:
-            correct = full_correct
+            answered = full_answered
         else:
             output = self.engine.decode(prefill, self.generated, self.eos).tokens
-            correct = prompt.correct(self.tokenizer.decode(output))
+            answered = prompt.answered(self.tokenizer.decode(output))
         return Measured(
             prefill.timings.ttft_s,
             work=prefill.blend.work,
             agreement=float(agree.float().mean()),
             kl=float(kl.mean()),
             equal=equal,
-            correct=correct,
+            correct=answered == "asked",
+            answered=answered,
             hit_tokens=prefill.hit_tokens,
             computed_alone_tokens=prefill.blend.computed_alone_tokens,
         )
@@ -182,13 +191,93 @@ class _Runner:
         return torch.cat(rows)
 
 
+def margin(logits: torch.Tensor) -> float:
+    """The least lead, in probability, of each row's top token over its
+    runner-up (``logits``: ``[tokens, vocab]``): how little it takes to flip
+    one of those tokens of a greedy answer."""
+    top = logits.float().softmax(-1).topk(2, dim=-1).values
+    return float((top[:, 0] - top[:, 1]).min())
+
+
+def spelling(tokenizer: Any, tokens: list[int], text: str) -> list[int] | None:
+    """The indices of the ``tokens`` whose decoded text spells ``text`` (its
+    first occurrence), or None where the decoded tokens do not hold it."""
+    start = tokenizer.decode(tokens).find(text)
+    if start < 0:
+        return None
+    ends = [len(tokenizer.decode(tokens[: i + 1])) for i in range(len(tokens))]
+    first = next(i for i, end in enumerate(ends) if end > start)
+    last = next(i for i, end in enumerate(ends) if end >= start + len(text))
+    return list(range(first, last + 1))
+
+
+RESAMPLES = 4000  # bootstrap resamples of the prompts for a 95 % interval
+
+
+def interval(values: Sequence[float]) -> list[float] | None:
+    """A 95 % percentile-bootstrap interval of the mean of ``values`` (the
+    prompts resampled ``RESAMPLES`` times, a fixed seed: the same rows give
+    the same interval); None for no values."""
+    if not values:
+        return None
+    data = np.asarray(values, dtype=np.float64)
+    picks = np.random.default_rng(0).integers(0, len(data), (RESAMPLES, len(data)))
+    low, high = np.percentile(data[picks].mean(axis=1), [2.5, 97.5])
+    return [round(float(low), 4), round(float(high), 4)]
+
+
+@dataclass(frozen=True, slots=True)
+class MarginHalves:
+    """Full prefill's right answers split at their median margin (rows
+    without a margin, measured before margins were kept, are in neither)."""
+
+    median: float | None
+    margins: list[float]
+    surer: list[dict[str, Any]]
+    less_sure: list[dict[str, Any]]
+
+    @classmethod
+    def of(cls, right: list[dict[str, Any]]) -> MarginHalves:
+        measured = [(r, m) for r in right if (m := r.get("margin")) is not None]
+        margins = sorted(m for _, m in measured)
+        median = statistics.median(margins) if margins else None
+        surer = [r for r, m in measured if median is not None and m >= median]
+        less_sure = [r for r, m in measured if median is not None and m < median]
+        return cls(median, margins, surer, less_sure)
+
+    def summary(self) -> dict[str, Any]:
+        return {
+            "median": self.median,
+            "range": [self.margins[0], self.margins[-1]] if self.margins else None,
+            "surer_half": len(self.surer),
+            "less_sure_half": len(self.less_sure),
+        }
+
+    def retention(self, name: str) -> dict[str, float | None]:
+        """The share of each half that configuration ``name`` keeps right."""
+        return {
+            "retention_surer_half": _kept(self.surer, name),
+            "retention_less_sure_half": _kept(self.less_sure, name),
+        }
+
+
+def _kept(rows: list[dict[str, Any]], name: str) -> float | None:
+    return round(sum(r[name]["correct"] for r in rows) / len(rows), 3) if rows else None
+
+
 def summarize(rows: list[dict[str, Any]], names: Sequence[str]) -> dict[str, Any]:
-    """Means over prompts, and retention over those full prefill gets right."""
+    """Means over prompts; retention over those full prefill gets right, and
+    apart over the surer half of them (margin at or above the median) and
+    the less sure half (rows measured before margins were kept are in
+    neither); where wrong answers go."""
     right = [r for r in rows if r["full"]["correct"]]
+    halves = MarginHalves.of(right)
     summary: dict[str, Any] = {
         "prompts": len(rows),
         "full_prefill_accuracy": round(len(right) / max(len(rows), 1), 3),
         "full_prefill_correct": len(right),
+        "full_prefill_another_code": sum(r["full"].get("answered") == "another" for r in rows),
+        "full_prefill_margin": halves.summary(),
     }
     for name in ["prefix-only", *names]:
         got = [r[name] for r in rows]
@@ -199,10 +288,14 @@ def summarize(rows: list[dict[str, Any]], names: Sequence[str]) -> dict[str, Any
         if name != "prefix-only":
             entry |= {
                 "top1_agreement": round(statistics.fmean(m["agreement"] for m in got), 4),
+                "top1_agreement_ci95": interval([m["agreement"] for m in got]),
                 "kl": round(statistics.fmean(m["kl"] for m in got), 4),
                 "greedy_equal": round(statistics.fmean(m["equal"] for m in got), 3),
                 "accuracy": round(statistics.fmean(m["correct"] for m in got), 3),
                 "retention": round(sum(r[name]["correct"] for r in right) / max(len(right), 1), 3),
+                "retention_ci95": interval([float(r[name]["correct"]) for r in right]),
+                **halves.retention(name),
+                "lost_to_another_code": sum(r[name].get("answered") == "another" for r in right),
                 "segments_all_found": round(
                     statistics.fmean(m["computed_alone_tokens"] == 0 for m in got), 3
                 ),
@@ -326,16 +419,19 @@ def _rows_to_resume(path: Path, names: dict[str, BlendConfig]) -> list[dict[str,
 def _quality_row(runner: _Runner, prompt: Prompt, names: dict[str, BlendConfig]) -> dict[str, Any]:
     ids, spans = runner.tokens(prompt)
     answer, reference, ttft = runner.full(ids)
-    full_correct = prompt.correct(runner.tokenizer.decode(answer))
+    answered = prompt.answered(runner.tokenizer.decode(answer))
+    full = Measured(ttft, correct=answered == "asked", answered=answered)
+    code = spelling(runner.tokenizer, answer, prompt.answer)  # None: full prefill is wrong
     row: dict[str, Any] = {
         "tokens": len(ids),
         "documents": len(prompt.documents),
         "answer": runner.tokenizer.decode(answer),
-        "full": asdict(Measured(ttft, correct=full_correct)),
+        "margin": None if code is None else round(margin(reference[code]), 4),
+        "full": asdict(full),
         "prefix-only": asdict(runner.prefix_only(ids)),
     }
     for name, config in names.items():
-        measured = runner.blend(prompt, ids, spans, config, answer, reference, full_correct)
+        measured = runner.blend(prompt, ids, spans, config, answer, reference, answered)
         row[name] = asdict(measured)
     return row
 
@@ -353,4 +449,13 @@ def _latency_row(runner: _Runner, prompt: Prompt, names: dict[str, BlendConfig])
     return row
 
 
-__all__ = ["BlendEvalRequest", "configurations", "latency_spec", "run_blend_eval", "summarize"]
+__all__ = [
+    "BlendEvalRequest",
+    "MarginHalves",
+    "configurations",
+    "latency_spec",
+    "margin",
+    "run_blend_eval",
+    "spelling",
+    "summarize",
+]

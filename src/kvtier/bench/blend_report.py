@@ -11,36 +11,73 @@ from rich.table import Table
 
 
 def quality_table(results: dict[str, Any]) -> Table:
+    """Fidelity to full prefill's own answers, work and TTFT, per configuration."""
     quality = results["quality"]
-    table = Table(
-        title=(
-            f"Fidelity to full prefill over {quality['prompts']} prompts "
-            f"(full prefill answers {quality['full_prefill_correct']} right: "
-            f"accuracy {quality['full_prefill_accuracy']:.3f})"
-        )
-    )
-    for column in ("configuration", "top-1 agreement", "greedy equal", "retention",
-                   "accuracy", "KL", "work", "TTFT p50"):  # fmt: skip
+    table = Table(title=f"Fidelity to full prefill over {quality['prompts']} prompts")
+    for column in ("configuration", "top-1 agreement [95 % CI]", "greedy equal", "KL", "work",
+                   "TTFT p50"):  # fmt: skip
         table.add_column(column, justify="left" if column == "configuration" else "right")
-    table.add_row("full prefill", "1", "1", "1", f"{quality['full_prefill_accuracy']:.3f}", "0",
-                  "1", f"{quality['full']['ttft_p50_s'] * 1e3:,.0f} ms")  # fmt: skip
+    table.add_row("full prefill", "1", "1", "0", "1",
+                  f"{quality['full']['ttft_p50_s'] * 1e3:,.0f} ms")  # fmt: skip
     prefix = quality["prefix-only"]
-    accuracy = f"{quality['full_prefill_accuracy']:.3f}"
-    table.add_row("prefix-only reuse", "1", "1", "1", accuracy, "0", f"{prefix['work']:.3f}",
+    table.add_row("prefix-only reuse", "1", "1", "0", f"{prefix['work']:.3f}",
                   f"{prefix['ttft_p50_s'] * 1e3:,.0f} ms")  # fmt: skip
     for name in results["configurations"]:
         q = quality[name]
         table.add_row(
             name,
-            f"{q['top1_agreement']:.3f}",
+            _with_interval(q["top1_agreement"], q.get("top1_agreement_ci95")),
             f"{q['greedy_equal']:.3f}",
-            f"{q['retention']:.3f}",
-            f"{q['accuracy']:.3f}",
             f"{q['kl']:.4f}",
             f"{q['work']:.3f}",
             f"{q['ttft_p50_s'] * 1e3:,.0f} ms",
         )
     return table
+
+
+def answers_table(results: dict[str, Any]) -> Table:
+    """Right answers per configuration: accuracy, retention (the share of
+    full prefill's right answers kept) with its interval, apart over the
+    surer and less sure halves of them by full prefill's margin, and how
+    many of them became another document's code."""
+    quality = results["quality"]
+    right = quality["full_prefill_correct"]
+    margin = quality["full_prefill_margin"]
+    margins = ""
+    if margin["median"] is not None:
+        low, high = margin["range"]
+        margins = f"; margins {low:.2f}-{high:.2f}, median {margin['median']:.2f}"
+    table = Table(
+        title=(
+            f"Answers: full prefill gets {right} of {quality['prompts']} right{margins}; "
+            f"{quality['full_prefill_another_code']} wrong with another document's code"
+        )
+    )
+    for column in ("configuration", "accuracy", "retention", "95 % CI", "surer half",
+                   "less sure half", "to another code"):  # fmt: skip
+        table.add_column(column, justify="left" if column == "configuration" else "right")
+    table.add_row("full prefill", f"{quality['full_prefill_accuracy']:.3f}", "1", "", "1", "1", "")
+    for name in results["configurations"]:
+        q = quality[name]
+        ci95 = q.get("retention_ci95")
+        table.add_row(
+            name,
+            f"{q['accuracy']:.3f}",
+            f"{q['retention']:.3f}",
+            "" if ci95 is None else f"{ci95[0]:.2f}-{ci95[1]:.2f}",
+            _share(q.get("retention_surer_half")),
+            _share(q.get("retention_less_sure_half")),
+            f"{q.get('lost_to_another_code', 0)} of {right}",
+        )
+    return table
+
+
+def _share(value: float | None) -> str:
+    return "" if value is None else f"{value:.3f}"
+
+
+def _with_interval(value: float, ci95: list[float] | None) -> str:
+    return f"{value:.3f}" if ci95 is None else f"{value:.3f} [{ci95[0]:.3f}, {ci95[1]:.3f}]"
 
 
 def latency_table(results: dict[str, Any]) -> Table:
@@ -103,4 +140,4 @@ def _kinds(results: dict[str, Any]) -> dict[str, list[tuple[float, str]]]:
     return {kind: sorted(points) for kind, points in kinds.items()}
 
 
-__all__ = ["latency_table", "quality_plot", "quality_table"]
+__all__ = ["answers_table", "latency_table", "quality_plot", "quality_table"]

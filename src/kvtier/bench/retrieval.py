@@ -80,10 +80,18 @@ class Prompt:
     documents: tuple[int, ...]  # pool indices, in prompt order
     asked: int  # the pool index of the document the question is about
     answer: str  # its code
+    codes: tuple[str, ...] = ()  # every document's code, in prompt order
 
     def correct(self, output: str) -> bool:
         """Whether a generated answer gives the asked code."""
         return self.answer in output
+
+    def answered(self, output: str) -> str:
+        """Which code a generated answer gives: ``asked``, ``another`` (the
+        code of another document in the prompt) or ``none``."""
+        if self.correct(output):
+            return "asked"
+        return "another" if any(code in output for code in self.codes) else "none"
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -151,7 +159,8 @@ def retrieval_prompts(spec: RetrievalSpec, pool: list[Document] | None = None) -
         chosen = [int(d) for d in rng.choice(len(pool), count, replace=False)]
         asked = chosen[int(rng.integers(0, count))]
         parts = (SYSTEM, *(pool[d].text for d in chosen), QUESTION.format(name=pool[asked].name))
-        prompts.append(Prompt(parts, tuple(chosen), asked, pool[asked].code))
+        codes = tuple(pool[d].code for d in chosen)
+        prompts.append(Prompt(parts, tuple(chosen), asked, pool[asked].code, codes))
     return prompts
 
 

@@ -9,16 +9,20 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 from rich.console import Console
 
 from kvtier.bench.blend_eval import (
     Measured,
     _rows_to_resume,
     configurations,
+    interval,
     latency,
+    margin,
+    spelling,
     summarize,
 )
-from kvtier.bench.blend_report import latency_table, quality_plot, quality_table
+from kvtier.bench.blend_report import answers_table, latency_table, quality_plot, quality_table
 from kvtier.bench.retrieval import RetrievalSpec, document_pool, retrieval_prompts
 
 
@@ -38,6 +42,12 @@ def test_the_task_is_pure_and_each_question_has_its_document() -> None:
         assert len(prompt.parts) == len(prompt.documents) + 2
         assert prompt.correct(f"The access code is {document.code}.")
         assert not prompt.correct("I do not know.")
+        assert prompt.codes == tuple(pool[d].code for d in prompt.documents)
+        assert prompt.answered(f"It is {document.code}.") == "asked"
+        assert prompt.answered("I do not know.") == "none"
+        others = [pool[d].code for d in prompt.documents if d != prompt.asked]
+        assert prompt.answered(f"It is {others[0]}.") == "another"
+        assert prompt.answered(f"{others[0]} or {document.code}") == "asked"
     words = [len(d.text.split()) for d in pool]
     assert min(words) >= spec.words[0] and max(words) <= spec.words[1] + 40
 
@@ -50,19 +60,21 @@ def test_bad_specs_are_refused() -> None:
 
 
 def measured(correct: bool, agreement: float = 1.0, ttft: float = 1.0) -> dict[str, Any]:
+    answered = "asked" if correct else "another"
     return asdict(Measured(ttft, work=0.25, agreement=agreement, kl=0.5 * (1 - agreement),
-                           equal=agreement == 1.0, correct=correct))  # fmt: skip
+                           equal=agreement == 1.0, correct=correct, answered=answered))  # fmt: skip
 
 
 NAMES = list(configurations((0.0, 0.15), ()))
 
 
 def rows() -> list[dict[str, Any]]:
-    """Four prompts: full prefill right on three; 'blend 0.15' keeps two of them."""
+    """Four prompts: full prefill right on three (margins 0.9, 0.1, 0.5);
+    'blend 0.15' keeps two of them, the surer ones."""
     out = []
-    for i, (full_ok, blend_ok) in enumerate([(True, True), (True, False), (True, True),
-                                              (False, True)]):  # fmt: skip
-        row = {"tokens": 100 + i, "full": measured(full_ok, ttft=4.0 + i)}
+    cases = [(True, True, 0.9), (True, False, 0.1), (True, True, 0.5), (False, True, 0.2)]
+    for i, (full_ok, blend_ok, lead) in enumerate(cases):
+        row = {"tokens": 100 + i, "margin": lead, "full": measured(full_ok, ttft=4.0 + i)}
         row["prefix-only"] = measured(full_ok, ttft=3.0)
         row["blend 0"] = measured(False, agreement=0.5, ttft=0.5)
         row["blend 0.15"] = measured(blend_ok, agreement=0.75 if not blend_ok else 1.0, ttft=1.0)
@@ -82,6 +94,52 @@ def test_summaries_and_retention() -> None:
     assert blend["greedy_equal"] == 0.75 and blend["segments_all_found"] == 1.0
     assert summary["blend 0"]["retention"] == 0.0
     assert summary["full"]["ttft_p50_s"] == 5.5
+    assert summary["full_prefill_margin"] == {
+        "median": 0.5, "range": [0.1, 0.9], "surer_half": 2, "less_sure_half": 1
+    }  # fmt: skip
+    assert summary["full_prefill_another_code"] == 1
+    assert blend["retention_surer_half"] == 1.0 and blend["retention_less_sure_half"] == 0.0
+    assert blend["lost_to_another_code"] == 1 and summary["blend 0"]["lost_to_another_code"] == 3
+
+
+def test_rows_without_margins_are_in_neither_half() -> None:
+    old = [{k: v for k, v in row.items() if k != "margin"} for row in rows()]
+    summary = summarize(old, NAMES)
+    assert summary["full_prefill_correct"] == 3
+    assert summary["full_prefill_margin"]["median"] is None
+    assert summary["blend 0.15"]["retention_surer_half"] is None
+
+
+def test_bootstrap_intervals_hold_the_mean_and_repeat() -> None:
+    values = [1.0] * 30 + [0.0] * 10
+    low, high = interval(values) or (0.0, 0.0)
+    assert 0.55 < low < 0.75 < high < 0.9
+    assert interval(values) == [low, high] and interval([0.5, 0.5]) == [0.5, 0.5]
+    assert interval([]) is None
+    summary = summarize(rows(), NAMES)["blend 0.15"]
+    assert summary["retention_ci95"] == interval([1.0, 0.0, 1.0])
+
+
+def test_margin_is_the_least_lead_of_the_chosen_token() -> None:
+    probabilities = torch.tensor([[0.7, 0.2, 0.1], [0.5, 0.45, 0.05]])
+    assert margin(probabilities.log()) == pytest.approx(0.05)
+
+
+PIECES = ("The", " code", " is", " MAR", "LIN", "-", "42", ".")
+
+
+class Pieces:
+    """A tokenizer whose token i decodes to PIECES[i]."""
+
+    def decode(self, tokens: list[int]) -> str:
+        return "".join(PIECES[t] for t in tokens)
+
+
+def test_the_tokens_that_spell_the_code() -> None:
+    tokens = list(range(len(PIECES)))
+    assert spelling(Pieces(), tokens, "MARLIN-42") == [3, 4, 5, 6]
+    assert spelling(Pieces(), tokens, "LIN-4") == [4, 5, 6]  # a token partly inside counts
+    assert spelling(Pieces(), tokens, "OTTER-17") is None
 
 
 def test_latency_ratios() -> None:
@@ -111,10 +169,13 @@ def test_tables_and_plot(tmp_path: Path) -> None:
     }
     console = Console(record=True, width=160)
     console.print(quality_table(results))
+    console.print(answers_table(results))
     console.print(latency_table(results))
     text = console.export_text()
     assert "static 0.15" in text and "CacheBlend 0.15" in text
     assert "3.00x" in text and "2.50x" in text
+    assert "margins 0.10-0.90, median 0.50" in text and "1 of 3" in text
+    assert "0.667 │ 0.00-1.00" in text  # blend 0.15's retention and its interval
     plot = tmp_path / "quality.png"
     quality_plot(results, plot)
     assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and plot.stat().st_size > 10_000
