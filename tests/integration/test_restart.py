@@ -170,6 +170,16 @@ sys.stdin.read()  # until the test kills this process
 """
 
 
+def running(pid: int) -> bool:
+    """Whether ``pid`` runs: an orphan that exited stays a zombie until its
+    new parent reaps it, and a zombie has ended."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0]
+    except (FileNotFoundError, ProcessLookupError):
+        return False
+    return state not in ("Z", "X")
+
+
 def test_a_server_whose_parent_dies_stops_by_itself(tmp_path: Path) -> None:
     """The finding: a tool that started a server with ServerProcess and was
     killed (SIGKILL, or a SIGTERM it does not handle) left the server running
@@ -189,10 +199,10 @@ def test_a_server_whose_parent_dies_stops_by_itself(tmp_path: Path) -> None:
             f"the parent printed nothing; serve log:\n{(tmp_path / 'serve.log').read_text()}"
         )
         pid, arena = int(line.split()[0]), SHM_DIR / line.split()[1]
-        assert arena.exists() and Path(f"/proc/{pid}").exists()
+        assert arena.exists() and running(pid)
         parent.send_signal(signal.SIGKILL)  # by PID: no clean-up of its own
         parent.wait()
-        assert wait_for(lambda: Path(f"/proc/{pid}/status").exists(), lambda up: not up) is False
+        assert wait_for(lambda: running(pid), lambda up: not up) is False
         assert wait_for(arena.exists, lambda exists: not exists) is False
         assert "stdin closed; stopping" in (tmp_path / "serve.log").read_text()
     finally:

@@ -29,9 +29,9 @@ code or none, and retention apart over the surer and the less sure half of
 full prefill's right answers, by their *margin* (the least lead in
 probability of full prefill's chosen token over the runner-up, over the
 tokens that spell the code): how much an answer a blend loses was already
-a near thing. A
-latency set (4 documents, 1.5-3 K tokens) times full prefill, prefix-only
-reuse and the blends on the same prompts, documents warm in L1.
+a near thing. A latency set (4 documents, 1.5-3 K tokens) times full
+prefill, prefix-only reuse and the blends on the same prompts, documents
+warm in L1.
 """
 
 from __future__ import annotations
@@ -419,13 +419,14 @@ def _rows_to_resume(path: Path, names: dict[str, BlendConfig]) -> list[dict[str,
 def _quality_row(runner: _Runner, prompt: Prompt, names: dict[str, BlendConfig]) -> dict[str, Any]:
     ids, spans = runner.tokens(prompt)
     answer, reference, ttft = runner.full(ids)
-    answered = prompt.answered(runner.tokenizer.decode(answer))
+    text = runner.tokenizer.decode(answer)
+    answered = prompt.answered(text)
     full = Measured(ttft, correct=answered == "asked", answered=answered)
     code = spelling(runner.tokenizer, answer, prompt.answer)  # None: full prefill is wrong
     row: dict[str, Any] = {
         "tokens": len(ids),
         "documents": len(prompt.documents),
-        "answer": runner.tokenizer.decode(answer),
+        "answer": text,
         "margin": None if code is None else round(margin(reference[code]), 4),
         "full": asdict(full),
         "prefix-only": asdict(runner.prefix_only(ids)),

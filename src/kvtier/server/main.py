@@ -42,7 +42,7 @@ def tenant_table(config: ServerConfig) -> TenantTable:
     return TenantTable.single(config.auth_token)
 
 
-def stop_at_end_of(fd: int, stop: threading.Event) -> threading.Thread:
+def stop_at_end_of(fd: int, stop: threading.Event) -> None:
     """Set ``stop`` once the pipe ``fd`` ends (a daemon thread reads and drops
     it, unbuffered: a daemon blocked in a buffered read aborts interpreter
     shutdown): a parent that started the server with a pipe on its stdin has
@@ -54,9 +54,7 @@ def stop_at_end_of(fd: int, stop: threading.Event) -> threading.Thread:
         log.info("kvtier serve: stdin closed; stopping")
         stop.set()
 
-    thread = threading.Thread(target=drain, name="kvtier-stdin-watch", daemon=True)
-    thread.start()
-    return thread
+    threading.Thread(target=drain, name="kvtier-stdin-watch", daemon=True).start()
 
 
 def serve(
