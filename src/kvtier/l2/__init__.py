@@ -2,14 +2,13 @@
 
 from kvtier.l2.base import (
     AdapterConfig,
-    BackendUnavailable,
-    BlockingAdapter,
     CompletionQueue,
     L2Adapter,
     TaskId,
     TaskKind,
     TaskResult,
 )
+from kvtier.l2.blocking import BackendUnavailable, BlockingAdapter
 from kvtier.l2.registry import ADAPTER_TYPES, adapter_class, make_adapter
 
 __all__ = [

@@ -39,13 +39,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kvtier.keys import KeySelector, ObjectKey
-from kvtier.l2.base import (
-    AdapterConfig,
-    BlockingAdapter,
-    Buffer,
-    CompletionCallback,
-    PurgeStep,
-)
+from kvtier.l2.base import AdapterConfig, Buffer, CompletionCallback, PurgeStep
+from kvtier.l2.blocking import BlockingAdapter
 from kvtier.l2.format import (
     MAX_HEADER_BYTES,
     Corruption,

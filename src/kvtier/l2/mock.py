@@ -27,14 +27,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from kvtier.keys import KeySelector, ObjectKey
-from kvtier.l2.base import (
-    AdapterConfig,
-    BackendUnavailable,
-    BlockingAdapter,
-    Buffer,
-    CompletionCallback,
-    PurgeStep,
-)
+from kvtier.l2.base import AdapterConfig, Buffer, CompletionCallback, PurgeStep
+from kvtier.l2.blocking import BackendUnavailable, BlockingAdapter
 from kvtier.l2.format import CorruptObject, decode_object, encode_object
 
 

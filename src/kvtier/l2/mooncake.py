@@ -32,14 +32,8 @@ from typing import Any
 import numpy as np
 
 from kvtier.keys import KeySelector, ObjectKey
-from kvtier.l2.base import (
-    AdapterConfig,
-    BackendUnavailable,
-    BlockingAdapter,
-    Buffer,
-    CompletionCallback,
-    PurgeStep,
-)
+from kvtier.l2.base import AdapterConfig, Buffer, CompletionCallback, PurgeStep
+from kvtier.l2.blocking import BackendUnavailable, BlockingAdapter
 from kvtier.l2.format import (
     Corruption,
     CorruptObject,

@@ -28,14 +28,8 @@ from typing import Any
 
 from kvtier.config import redacted
 from kvtier.keys import KeySelector, ObjectKey
-from kvtier.l2.base import (
-    AdapterConfig,
-    BackendUnavailable,
-    BlockingAdapter,
-    Buffer,
-    CompletionCallback,
-    PurgeStep,
-)
+from kvtier.l2.base import AdapterConfig, Buffer, CompletionCallback, PurgeStep
+from kvtier.l2.blocking import BackendUnavailable, BlockingAdapter
 from kvtier.l2.format import CorruptObject, decode_object, encode_object
 
 log = logging.getLogger(__name__)
