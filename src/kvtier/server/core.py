@@ -21,39 +21,48 @@ server refuses (``RequestError``: a client's mistake or a limit, counted as
 the transport answers ``internal`` and counts it in ``faults``). A bytes
 ``Store`` of at least ``offload_bytes`` comes back as ``Deferred``: its copy
 into L1 runs on the transport's pool, off the loop thread.
+
+Around it: the checks of what a request names and the outcome types
+(``kvtier.server.requests``), the hand-off handlers (``HandoffRequests``,
+``kvtier.server.handoff_requests``) and what ``/status`` remembers of
+registered clients (``Registrations``).
 """
 
 from __future__ import annotations
 
-import dataclasses
-import json
 import logging
 import math
 import secrets
 import time
-from collections import OrderedDict
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
-import numpy as np
-import numpy.typing as npt
-
-from kvtier.controllers import PrefetchHandle
 from kvtier.counters import Counters
-from kvtier.keys import HASH_BYTES, ObjectKey, chunk_keys, model_label
+from kvtier.keys import HASH_BYTES, ObjectKey, model_label
 from kvtier.l1 import L1Result
-from kvtier.layout import KVLayout
 from kvtier.server import protocol as p
-from kvtier.server.handoffs import HandoffOutcome, HandoffTable
+from kvtier.server.handoff_requests import HandoffRequests
+from kvtier.server.handoffs import HandoffTable
 from kvtier.server.ledger import SavingsLedger
 from kvtier.server.limits import RequestError, ServerLimits, check_hello, check_layouts
 from kvtier.server.metrics import ServerMetrics
 from kvtier.server.negotiation import ChunkSizeNegotiator
 from kvtier.server.purge import PurgeConfig, Purger
+from kvtier.server.registrations import Registrations
+from kvtier.server.requests import (
+    Answer,
+    Buffer,
+    Deferred,
+    Handler,
+    Outcome,
+    check_range,
+    chunk_offsets,
+    group_layout,
+    hello_layout,
+    request_keys,
+)
 from kvtier.server.retention import Retention
-from kvtier.server.sessions import Client, Reservation, Session, SessionTable, shown
+from kvtier.server.sessions import Client, Reservation, SessionTable, shown
 from kvtier.server.tenants import TenantTable
 from kvtier.server.usage import L2Usage
 from kvtier.server.warmup import Warmup
@@ -61,36 +70,8 @@ from kvtier.storage import StorageManager
 
 log = logging.getLogger(__name__)
 
-Frames = list[npt.NDArray[np.uint8]]
-LAYOUTS_SEEN = 64  # namespaces whose layouts /status shows
 MAX_SHADOW_REPORT = 1 << 32  # chunks in one shadow report
 MAX_REPORT_S = 1e6  # seconds in one usage report
-FIND_WAIT_S = 1.0  # a find take's lookup settles by then: well within a client's timeout
-Buffer = bytes | memoryview
-Answer = tuple[p.Reply, Frames]
-
-
-@dataclass(frozen=True, slots=True)
-class Deferred:
-    """An operation whose bulk work runs off the loop thread: ``work()`` on a
-    pool thread (thread-safe: storage only), then ``finish(result)`` back on
-    the loop thread, which makes the reply."""
-
-    work: Callable[[], Any]
-    finish: Callable[[Any], Answer]
-
-
-@dataclass(frozen=True, slots=True)
-class Awaiting:
-    """An operation answered once a lookup settles: ``finish()`` makes the
-    reply then, on the loop thread (no thread waits for the lookup)."""
-
-    lookup: PrefetchHandle
-    finish: Callable[[], Answer]
-
-
-Outcome = Answer | Deferred | Awaiting
-Handler = Callable[[Client, Any, Sequence[Buffer]], Outcome]
 
 
 class CacheServer:
@@ -130,15 +111,13 @@ class CacheServer:
         self.handoffs = HandoffTable(
             storage.l1, self.counters, clock, max_lease_s=storage.config.l1.read_lease_s
         )
+        self._handoff_requests = handoff_requests = HandoffRequests(
+            storage, self.handoffs, self._check_writable, self.limits.max_objects_per_request
+        )
         storage.store_controller.gate = self.l2_usage.gate
         storage.on_stored = self.l2_usage.on_stored
         self._started = clock()
-        # namespace -> its layouts, for /status (kvtier plan --from-server); the
-        # most recent LAYOUTS_SEEN namespaces, whether or not still connected
-        self._layouts_seen: OrderedDict[str, dict[str, object]] = OrderedDict()
-        # What a router needs to hash prompts as the clients do (docs/hashing.md),
-        # the salt left out: the most recent LAYOUTS_SEEN distinct ones.
-        self._hash_namespaces: OrderedDict[str, dict[str, object]] = OrderedDict()
+        self.registrations = Registrations()  # what /status shows of registered clients
         self._handlers: dict[type[p.Message], Handler] = {
             p.Lookup: self._lookup,
             p.Query: self._answer_lookup,
@@ -154,9 +133,9 @@ class CacheServer:
             p.ShadowReport: self._shadow_report,
             p.Pin: self._pin,
             p.UsageReport: self._usage_report,
-            p.HandoffOffer: self._handoff_offer,
-            p.HandoffTake: self._handoff_take,
-            p.HandoffDone: self._handoff_done,
+            p.HandoffOffer: handoff_requests.offer,
+            p.HandoffTake: handoff_requests.take,
+            p.HandoffDone: handoff_requests.done,
         }
         storage.l1.set_owners(self.tenants.tenant_of, self.tenants.l1_limits())
 
@@ -213,7 +192,9 @@ class CacheServer:
             chunk_size = self.chunks.propose(hello.block_alignment)
         except ValueError as exc:  # an alignment that does not fit the frozen size
             raise RequestError("bad_request", str(exc)) from None
-        layouts = {spec.group: _layout(spec, chunk_size, hello.num_ranks) for spec in hello.layouts}
+        layouts = {
+            spec.group: hello_layout(spec, chunk_size, hello.num_ranks) for spec in hello.layouts
+        }
         check_layouts(layouts, chunk_size, self.storage.l1.capacity)
         label = model_label(hello.model)
         try:
@@ -235,8 +216,7 @@ class CacheServer:
         )
         self.sessions.register(client)
         self.chunks.freeze(chunk_size)  # only a hello that is accepted fixes it
-        self._remember_layouts(client)
-        self._remember_namespace(hello, layouts, chunk_size)
+        self.registrations.registered(client, hello, layouts, chunk_size)
         self.warmup.register(label, access.salt, layouts, hello.num_ranks)
         self.counters.add("hellos")
         arena = self.storage.l1.arena_name if hello.shm else None
@@ -245,7 +225,7 @@ class CacheServer:
         )
 
     def _lookup(self, client: Client, req: p.Lookup, frames: Sequence[Buffer]) -> Outcome:
-        layout = self._layout(client, req.group)
+        layout = group_layout(client, req.group)
         keys = self._keys(client, req.hashes, req.group)
         session = self.sessions.open_lookup(client, req.request_id, keys)
         rate = self.ledger.measured_rate(client.tenant, f"{client.model}@{client.salt}")
@@ -321,7 +301,7 @@ class CacheServer:
     def _retrieve(self, client: Client, req: p.Retrieve, frames: Sequence[Buffer]) -> Outcome:
         started = time.perf_counter()
         session = self.sessions.session(client, req.request_id)
-        self._check_range(session, req.start, req.end, "retrieve")
+        check_range(session, req.start, req.end, "retrieve")
         keys = [k for chunk in session.keys[req.start : req.end] for k in chunk]
         views = self.storage.retrieve(keys)
         assert session.result is not None  # _check_range: answered
@@ -348,7 +328,7 @@ class CacheServer:
         self, client: Client, req: p.StoreReserve, frames: Sequence[Buffer]
     ) -> Outcome:
         self._check_writable(client)
-        layout = self._layout(client, req.group)
+        layout = group_layout(client, req.group)
         keys = [k for chunk in self._keys(client, req.hashes, req.group) for k in chunk]
         self.sessions.room_for_reservation(client)
         session = self.sessions.store_session(client, req.request_id)
@@ -383,7 +363,7 @@ class CacheServer:
 
     def _store(self, client: Client, req: p.Store, frames: Sequence[Buffer]) -> Outcome:
         self._check_writable(client)
-        layout = self._layout(client, req.group)
+        layout = group_layout(client, req.group)
         keys = [k for chunk in self._keys(client, req.hashes, req.group) for k in chunk]
         if len(frames) != len(keys):
             raise RequestError(
@@ -424,7 +404,7 @@ class CacheServer:
         keys = self._keys(client, req.hashes, req.group)
         flat = [k for chunk in keys for k in chunk]
         results = self.storage.l1.pin(flat, req.ttl_s)
-        per_chunk = [results[i : i + len(c)] for i, c in _offsets(keys)]
+        per_chunk = [results[i : i + len(c)] for i, c in chunk_offsets(keys)]
         pinned = sum(all(r is L1Result.SUCCESS for r in rs) for rs in per_chunk)
         refused = sum(any(r is L1Result.OVER_QUOTA for r in rs) for rs in per_chunk)
         self.counters.add("pinned_chunks" if req.ttl_s else "unpinned_chunks", pinned)
@@ -446,101 +426,6 @@ class CacheServer:
         )
         return p.Ack(), []
 
-    def _handoff_offer(
-        self, client: Client, req: p.HandoffOffer, frames: Sequence[Buffer]
-    ) -> Outcome:
-        """A producer publishes its committed chunks for one consumer (a writer only)."""
-        self._check_writable(client)
-        self._layout(client, req.group)
-        keys = [k for chunk in self._keys(client, req.hashes, req.group) for k in chunk]
-        outcome, why = self.handoffs.offer(
-            client,
-            req.handoff_id,
-            req.hashes,
-            keys,
-            req.lease_s,
-            req.consumer,
-            req.group,
-            max(req.kv_heads, 0),
-        )
-        return p.HandoffState(outcome, why), []
-
-    def _handoff_take(
-        self, client: Client, req: p.HandoffTake, frames: Sequence[Buffer]
-    ) -> Outcome:
-        keys = self._keys(client, req.hashes, req.group)  # the same checks as any request's
-        outcome, why = self.handoffs.take(
-            client,
-            req.handoff_id,
-            req.hashes,
-            req.consumer,
-            req.source_hashes,
-            req.kv_heads,
-            req.find,
-        )
-        if outcome is HandoffOutcome.FINDING:
-            return self._find_handoff(client, req, keys)
-        if outcome is not HandoffOutcome.CONVERTING:
-            return p.HandoffState(outcome, why), []
-        conversion = self.handoffs.conversion(
-            client, req.handoff_id, [k for chunk in keys for k in chunk]
-        )
-
-        def finish(result: tuple[list[bool], str]) -> Answer:
-            return p.HandoffState(*self.handoffs.converted(conversion, *result)), []
-
-        return Deferred(lambda: conversion.run(self.storage), finish)
-
-    def _find_handoff(
-        self, client: Client, req: p.HandoffTake, keys: list[list[ObjectKey]]
-    ) -> Outcome:
-        """Look a hand-off offered on another server up in this server's
-        tiers (its chunks come by the shared L2), answered when the lookup
-        settles (within ``FIND_WAIT_S``: what has not come by then is looked
-        for again by the consumer's next take)."""
-        lookup = self.handoffs.lookup_of(req.handoff_id)
-        if lookup is None:
-            layouts = {req.group: self._layout(client, req.group)}
-            lookup = self.storage.submit_lookup(keys, layouts, deadline_s=FIND_WAIT_S)
-            self.handoffs.looking(req.handoff_id, lookup)
-
-        def finish() -> Answer:
-            if self.handoffs.lookup_of(req.handoff_id) is not lookup:  # another take's answer
-                outcome, why = self.handoffs.take(client, req.handoff_id, req.hashes, req.consumer)
-                return p.HandoffState(outcome, why), []
-            result = self.storage.collect(lookup, 0.0)
-            assert result is not None  # settled: this runs once it is
-            self.handoffs.looked(req.handoff_id)
-            try:
-                flat = [k for chunk in keys for k in chunk]
-                outcome, why = self.handoffs.found(
-                    client,
-                    req.handoff_id,
-                    req.hashes,
-                    flat,
-                    req.consumer,
-                    req.group,
-                    result.hit_chunks,
-                )
-            finally:
-                self.storage.release(list(result.placements))  # the hand-off holds its own
-            return p.HandoffState(outcome, why), []
-
-        return Awaiting(lookup, finish)
-
-    def _drop_stale_lookups(self) -> None:
-        """Abandon the lookups of hand-offs whose consumer stopped asking."""
-        for lookup in self.handoffs.stale_lookups():
-            if lookup.abandon() is not None:  # it came back already: release what it locked
-                result = self.storage.collect(lookup, 0.0)
-                if result is not None:
-                    self.storage.release(list(result.placements))
-
-    def _handoff_done(
-        self, client: Client, req: p.HandoffDone, frames: Sequence[Buffer]
-    ) -> Outcome:
-        return p.HandoffState(self.handoffs.done(client, req.handoff_id, req.consumer)), []
-
     def _end_session(self, client: Client, req: p.EndSession, frames: Sequence[Buffer]) -> Outcome:
         self.sessions.end(client, req.request_id)
         return p.Ack(), []
@@ -556,7 +441,7 @@ class CacheServer:
     def tick(self) -> None:
         """Expire silent clients, idle sessions and hand-offs past their lease."""
         self.handoffs.expire()
-        self._drop_stale_lookups()
+        self._handoff_requests.drop_stale_lookups()
         clients, sessions = self.sessions.expire()
         if clients:
             log.warning("server: %d client(s) went silent; their sessions were released", clients)
@@ -579,8 +464,8 @@ class CacheServer:
             **self.sessions.status(),
             "uptime_s": self._clock() - self._started,
             "namespaces": sorted({f"{c.model}@{c.salt}" for c in clients}),
-            "layouts": dict(self._layouts_seen),
-            "hash_namespaces": list(self._hash_namespaces.values()),
+            "layouts": self.registrations.layouts(),
+            "hash_namespaces": self.registrations.hash_namespaces(),
             "events": self.publisher_status() if self.publisher_status else None,
             "warmup": self.warmup.status(),
             "draining": self.draining,
@@ -613,37 +498,6 @@ class CacheServer:
 
     # ---------------------------------------------------------- internals
 
-    def _remember_layouts(self, client: Client) -> None:
-        namespace = f"{client.model}@{client.salt}"
-        self._layouts_seen.pop(namespace, None)
-        self._layouts_seen[namespace] = {
-            str(group): dataclasses.asdict(layout) for group, layout in client.layouts.items()
-        }
-        while len(self._layouts_seen) > LAYOUTS_SEEN:
-            self._layouts_seen.popitem(last=False)
-
-    def _remember_namespace(
-        self, hello: p.Hello, layouts: dict[int, KVLayout], chunk_size: int
-    ) -> None:
-        """The namespace of the client's chunk hashes, salt aside: its model
-        (``hash_model``, else ``model``), revision and LoRA, and the dtype and
-        digest of its first group's layout (what ``ModelIdentity.namespace``
-        builds from the engine's layout)."""
-        first = layouts[min(layouts)]
-        entry: dict[str, object] = {
-            "model": hello.hash_model or hello.model,
-            "revision": hello.revision,
-            "lora": hello.lora,
-            "kv_dtype": first.dtype,
-            "layout": first.digest(),
-            "chunk_size": chunk_size,
-        }
-        name = json.dumps(entry, sort_keys=True)
-        self._hash_namespaces.pop(name, None)
-        self._hash_namespaces[name] = entry
-        while len(self._hash_namespaces) > LAYOUTS_SEEN:
-            self._hash_namespaces.popitem(last=False)
-
     def _check_writable(self, client: Client) -> None:
         """Stores (and pins) need a writable namespace, no drain, no purge of it."""
         if not client.writable:
@@ -658,70 +512,5 @@ class CacheServer:
                 "purging", f"namespace {client.model}@{client.salt} is being purged; store later"
             )
 
-    def _layout(self, client: Client, group: int) -> KVLayout:
-        layout = client.layouts.get(group)
-        if layout is None:
-            raise RequestError("bad_request", f"group {group} was not registered in hello")
-        return layout
-
     def _keys(self, client: Client, hashes: list[bytes], group: int) -> list[list[ObjectKey]]:
-        """The objects a request names: every (chunk, rank) of the client's
-        namespace; hashes are checked first (length, no repeats, the limit)."""
-        ranks = client.num_ranks if client.rank < 0 else 1
-        limit = self.limits.max_objects_per_request
-        if len(hashes) * ranks > limit:
-            raise RequestError(
-                "bad_request",
-                f"{len(hashes)} chunks x {ranks} ranks in one request; the limit is {limit} "
-                "objects: split the request",
-            )
-        wrong = [i for i, h in enumerate(hashes) if len(h) != HASH_BYTES]
-        if wrong:
-            raise RequestError(
-                "bad_request",
-                f"hash {wrong[0]} has {len(hashes[wrong[0]])} bytes; chunk hashes have "
-                f"{HASH_BYTES}",
-            )
-        if len(set(hashes)) != len(hashes):
-            raise RequestError("bad_request", "a chunk hash appears twice in one request")
-        keys = chunk_keys(hashes, client.model, client.num_ranks, group, client.salt)
-        return keys if client.rank < 0 else [[chunk[client.rank]] for chunk in keys]
-
-    @staticmethod
-    def _check_range(session: Session, start: int, end: int, what: str) -> None:
-        if not session.answered:
-            raise RequestError("not_ready", f"{what}: the lookup has not been answered yet")
-        if not 0 <= start < end <= len(session.locked):
-            raise RequestError(
-                "bad_range",
-                f"{what} range [{start}, {end}) is outside the hit of {len(session.locked)}",
-            )
-        if not all(session.locked[start:end]):
-            raise RequestError("released", f"{what}: part of [{start}, {end}) was released")
-
-
-def _offsets(keys: list[list[ObjectKey]]) -> list[tuple[int, list[ObjectKey]]]:
-    """Each chunk's first index in the flattened key list, with its keys."""
-    out, at = [], 0
-    for chunk in keys:
-        out.append((at, chunk))
-        at += len(chunk)
-    return out
-
-
-def _layout(spec: p.LayoutSpec, chunk_size: int, num_ranks: int) -> KVLayout:
-    """A HELLO's layout; a refusal naming the field when it is not one."""
-    try:
-        return KVLayout(
-            spec.num_layers,
-            spec.kv_heads,
-            spec.head_dim,
-            spec.dtype,
-            chunk_size,
-            kind=spec.kind,  # type: ignore[arg-type]
-            num_ranks=num_ranks,
-            format=spec.format,
-            lossy_codec=spec.lossy_codec,
-        )
-    except ValueError as exc:
-        raise RequestError("bad_request", f"layout of group {spec.group}: {exc}") from None
+        return request_keys(client, hashes, group, self.limits.max_objects_per_request)

@@ -52,7 +52,8 @@ import zmq
 from kvtier.failures import FailureLog
 from kvtier.server import protocol as p
 from kvtier.server.connections import DOMAIN, ConnectionIds, connection_of
-from kvtier.server.core import Awaiting, CacheServer, Deferred
+from kvtier.server.core import CacheServer
+from kvtier.server.requests import Awaiting, Deferred
 
 log = logging.getLogger(__name__)
 

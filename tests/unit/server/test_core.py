@@ -9,8 +9,9 @@ import pytest
 from kvtier.keys import Namespace, TokenHasher
 from kvtier.l1 import L1Result
 from kvtier.server import protocol as p
-from kvtier.server.core import Awaiting, CacheServer, Deferred
+from kvtier.server.core import CacheServer
 from kvtier.server.limits import ServerLimits
+from kvtier.server.requests import Awaiting, Deferred
 from kvtier.server.tenants import TenantTable
 from kvtier.storage import StorageManager
 from tests.conftest import FakeClock
