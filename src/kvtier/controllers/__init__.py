@@ -1,13 +1,7 @@
 """Controllers: background work between L1 and L2 (write-back and prefetch)."""
 
-from kvtier.controllers.prefetch import (
-    L1_TIER,
-    LookupResult,
-    MissReason,
-    PrefetchConfig,
-    PrefetchController,
-    PrefetchHandle,
-)
+from kvtier.controllers.lookups import L1_TIER, LookupResult, MissReason, PrefetchHandle
+from kvtier.controllers.prefetch import PrefetchConfig, PrefetchController
 from kvtier.controllers.store import StoreConfig, StoreController
 
 __all__ = [

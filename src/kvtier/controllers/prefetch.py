@@ -42,7 +42,6 @@ except ``_counters`` (thread-safe) is the worker's.
 
 from __future__ import annotations
 
-import enum
 import functools
 import heapq
 import itertools
@@ -54,18 +53,24 @@ from collections import Counter, deque
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
+from kvtier.controllers.lookups import (
+    L1_TIER,
+    LookupResult,
+    MissReason,
+    PrefetchHandle,
+    load_miss,
+)
+from kvtier.controllers.prefetch_request import PrefetchRequest
 from kvtier.counters import Counters
 from kvtier.failures import FailureLog
 from kvtier.keys import ObjectKey
-from kvtier.l1 import IOFence, L1Manager, L1Result, Placement, WriterTag
+from kvtier.l1 import IOFence, L1Manager, L1Result, WriterTag
 from kvtier.l2.base import L2Adapter, TaskId, TaskKind, TaskResult
-from kvtier.l2.format import Corruption
 from kvtier.layout import KVLayout
 from kvtier.read_or_recompute import LinkEstimate, cheapest_prefix
 
 log = logging.getLogger(__name__)
 
-L1_TIER = "L1"
 GiB = 1 << 30
 
 
@@ -88,128 +93,13 @@ class PrefetchConfig:
                 raise ValueError(f"prefetch option {name!r} must be positive")
 
 
-class MissReason(enum.Enum):
-    """Why a lookup's hit ends where it does: the fate of the first chunk it
-    does not cover (one of that chunk's objects)."""
-
-    NOT_IN_L1 = "not_in_l1"  # no L2 tier to ask (none configured, or its layout unknown)
-    NOT_FOUND = "not_found"  # no tier holds it
-    BACKEND_DOWN = "backend_down"  # a tier that may hold it could not answer
-    CORRUPT = "corrupt"  # the copy failed its checks (kvtier.l2.format)
-    LAYOUT_MISMATCH = "layout_mismatch"  # the copy was written for another layout
-    LOAD_FAILED = "load_failed"  # found, then gone or unreadable when loaded
-    NO_ROOM = "no_room"  # L1 could not stage it (larger than L1, or all of it pinned)
-    DEADLINE = "deadline"  # still loading when the prefetch deadline passed
-    RECOMPUTE_CHEAPER = "recompute_cheaper"  # loading it would take longer than recomputing
-    OVERLOADED = "overloaded"  # the prefetch backlog was full: L1 only
-    STOPPED = "stopped"  # the server was shutting down
-    ERROR = "error"  # a fault of the server's own (logged)
-
-
-@dataclass(frozen=True, slots=True)
-class LookupResult:
-    """A finished lookup. The caller holds one read lock on every object of the
-    first ``hit_chunks`` chunks (``placements``) and must release them.
-    ``miss_reason`` is None when every chunk hit."""
-
-    hit_chunks: int
-    placements: Mapping[ObjectKey, Placement]
-    objects_by_tier: Mapping[str, int]  # "L1" or adapter name -> objects in the hit
-    temporary: frozenset[ObjectKey] = frozenset()  # loaded for this request only
-    miss_reason: MissReason | None = None
-
-    @property
-    def why(self) -> str:
-        """``miss_reason`` as wire text: "" when every chunk hit."""
-        return self.miss_reason.value if self.miss_reason is not None else ""
-
-    def chunks_by_tier(self) -> dict[str, int]:
-        """Hit chunks per tier: objects over the objects of one chunk (every
-        chunk of the hit has all of them)."""
-        per_chunk = len(self.placements) // self.hit_chunks if self.hit_chunks else 1
-        return {tier: n // per_chunk for tier, n in self.objects_by_tier.items()}
-
-
-class PrefetchHandle:
-    """The caller's view of one request: pending until ``result()`` is set."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._done = threading.Event()
-        self._result: LookupResult | None = None
-        self._abandoned = False
-        self._callbacks: list[Callable[[], None]] = []
-
-    def result(self) -> LookupResult | None:
-        """The result, or None while the lookup is pending."""
-        return self._result if self._done.is_set() else None
-
-    def wait(self, timeout: float | None = None) -> LookupResult | None:
-        self._done.wait(timeout)
-        return self.result()
-
-    def abandon(self) -> LookupResult | None:
-        """Stop waiting. Returns the result if it came meanwhile (the caller
-        owns its locks); else None, and a result that comes later has its
-        locks released by the controller."""
-        with self._lock:
-            if self._done.is_set():
-                return self._result
-            self._abandoned = True
-            return None
-
-    def add_done_callback(self, callback: Callable[[], None]) -> None:
-        """Call ``callback()`` once the result is set (at once if it is): from
-        the thread that sets it. It must not block, and it may not raise."""
-        with self._lock:
-            if not self._done.is_set():
-                self._callbacks.append(callback)
-                return
-        callback()
-
-    def _set(self, result: LookupResult) -> bool:
-        """Deliver; False (nothing delivered) if the caller abandoned it."""
-        with self._lock:
-            if self._abandoned:
-                return False
-            self._result = result
-            self._done.set()
-            callbacks, self._callbacks = self._callbacks, []
-        for callback in callbacks:
-            try:
-                callback()
-            except Exception:  # a caller's bug must not cost the worker its step
-                log.exception("prefetch: a lookup's done-callback failed")
-        return True
-
-
-@dataclass(eq=False)
-class _Request:
-    chunks: tuple[tuple[ObjectKey, ...], ...]
-    layouts: Mapping[int, KVLayout]
-    deadline: float
-    handle: PrefetchHandle
-    limit: int  # no hit can extend past this chunk
-    recompute_s_per_chunk: float | None = None  # the engine's; None: always load
-    locked: dict[ObjectKey, Placement] = field(default_factory=dict)
-    tier: dict[ObjectKey, str] = field(default_factory=dict)
-    waiting_lookups: set[str] = field(default_factory=set)
-    found: dict[str, set[ObjectKey]] = field(default_factory=dict)
-    pending_loads: set[ObjectKey] = field(default_factory=set)
-    down: set[str] = field(default_factory=set)  # adapters whose lookup could not answer
-    missed: dict[ObjectKey, MissReason] = field(default_factory=dict)  # why an object missed
-    ended: MissReason | None = None  # why the request was answered early, if it was
-    parked: bool = False  # waiting in the backlog with its L1 locks given back
-    done: bool = False
-
-
 @dataclass(eq=False)
 class _LoadBatch:
     adapter: str
     tag: WriterTag
     fence: IOFence
     nbytes: int
-    subscribers: dict[ObjectKey, list[_Request]]
+    subscribers: dict[ObjectKey, list[PrefetchRequest]]
     started: float = field(default_factory=time.monotonic)  # its load's cost is learned
 
 
@@ -225,14 +115,14 @@ class PrefetchController:
         self._links = {name: LinkEstimate() for name in self._adapters}
         self._lookup_started: dict[tuple[str, TaskId], float] = {}
         self._events: queue.SimpleQueue[object] = queue.SimpleQueue()
-        self._active: set[_Request] = set()
-        self._backlog: deque[_Request] = deque()
-        self._deadlines: list[tuple[float, int, _Request]] = []
+        self._active: set[PrefetchRequest] = set()
+        self._backlog: deque[PrefetchRequest] = deque()
+        self._deadlines: list[tuple[float, int, PrefetchRequest]] = []
         self._seq = itertools.count()
-        self._lookups: dict[tuple[str, TaskId], _Request] = {}
+        self._lookups: dict[tuple[str, TaskId], PrefetchRequest] = {}
         self._loads: dict[tuple[str, TaskId], _LoadBatch] = {}
         self._inflight: dict[ObjectKey, _LoadBatch] = {}  # single flight
-        self._budget_wait: deque[tuple[_Request, str, int, list[ObjectKey]]] = deque()
+        self._budget_wait: deque[tuple[PrefetchRequest, str, int, list[ObjectKey]]] = deque()
         self._inflight_bytes = 0
         self._draining = False  # _finish is starting backlog requests
         self._stopping = False  # the worker's view
@@ -263,7 +153,7 @@ class PrefetchController:
             raise ValueError("lookup: an object key appears twice in one request")
         handle = PrefetchHandle()
         deadline = time.monotonic() + (deadline_s or self.config.deadline_s)
-        request = _Request(
+        request = PrefetchRequest(
             frozen, layouts or {}, deadline, handle, len(frozen), recompute_s_per_chunk
         )
         self._lock_l1(request)
@@ -271,7 +161,7 @@ class PrefetchController:
         if len(request.locked) == len(flat):  # a full L1 hit: the common, hot case
             self._answer(request)
             return handle
-        if self._adapters and not self._all_locked(request):
+        if self._adapters and not request.all_locked():
             with self._submit_lock:
                 if not self._closed:
                     self._events.put(request)
@@ -324,7 +214,7 @@ class PrefetchController:
                 event = self._events.get_nowait()
             except queue.Empty:
                 return
-            if isinstance(event, _Request):
+            if isinstance(event, PrefetchRequest):
                 self._answer(event, give_up=True)
 
     def _dispatch(self, event: object) -> None:
@@ -333,7 +223,7 @@ class PrefetchController:
             waiting, self._backlog = list(self._backlog), deque()
             for request in [*waiting, *self._active]:
                 self._finish(request, give_up=True)
-        elif isinstance(event, _Request):
+        elif isinstance(event, PrefetchRequest):
             self._guarded(event, self._admit)
         elif isinstance(event, TaskResult) and event.kind is TaskKind.LOOKUP:
             self._on_lookup(event)
@@ -345,7 +235,7 @@ class PrefetchController:
         self._launch_waiting()
         self._set_gauges()
 
-    def _guarded(self, request: _Request, step: Callable[[_Request], None]) -> None:
+    def _guarded(self, request: PrefetchRequest, step: Callable[[PrefetchRequest], None]) -> None:
         """Run a step of one request; if it fails, that request ends as a miss
         (its locks and leases released) and the exception goes on."""
         try:
@@ -354,7 +244,7 @@ class PrefetchController:
             self._finish(request, give_up=True)
             raise
 
-    def _admit(self, request: _Request) -> None:
+    def _admit(self, request: PrefetchRequest) -> None:
         if self._stopping:
             self._finish(request, give_up=True)
         elif len(self._active) < self.config.max_inflight_requests:
@@ -372,12 +262,12 @@ class PrefetchController:
             self._backlog.append(request)
             heapq.heappush(self._deadlines, (request.deadline, next(self._seq), request))
 
-    def _start(self, request: _Request) -> None:
+    def _start(self, request: PrefetchRequest) -> None:
         self._active.add(request)
         if request.parked:
             request.parked = False
             self._lock_l1(request)
-            if self._all_locked(request):
+            if request.all_locked():
                 self._finish(request)
                 return
         else:
@@ -406,30 +296,10 @@ class PrefetchController:
         if not request.waiting_lookups:
             self._guarded(request, self._plan)
 
-    def _plan(self, request: _Request) -> None:
+    def _plan(self, request: PrefetchRequest) -> None:
         """Pick a source for every object of the loadable prefix (as far as
         loading beats recomputing), then load."""
-        planned: list[dict[ObjectKey, str | None]] = []  # per chunk: key -> adapter
-        limit = request.limit
-        for index, chunk in enumerate(request.chunks[:limit]):
-            sources: dict[ObjectKey, str | None] = {}
-            for key in chunk:
-                if key in request.locked:
-                    continue
-                if key in self._inflight:
-                    sources[key] = None  # another request is loading it
-                    continue
-                source = next((n for n, keys in request.found.items() if key in keys), None)
-                if source is None:
-                    down = bool(request.down)
-                    request.missed[key] = MissReason.BACKEND_DOWN if down else MissReason.NOT_FOUND
-                    break
-                sources[key] = source
-            else:
-                planned.append(sources)
-                continue
-            limit = index
-            break
+        planned = request.sources(self._inflight)
         limit = self._worth_loading(request, planned)
         request.limit = limit
         assigned: dict[tuple[str, int], list[ObjectKey]] = {}
@@ -451,20 +321,15 @@ class PrefetchController:
         if not request.pending_loads and not self._budget_waiting(request):
             self._finish(request)
 
-    def _worth_loading(self, request: _Request, planned: list[dict[ObjectKey, str | None]]) -> int:
+    def _worth_loading(
+        self, request: PrefetchRequest, planned: list[dict[ObjectKey, str | None]]
+    ) -> int:
         """How many of the planned chunks to load: all of them, unless the
         engine's recompute time says loading some costs more than it saves."""
         per_chunk = request.recompute_s_per_chunk
         if per_chunk is None:
             return len(planned)
-        chunk_bytes: list[dict[str, int]] = []
-        for sources in planned:
-            nbytes: dict[str, int] = {}
-            for key, source in sources.items():
-                if source is not None:
-                    size = request.layouts[key.group].object_bytes()
-                    nbytes[source] = nbytes.get(source, 0) + size
-            chunk_bytes.append(nbytes)
+        chunk_bytes = request.bytes_by_source(planned)
         costs = {name: link.cost() for name, link in self._links.items()}
         worth = cheapest_prefix(chunk_bytes, costs, per_chunk)
         if worth < len(planned):
@@ -494,7 +359,7 @@ class PrefetchController:
                 self._finish(request)
 
     def _start_load(
-        self, request: _Request, name: str, layout: KVLayout, keys: list[ObjectKey]
+        self, request: PrefetchRequest, name: str, layout: KVLayout, keys: list[ObjectKey]
     ) -> None:
         """Stage ``keys`` in L1 and load them from adapter ``name``. The
         adapter's leases on ``keys`` are returned here for what is not loaded,
@@ -535,7 +400,7 @@ class PrefetchController:
         self._inflight_bytes += batch.nbytes
         self._loads[(name, task)] = batch
 
-    def _take_resident(self, request: _Request, key: ObjectKey) -> None:
+    def _take_resident(self, request: PrefetchRequest, key: ObjectKey) -> None:
         (placement,) = self._l1.reserve_read([key])
         if placement.result is L1Result.SUCCESS:
             request.locked[key] = placement
@@ -565,11 +430,11 @@ class PrefetchController:
             if not request.pending_loads and not self._budget_waiting(request):
                 self._finish(request)
 
-    def _admit_loaded(self, batch: _LoadBatch, result: TaskResult) -> set[_Request]:
+    def _admit_loaded(self, batch: _LoadBatch, result: TaskResult) -> set[PrefetchRequest]:
         """Publish the loaded copies, locked once per live subscriber; return
         the requests this load concerned."""
         waiting: dict[int, list[ObjectKey]] = {}  # number of live subscribers -> keys
-        touched: set[_Request] = set()
+        touched: set[PrefetchRequest] = set()
         for key, ok in zip(result.keys, result.ok, strict=True):
             live = [r for r in batch.subscribers[key] if not r.done]
             touched.update(live)
@@ -579,7 +444,7 @@ class PrefetchController:
                 waiting.setdefault(len(live), []).append(key)
             else:
                 self._l1.abort_write([key], batch.tag)
-                reason = _load_miss(result, key)
+                reason = load_miss(result, key)
                 for request in live:
                     request.missed[key] = reason
         self._counters.add(f"loaded_objects.{result.adapter}", result.count)
@@ -613,7 +478,7 @@ class PrefetchController:
                     self._lock_l1(request)
                 self._finish(request)
 
-    def _finish(self, request: _Request, give_up: bool = False) -> None:
+    def _finish(self, request: PrefetchRequest, give_up: bool = False) -> None:
         """Answer a request the worker was handling and start the next ones."""
         self._active.discard(request)
         self._answer(request, give_up)
@@ -630,7 +495,7 @@ class PrefetchController:
         finally:
             self._draining = False
 
-    def _answer(self, request: _Request, give_up: bool = False) -> None:
+    def _answer(self, request: PrefetchRequest, give_up: bool = False) -> None:
         """Fold to the longest fully locked prefix, release the rest, set the result."""
         if request.done:
             return
@@ -639,18 +504,13 @@ class PrefetchController:
             for name, found in request.found.items():
                 if name not in request.waiting_lookups:
                     self._unlock(name, found)
-        whole = not give_up and len(request.locked) == sum(map(len, request.chunks))
+        whole = not give_up and len(request.locked) == request.objects
         if whole:  # every object locked: nothing to fold or release
             hit = len(request.chunks)
             placements = {k: request.locked[k] for c in request.chunks for k in c}  # prompt order
             tiers = Counter(request.tier.values())
         else:
-            hit = 0
-            if not give_up:
-                for chunk in request.chunks[: request.limit]:
-                    if not all(key in request.locked for key in chunk):
-                        break
-                    hit += 1
+            hit = 0 if give_up else request.hit_chunks()
             kept = [k for chunk in request.chunks[:hit] for k in chunk]  # in prompt order
             kept_set = set(kept)
             extra = [k for k in request.locked if k not in kept_set]
@@ -661,7 +521,10 @@ class PrefetchController:
         temporary: frozenset[ObjectKey] = frozenset()
         if not self.config.retain_loaded:
             temporary = frozenset(k for k in placements if request.tier[k] != L1_TIER)
-        reason = self._miss_reason(request, hit, give_up)
+        if give_up and hit < len(request.chunks):
+            reason: MissReason | None = MissReason.STOPPED if self._stopping else MissReason.ERROR
+        else:
+            reason = request.miss_reason(hit)
         result = LookupResult(hit, placements, dict(tiers), temporary, reason)
         if not request.handle._set(result):
             self._counters.add("abandoned")  # the caller stopped waiting: nobody reads these
@@ -673,46 +536,20 @@ class PrefetchController:
         if reason is not None:
             self._counters.add(f"miss_reasons.{reason.value}")
 
-    def _miss_reason(self, request: _Request, hit: int, give_up: bool) -> MissReason | None:
-        """Why chunk ``hit`` (the first the answer lacks) missed."""
-        if hit == len(request.chunks):
-            return None
-        if give_up:
-            return MissReason.STOPPED if self._stopping else MissReason.ERROR
-        chunk = request.chunks[hit]
-        for key in chunk:
-            if key not in request.locked and key in request.missed:
-                return request.missed[key]
-        if request.ended is not None:
-            return request.ended
-        return MissReason.NOT_IN_L1  # no L2 was asked: none, or no layout for its group
-
     # ------------------------------------------------------------- helpers
 
-    def _lock_l1(self, request: _Request) -> None:
+    def _lock_l1(self, request: PrefetchRequest) -> None:
         """Step 1: read-lock what L1 has of the request; set how far a hit can reach."""
         wanted = [k for c in request.chunks for k in c if k not in request.locked]
         for key, placement in zip(wanted, self._l1.reserve_read(wanted), strict=True):
             if placement.result is L1Result.SUCCESS:
                 request.locked[key] = placement
                 request.tier[key] = L1_TIER
-        if len(request.locked) < sum(map(len, request.chunks)):
-            request.limit = self._loadable_prefix(request)
+        if len(request.locked) < request.objects:
+            request.limit = request.loadable_prefix()
 
-    def _budget_waiting(self, request: _Request) -> bool:
+    def _budget_waiting(self, request: PrefetchRequest) -> bool:
         return any(r is request for r, *_ in self._budget_wait)
-
-    def _loadable_prefix(self, request: _Request) -> int:
-        """Chunks up to the first one with an L1-missing object of unknown layout."""
-        for index, chunk in enumerate(request.chunks):
-            for key in chunk:
-                if key not in request.locked and key.group not in request.layouts:
-                    return index
-        return len(request.chunks)
-
-    @staticmethod
-    def _all_locked(request: _Request) -> bool:
-        return all(k in request.locked for c in request.chunks[: request.limit] for k in c)
 
     def _unlock(self, name: str, keys: set[ObjectKey]) -> None:
         if keys:
@@ -727,19 +564,9 @@ class PrefetchController:
         )
 
 
-def _load_miss(result: TaskResult, key: ObjectKey) -> MissReason:
-    """Why ``key`` failed to load in ``result``."""
-    refused = result.corrupt.get(key)
-    if refused == Corruption.LAYOUT.value:
-        return MissReason.LAYOUT_MISMATCH
-    if refused is not None:
-        return MissReason.CORRUPT
-    return MissReason.BACKEND_DOWN if result.backend_down else MissReason.LOAD_FAILED
-
-
 def _describe(event: object) -> str:
     if isinstance(event, TaskResult):
         return f"the {event.kind.value} result of {event.adapter} task {event.task}"
-    if isinstance(event, _Request):
+    if isinstance(event, PrefetchRequest):
         return f"a lookup of {len(event.chunks)} chunks"
     return repr(event)
