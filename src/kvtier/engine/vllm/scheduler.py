@@ -33,8 +33,9 @@ the forward (``ShadowSpec``, ``kvtier.engine.shadow``).
 
 With ``kvtier.pin_prefixes_file``, a request whose prompt starts with a
 listed prefix (a system prompt) renews that prefix's pin in L1 once its
-lookup shows the prefix's chunks in kvtier (at most every half
-``pin_ttl_s``; sent without waiting).
+lookup shows the prefix's chunks in kvtier (``PrefixPins``). The block
+arithmetic of one request's loads, stores and shadow checks is its
+``Tracked``'s (``kvtier.engine.vllm.tracked``).
 
 The scheduler thread never waits on the network beyond a small budget: the
 new requests of a step wait together at most ``kvtier.lookup_wait_s`` for
@@ -53,10 +54,8 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import math
 import time
 from collections import deque
-from dataclasses import dataclass, field
 from typing import Any
 
 from kvtier.counters import Counters
@@ -76,43 +75,20 @@ from kvtier.engine.vllm.metadata import (
     BlendSpec,
     KVTierMetadata,
     LoadSpec,
-    ShadowSpec,
-    StoreSpec,
 )
+from kvtier.engine.vllm.pins import PrefixPins
 from kvtier.engine.vllm.settings import ConnectorSettings
 from kvtier.engine.vllm.timing import StepTimer
+from kvtier.engine.vllm.tracked import Tracked
 from kvtier.read_or_recompute import ewma
 from kvtier.server import protocol as p
-from kvtier.server.client import CacheClient, LookupState
+from kvtier.server.client import LookupState
 from kvtier.server.handoffs import HandoffOutcome
 
 log = logging.getLogger(__name__)
 PROBE_EVERY = 16  # while lookups are slow, one new lookup in this many still waits
 MIN_ON_TIME = 0.1  # new lookups wait while at least this share of waits gets its answer
 FINISHED_NORMALLY = ("FINISHED_STOPPED", "FINISHED_LENGTH_CAPPED")  # vLLM's RequestStatus names
-
-
-@dataclass(slots=True)
-class Tracked:
-    request_id: str
-    salt: str
-    client: CacheClient | None
-    chunk_size: int
-    hashes: list[bytes]  # of the prompt's full chunks
-    prompt_tokens: int
-    preemptions: int
-    lookup: LookupState | None = None
-    settled: bool = False  # the lookup's outcome was counted (and a shadow chunk chosen)
-    shadow_chunk: int | None = None  # the hit chunk vLLM computes for the shadow check
-    local: int = 0  # tokens the engine had itself when last asked
-    stored: int = 0  # chunks [0, stored) are in kvtier (hit, or stored by us)
-    block_ids: list[int] = field(default_factory=list)
-    received: bool = False  # an asynchronous load of its hit has come back
-    pin: tuple[int, int] | None = None  # a listed prefix it starts with: (index, chunks)
-    role: Produce | Consume | None = None  # its part in a prefill/decode hand-off
-    load_blocks: set[int] = field(default_factory=set)  # the blocks its loads fill
-    loaded: bool = False  # a consumer's hand-off load came back whole
-    blend: BlendSpec | None = None  # a blend it asked for (block ids once allocated)
 
 
 class SchedulerSide:
@@ -130,11 +106,11 @@ class SchedulerSide:
         self.outcomes = Counters()  # finished lookups by miss reason ("hit": none)
         self.shadow = ShadowCheck(settings.shadow_fraction, settings.shadow_tolerance)
         self.block_size = self.clients.block_size
+        self._store_all = settings.store != "none"  # else only a producer's chunks
         self.requests: dict[str, Tracked] = {}
         self._loads: list[LoadSpec] = []
         self._blends: list[BlendSpec] = []
-        self._pin_prefixes = settings.pin_prefixes()
-        self._pinned: dict[tuple[str, int], float] = {}  # (salt, prefix) -> last pin sent
+        self._pins = PrefixPins(settings.pin_prefixes(), settings.pin_ttl_s)
         self._loading: deque[list[tuple[str, int, int]]] = deque()  # per step: (id, start, end)
         self._receiving: dict[str, tuple[str, int, int]] = {}  # asynchronous loads, by request
         self._step_wait_s = settings.lookup_wait_s  # what this step's lookups may still block
@@ -243,7 +219,8 @@ class SchedulerSide:
             len(tracked.hashes),
             f" ({reason})" if reason else "",
         )
-        self._pin(tracked, hit)
+        if tracked.pin is not None and tracked.client is not None:
+            self._pins.renew(tracked.client, tracked.salt, tracked.pin, tracked.hashes, hit)
         last = end // tracked.chunk_size - 1  # the last chunk the hit offers whole
         checkable = (
             tracked.role is None and last >= 0 and last * tracked.chunk_size >= tracked.local
@@ -268,7 +245,11 @@ class SchedulerSide:
             return
         if isinstance(role, Consume) and role.settled and not role.granted:
             if num_external_tokens > 0:  # the error policy: a load whose every block fails
-                self._loads.append(self._failed_load(request, tracked, blocks, num_external_tokens))
+                self._loads.append(
+                    tracked.failed_load(
+                        blocks, num_external_tokens, self.block_size, self.settings.load_async
+                    )
+                )
             return
         if tracked.client is None or tracked.lookup is None:
             return
@@ -279,53 +260,15 @@ class SchedulerSide:
         if num_external_tokens <= 0:
             tracked.client.release(request.request_id, 0, hit, wait=False)
             return
-        spec = self._load_spec(request, tracked, blocks, num_external_tokens)
+        spec = tracked.load_spec(
+            blocks, num_external_tokens, self.block_size, self.settings.load_async
+        )
         self._loads.append(spec)
         first, end = spec.first_chunk, spec.first_chunk + len(spec.hashes)
         if first > 0:  # the engine has these
             tracked.client.release(request.request_id, 0, first, wait=False)
         if end < hit:  # the engine computes these
             tracked.client.release(request.request_id, end, hit, wait=False)
-
-    def _load_spec(
-        self, request: Any, tracked: Tracked, blocks: Any, num_external_tokens: int
-    ) -> LoadSpec:
-        """Load the chunks that tokens [local, local + num_external_tokens)
-        fall in, into their blocks (a chunk's blocks outside that range are
-        the engine's own, or past the prompt)."""
-        per_chunk = tracked.chunk_size // self.block_size
-        first_block = tracked.local // self.block_size
-        end_block = -(-(tracked.local + num_external_tokens) // self.block_size)
-        first, end = first_block // per_chunk, -(-end_block // per_chunk)
-        block_ids = blocks.get_block_ids()[0]
-        spec = LoadSpec(
-            request.request_id,
-            tracked.salt,
-            first,
-            tracked.hashes[first:end],
-            [
-                {
-                    j: block_ids[chunk * per_chunk + j]
-                    for j in range(per_chunk)
-                    if first_block <= chunk * per_chunk + j < end_block
-                }
-                for chunk in range(first, end)
-            ],
-            asynchronous=self.settings.load_async,
-        )
-        tracked.load_blocks = {b for chunk in spec.blocks for b in chunk.values()}
-        return spec
-
-    def _failed_load(
-        self, request: Any, tracked: Tracked, blocks: Any, num_external_tokens: int
-    ) -> LoadSpec:
-        """A load whose every block is a load error (no chunk is read)."""
-        first = tracked.local // self.block_size
-        end = -(-(tracked.local + num_external_tokens) // self.block_size)
-        ids = blocks.get_block_ids()[0][first:end]
-        mapping = dict(enumerate(ids))
-        asynchronous = self.settings.load_async
-        return LoadSpec(request.request_id, tracked.salt, 0, [], [mapping], asynchronous, True)
 
     # ----------------------------------------------------------------- steps
 
@@ -356,8 +299,8 @@ class SchedulerSide:
             if tracked is not None:
                 tracked.block_ids = list(new.block_ids[0])
                 done = new.num_computed_tokens + scheduled.get(new.req_id, 0)
-                meta.stores += self._stores(tracked, done)
-                meta.shadows += self._shadows(tracked, done)
+                meta.stores += tracked.stores(done, self.block_size, self._store_all)
+                meta.shadows += tracked.shadows(done, self.block_size)
         cached = scheduler_output.scheduled_cached_reqs
         for i, request_id in enumerate(cached.req_ids):
             tracked = self.requests.get(request_id)
@@ -369,8 +312,8 @@ class SchedulerSide:
             elif new_ids:
                 tracked.block_ids.extend(new_ids[0])
             done = cached.num_computed_tokens[i] + scheduled.get(request_id, 0)
-            meta.stores += self._stores(tracked, done)
-            meta.shadows += self._shadows(tracked, done)
+            meta.stores += tracked.stores(done, self.block_size, self._store_all)
+            meta.shadows += tracked.shadows(done, self.block_size)
         return meta
 
     def update_connector_output(self, connector_output: Any) -> None:
@@ -525,8 +468,8 @@ class SchedulerSide:
             role=role,
             blend=blend,
         )
-        if self._pin_prefixes:
-            tracked.pin = self._listed_prefix(prompt, chunk_size or 0)
+        if self._pins.prefixes:
+            tracked.pin = self._pins.listed_prefix(prompt, chunk_size or 0)
         self.requests[request.request_id] = tracked
         return tracked
 
@@ -580,86 +523,6 @@ class SchedulerSide:
         self._consumed(old, whole=old.loaded)  # drop the server's hold if still held
         role.outcome, role.cause = old.role.outcome or NOT_OFFERED, old.role.cause
         role.done_sent, role.policy = True, "recompute"
-
-    def _pin(self, tracked: Tracked, hit: int) -> None:
-        """Renew the pin of a listed prefix this request starts with, once its
-        chunks are in kvtier (the hit covers them), at most every half TTL;
-        sent without waiting."""
-        if tracked.pin is None or tracked.client is None:
-            return
-        index, chunks = tracked.pin
-        if hit < chunks:
-            return
-        now, key = time.monotonic(), (tracked.salt, index)
-        if now - self._pinned.get(key, -math.inf) >= self.settings.pin_ttl_s / 2:
-            self._pinned[key] = now
-            tracked.client.pin(tracked.hashes[:chunks], self.settings.pin_ttl_s, wait=False)
-
-    def _listed_prefix(self, prompt: list[int], chunk_size: int) -> tuple[int, int] | None:
-        """The longest listed pin prefix ``prompt`` starts with: (its index,
-        its full chunks), or None."""
-        best = None
-        for index, prefix in enumerate(self._pin_prefixes):
-            chunks = len(prefix) // chunk_size if chunk_size else 0
-            matches = chunks and tuple(prompt[: len(prefix)]) == prefix
-            if matches and (best is None or chunks > best[1]):
-                best = (index, chunks)
-        return best
-
-    def _stores(self, tracked: Tracked, done_tokens: int) -> list[StoreSpec]:
-        """Prompt chunks this step completes that kvtier does not have yet
-        (a producer's always, and its tail; a consumer's never: they came
-        from kvtier)."""
-        role = tracked.role
-        skip = self.settings.store == "none" and not isinstance(role, Produce)
-        if skip or isinstance(role, Consume) or tracked.client is None or not tracked.chunk_size:
-            return []
-        per_chunk = tracked.chunk_size // self.block_size
-        complete = min(done_tokens, tracked.prompt_tokens) // tracked.chunk_size
-        complete = min(complete, len(tracked.hashes), len(tracked.block_ids) // per_chunk)
-        specs = []
-        if complete > tracked.stored:
-            specs.append(
-                StoreSpec(
-                    tracked.request_id,
-                    tracked.salt,
-                    tracked.hashes[tracked.stored : complete],
-                    tracked.block_ids[tracked.stored * per_chunk : complete * per_chunk],
-                )
-            )
-            tracked.stored = complete
-        if isinstance(role, Produce) and role.tail is not None and not role.tail_stored:
-            specs += self._tail_store(tracked, role, done_tokens, per_chunk)
-        return specs
-
-    def _tail_store(
-        self, tracked: Tracked, role: Produce, done_tokens: int, per_chunk: int
-    ) -> list[StoreSpec]:
-        """A producer's prompt tail, once computed: its blocks, the last one
-        repeated to fill the object (those pages are past the prompt and never
-        loaded: a consumer's load stops at its last token's block)."""
-        assert role.tail is not None
-        full = len(tracked.hashes) * per_chunk
-        tail_blocks = -(-tracked.prompt_tokens // self.block_size) - full
-        if done_tokens < tracked.prompt_tokens or len(tracked.block_ids) < full + tail_blocks:
-            return []
-        role.tail_stored = True
-        blocks = tracked.block_ids[full : full + tail_blocks]
-        blocks += [blocks[-1]] * (per_chunk - len(blocks))
-        return [StoreSpec(tracked.request_id, tracked.salt, [role.tail], blocks)]
-
-    def _shadows(self, tracked: Tracked, done_tokens: int) -> list[ShadowSpec]:
-        """The shadow check of the request's chunk that this step computed, if it did."""
-        chunk = tracked.shadow_chunk
-        if chunk is None or tracked.client is None:
-            return []
-        per_chunk = tracked.chunk_size // self.block_size
-        end = (chunk + 1) * per_chunk
-        if done_tokens < (chunk + 1) * tracked.chunk_size or len(tracked.block_ids) < end:
-            return []
-        tracked.shadow_chunk = None
-        blocks = tracked.block_ids[chunk * per_chunk : end]
-        return [ShadowSpec(tracked.request_id, tracked.salt, chunk, tracked.hashes[chunk], blocks)]
 
     def _log_outcomes(self) -> None:
         outcomes = self.outcomes.snapshot()

@@ -1,0 +1,138 @@
+"""``Tracked``: one request as the connector's scheduler side follows it,
+and the block arithmetic of what it loads, stores and shadow-checks.
+
+A request's prompt is cut into chunks of ``chunk_size`` tokens, each
+``chunk_size // block_size`` of vLLM's blocks; ``block_ids`` are the
+request's blocks in prompt order. Chunks ``[0, stored)`` are in kvtier (its
+hit, or stored by this engine); a step that completes more prompt chunks
+stores them (``stores``); the chunk chosen for the shadow check is compared
+once computed (``shadows``); a hit is loaded into the blocks of the tokens
+vLLM did not have (``load_spec``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvtier.engine.vllm.handoff import Consume, Produce
+from kvtier.engine.vllm.metadata import BlendSpec, LoadSpec, ShadowSpec, StoreSpec
+from kvtier.server.client import CacheClient, LookupState
+
+
+@dataclass(slots=True)
+class Tracked:
+    request_id: str
+    salt: str
+    client: CacheClient | None
+    chunk_size: int
+    hashes: list[bytes]  # of the prompt's full chunks
+    prompt_tokens: int
+    preemptions: int
+    lookup: LookupState | None = None
+    settled: bool = False  # the lookup's outcome was counted (and a shadow chunk chosen)
+    shadow_chunk: int | None = None  # the hit chunk vLLM computes for the shadow check
+    local: int = 0  # tokens the engine had itself when last asked
+    stored: int = 0  # chunks [0, stored) are in kvtier (hit, or stored by us)
+    block_ids: list[int] = field(default_factory=list)
+    received: bool = False  # an asynchronous load of its hit has come back
+    pin: tuple[int, int] | None = None  # a listed prefix it starts with: (index, chunks)
+    role: Produce | Consume | None = None  # its part in a prefill/decode hand-off
+    load_blocks: set[int] = field(default_factory=set)  # the blocks its loads fill
+    loaded: bool = False  # a consumer's hand-off load came back whole
+    blend: BlendSpec | None = None  # a blend it asked for (block ids once allocated)
+
+    def load_spec(
+        self, blocks: Any, num_external_tokens: int, block_size: int, asynchronous: bool
+    ) -> LoadSpec:
+        """Load the chunks that tokens [local, local + num_external_tokens)
+        fall in, into their blocks (``blocks``: vLLM's allocation; a chunk's
+        blocks outside that range are the engine's own, or past the prompt)."""
+        per_chunk = self.chunk_size // block_size
+        first_block = self.local // block_size
+        end_block = -(-(self.local + num_external_tokens) // block_size)
+        first, end = first_block // per_chunk, -(-end_block // per_chunk)
+        block_ids = blocks.get_block_ids()[0]
+        spec = LoadSpec(
+            self.request_id,
+            self.salt,
+            first,
+            self.hashes[first:end],
+            [
+                {
+                    j: block_ids[chunk * per_chunk + j]
+                    for j in range(per_chunk)
+                    if first_block <= chunk * per_chunk + j < end_block
+                }
+                for chunk in range(first, end)
+            ],
+            asynchronous=asynchronous,
+        )
+        self.load_blocks = {b for chunk in spec.blocks for b in chunk.values()}
+        return spec
+
+    def failed_load(
+        self, blocks: Any, num_external_tokens: int, block_size: int, asynchronous: bool
+    ) -> LoadSpec:
+        """A load whose every block is a load error (no chunk is read)."""
+        first = self.local // block_size
+        end = -(-(self.local + num_external_tokens) // block_size)
+        mapping = dict(enumerate(blocks.get_block_ids()[0][first:end]))
+        return LoadSpec(self.request_id, self.salt, 0, [], [mapping], asynchronous, True)
+
+    def stores(self, done_tokens: int, block_size: int, store_all: bool) -> list[StoreSpec]:
+        """Prompt chunks this step completes that kvtier does not have yet
+        (only a producer's unless ``store_all``; a producer's tail too; a
+        consumer's never: they came from kvtier)."""
+        role = self.role
+        skip = not store_all and not isinstance(role, Produce)
+        if skip or isinstance(role, Consume) or self.client is None or not self.chunk_size:
+            return []
+        per_chunk = self.chunk_size // block_size
+        complete = min(done_tokens, self.prompt_tokens) // self.chunk_size
+        complete = min(complete, len(self.hashes), len(self.block_ids) // per_chunk)
+        specs = []
+        if complete > self.stored:
+            specs.append(
+                StoreSpec(
+                    self.request_id,
+                    self.salt,
+                    self.hashes[self.stored : complete],
+                    self.block_ids[self.stored * per_chunk : complete * per_chunk],
+                )
+            )
+            self.stored = complete
+        if isinstance(role, Produce) and role.tail is not None and not role.tail_stored:
+            specs += self._tail_store(role, done_tokens, block_size)
+        return specs
+
+    def _tail_store(self, role: Produce, done_tokens: int, block_size: int) -> list[StoreSpec]:
+        """A producer's prompt tail, once computed: its blocks, the last one
+        repeated to fill the object (those pages are past the prompt and never
+        loaded: a consumer's load stops at its last token's block)."""
+        assert role.tail is not None
+        per_chunk = self.chunk_size // block_size
+        full = len(self.hashes) * per_chunk
+        tail_blocks = -(-self.prompt_tokens // block_size) - full
+        if done_tokens < self.prompt_tokens or len(self.block_ids) < full + tail_blocks:
+            return []
+        role.tail_stored = True
+        blocks = self.block_ids[full : full + tail_blocks]
+        blocks += [blocks[-1]] * (per_chunk - len(blocks))
+        return [StoreSpec(self.request_id, self.salt, [role.tail], blocks)]
+
+    def shadows(self, done_tokens: int, block_size: int) -> list[ShadowSpec]:
+        """The shadow check of the request's chunk that this step computed, if it did."""
+        chunk = self.shadow_chunk
+        if chunk is None or self.client is None:
+            return []
+        per_chunk = self.chunk_size // block_size
+        end = (chunk + 1) * per_chunk
+        if done_tokens < (chunk + 1) * self.chunk_size or len(self.block_ids) < end:
+            return []
+        self.shadow_chunk = None
+        blocks = self.block_ids[chunk * per_chunk : end]
+        return [ShadowSpec(self.request_id, self.salt, chunk, self.hashes[chunk], blocks)]
+
+
+__all__ = ["Tracked"]
