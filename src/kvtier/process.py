@@ -10,10 +10,16 @@ writes: if this process dies without stopping it (SIGKILL, a SIGTERM it does
 not handle), the pipe ends and the server stops by itself, arena and all,
 instead of holding its L1 memory for nobody. Used by ``kvtier demo``, the
 benchmarks and the tests.
+
+``GroupProcess`` is the same promise for third-party servers (vLLM,
+LMCache), which cannot be told to watch a pipe: each runs in a session of
+its own, and a reaper (``kvtier.reaper``) stops its process group if this
+process dies without stopping it.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import queue
@@ -27,6 +33,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
+
+from kvtier.reaper import release, start_reaper
 
 READY = re.compile(
     r"kvtier serve: rpc (?P<rpc>tcp://[^:\s]+:(?P<port>\d+)) "
@@ -66,6 +74,37 @@ def clean_env(extra: Mapping[str, str] | None = None) -> dict[str, str]:
     env["PYTHONUNBUFFERED"] = "1"
     env.update(extra or {})
     return env
+
+
+@dataclass(eq=False)
+class GroupProcess:
+    """A third-party server (vLLM, LMCache) started in a session of its own,
+    so that its children are in its process group, with a reaper
+    (``kvtier.reaper``) that stops that group should this process die
+    without stopping it."""
+
+    proc: subprocess.Popen[bytes]
+    reaper: subprocess.Popen[bytes]
+
+    @classmethod
+    def start(cls, command: Sequence[str], log_path: Path, env: Mapping[str, str]) -> GroupProcess:
+        """Start ``command`` with stdout and stderr to ``log_path``."""
+        with log_path.open("w") as out:
+            proc = subprocess.Popen(
+                command, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True
+            )
+        return cls(proc, start_reaper("killpg", str(proc.pid)))
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def stop(self, timeout_s: float) -> None:
+        """SIGTERM with a deadline, then SIGKILL what is left of the group."""
+        stop_process(self.proc, signal.SIGTERM, timeout_s=timeout_s)
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        release(self.reaper)
 
 
 @dataclass(eq=False)

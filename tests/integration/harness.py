@@ -46,6 +46,16 @@ def post_json(url: str, body: dict[str, Any], timeout_s: float = 300.0) -> tuple
         return int(exc.code), json.loads(exc.read() or b"{}")
 
 
+def running(pid: int) -> bool:
+    """Whether ``pid`` runs: an orphan that exited stays a zombie until its
+    new parent reaps it, and a zombie has ended."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0]
+    except (FileNotFoundError, ProcessLookupError):
+        return False
+    return state not in ("Z", "X")
+
+
 def wait_for(
     probe: Callable[[], T],
     done: Callable[[T], bool],

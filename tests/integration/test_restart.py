@@ -15,7 +15,13 @@ import numpy as np
 from kvtier.process import clean_env, read_line, stop_process
 from kvtier.server.client import CacheClient
 from tests.integration import workload as w
-from tests.integration.harness import SHM_DIR, ServerFactory, wait_for, wait_written_back
+from tests.integration.harness import (
+    SHM_DIR,
+    ServerFactory,
+    running,
+    wait_for,
+    wait_written_back,
+)
 
 CHUNKS = 4
 SIZE = w.object_bytes(256)
@@ -168,16 +174,6 @@ server = ServerProcess.start(
 print(server.pid, server.arena, flush=True)
 sys.stdin.read()  # until the test kills this process
 """
-
-
-def running(pid: int) -> bool:
-    """Whether ``pid`` runs: an orphan that exited stays a zombie until its
-    new parent reaps it, and a zombie has ended."""
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0]
-    except (FileNotFoundError, ProcessLookupError):
-        return False
-    return state not in ("Z", "X")
 
 
 def test_a_server_whose_parent_dies_stops_by_itself(tmp_path: Path) -> None:

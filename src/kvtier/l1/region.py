@@ -24,13 +24,14 @@ import os
 import re
 import secrets
 import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
 
 import numpy as np
 import numpy.typing as npt
+
+from kvtier.reaper import release, start_reaper
 
 log = logging.getLogger(__name__)
 
@@ -127,7 +128,7 @@ class SharedRegion:
             os.close(fd)
         region = cls(path, size, mapping, owner=True)
         if reaper:
-            region.reaper = _start_reaper(path)
+            region.reaper = start_reaper("unlink", str(path))
         if populate:
             region.prefault()
         return region
@@ -193,41 +194,8 @@ class SharedRegion:
             self.path.unlink(missing_ok=True)
             self.owner = False
         if self.reaper is not None:
-            _stop_reaper(self.reaper)
+            release(self.reaper)
             self.reaper = None
-
-
-# The reaper blocks reading its stdin, whose write end only the creator holds
-# (pipes are close-on-exec): the read returns when the creator closes it or dies.
-_REAPER = (
-    "import os, sys\n"
-    "sys.stdin.buffer.read()\n"
-    "try:\n"
-    "    os.unlink(sys.argv[1])\n"
-    "except FileNotFoundError:\n"
-    "    pass\n"
-)
-
-
-def _start_reaper(path: Path) -> subprocess.Popen[bytes]:
-    return subprocess.Popen(
-        [sys.executable, "-S", "-c", _REAPER, str(path)],
-        stdin=subprocess.PIPE,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-        start_new_session=True,  # a ^C to the creator's group must not end it first
-    )
-
-
-def _stop_reaper(reaper: subprocess.Popen[bytes]) -> None:
-    """After the creator unlinked the file itself: let the reaper exit."""
-    assert reaper.stdin is not None
-    reaper.stdin.close()
-    try:
-        reaper.wait(timeout=5)
-    except subprocess.TimeoutExpired:
-        reaper.kill()
-        reaper.wait()
 
 
 def _no_room(size: int, available: int, shm_dir: str) -> str:

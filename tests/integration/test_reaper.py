@@ -1,0 +1,64 @@
+"""A third-party server (vLLM, LMCache) started by kvtier's tools outlives
+nothing: ``GroupProcess`` pairs it with a reaper (``kvtier.reaper``) that
+stops its process group when the tool dies without stopping it."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from kvtier.process import GroupProcess, clean_env, read_line, stop_process
+from kvtier.reaper import start_reaper
+from tests.integration.harness import running, wait_for
+
+# A tool that starts a "server" (a shell and its sleeping child, one group) and
+# never stops it: it prints the pids and waits to be killed.
+TOOL = """
+import sys, time
+from pathlib import Path
+from kvtier.process import GroupProcess, clean_env
+server = GroupProcess.start(["sh", "-c", "sleep 600 & wait"], Path(sys.argv[1]), clean_env())
+time.sleep(0.5)  # the shell has started its child
+children = Path(f"/proc/{server.pid}/task/{server.pid}/children").read_text().split()
+print(server.pid, server.reaper.pid, *children, flush=True)
+time.sleep(600)
+"""
+
+
+def test_a_server_group_whose_tool_dies_is_stopped_by_its_reaper(tmp_path: Path) -> None:
+    tool = subprocess.Popen(
+        [sys.executable, "-c", TOOL, str(tmp_path / "server.log")],
+        stdout=subprocess.PIPE,
+        text=True,
+        env=clean_env(),
+    )
+    try:
+        assert tool.stdout is not None
+        line = read_line(tool.stdout, 30.0)
+        assert line, "the tool printed nothing"
+        server, reaper, *children = (int(pid) for pid in line.split())
+        assert children and all(running(pid) for pid in (server, reaper, *children))
+        tool.send_signal(signal.SIGKILL)  # by PID: no clean-up of its own
+        tool.wait()
+        for pid in (server, *children, reaper):  # the whole group, then the reaper itself
+            assert wait_for(lambda pid=pid: running(pid), lambda up: not up) is False
+    finally:
+        stop_process(tool, signal.SIGKILL)
+
+
+def test_a_server_group_stopped_by_its_tool_leaves_the_reaper_nothing_to_do(
+    tmp_path: Path,
+) -> None:
+    server = GroupProcess.start(["sleep", "600"], tmp_path / "server.log", clean_env())
+    server.stop(timeout_s=5)
+    assert server.proc.returncode == -signal.SIGTERM
+    assert server.reaper.returncode == 0 and not running(server.pid)
+
+
+def test_a_reaper_takes_only_its_actions() -> None:
+    with pytest.raises(ValueError, match="reaper action must be one of"):
+        start_reaper("rm -rf", "/")
