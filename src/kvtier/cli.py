@@ -142,15 +142,18 @@ def _blend_eval(args: argparse.Namespace) -> int:
     from kvtier.bench.retrieval import RetrievalSpec
 
     quick = args.quick
+    options = {name: value for name in ("ratios", "static") if (value := getattr(args, name))}
+    if args.compare is not None:
+        options["compare"] = tuple(n for n in args.compare.split(",") if n)
     request = BlendEvalRequest(
         spec=RetrievalSpec(prompts=8 if quick else args.prompts, seed=args.seed),
         latency_prompts=2 if quick else args.latency_prompts,
-        **{name: value for name in ("ratios", "static") if (value := getattr(args, name))},
         generated=args.generated,
         out=Path(args.out),
         command=" ".join(["kvtier", *sys.argv[1:]]),
         resume=args.resume,
     )
+    request = dataclasses.replace(request, **options)
     console = Console(file=report_stream(args.json))
     results = run_blend_eval(request, progress=lambda line: console.print(line, style="dim"))
     plot = request.out / "quality-vs-ratio.png"
@@ -222,6 +225,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     blend.add_argument(
         "--static", type=_ratios, help="recompute ratios of the static blends (0.15,0.3)"
+    )
+    blend.add_argument(
+        "--compare",
+        help="the other blends run at ratio 0.15, with commas, '' for none "
+        "(impact,CacheBlend,deviation,bottom-right)",
     )
     blend.add_argument("--seed", type=int, default=0, help="task seed (0)")
     blend.add_argument("--out", default="kvtier-blend-eval", help="results directory")

@@ -10,10 +10,11 @@ task (``kvtier.bench.retrieval``). Every prompt goes through:
 - *prefix-only reuse* through the same server (kvtier's exact prefix chunks;
   every document was seen once right after the system prompt beforehand);
 - one *blend* per configuration (``configurations``): kvtier's blend (the
-  ``impact`` selection over documents anchored on the system prompt) at
-  each recompute ratio; at 0.15 CacheBlend's own (``deviation`` over
-  documents computed alone), the deviation selection over anchored
-  documents (the anchor alone), the static option and the bottom-right mask.
+  ``question`` selection over documents anchored on the system prompt) at
+  each recompute ratio; the static option; at 0.15 the ``impact``
+  selection, CacheBlend's own (``deviation`` over documents computed
+  alone), the deviation selection over anchored documents (the anchor
+  alone) and the bottom-right mask.
 
 Per blend, against full prefill: teacher-forced top-1 agreement over full
 prefill's generated tokens (the blend's argmax at each position, the
@@ -63,15 +64,28 @@ from kvtier.process import ServerProcess
 END_OF_TURN = "<|im_end|>"
 
 
-def configurations(ratios: Sequence[float], static: Sequence[float]) -> dict[str, BlendConfig]:
-    """The blends compared: kvtier's default blend at every ratio; at 0.15
-    CacheBlend's (deviation, documents alone) and the deviation selection
-    over anchored documents; static at ``static``; the bottom-right mask."""
+# The other blends compared at ratio 0.15, each beside kvtier's default
+COMPARISONS = {
+    "impact": BlendConfig(ratio=0.15, selection="impact"),  # the default until 2026-12-04
+    "CacheBlend": BlendConfig(ratio=0.15, selection="deviation", anchor=False),
+    "deviation": BlendConfig(ratio=0.15, selection="deviation"),  # anchored
+    "bottom-right": BlendConfig(ratio=0.15, mask="bottom_right"),
+}
+
+
+def configurations(
+    ratios: Sequence[float], static: Sequence[float], compare: Sequence[str] = tuple(COMPARISONS)
+) -> dict[str, BlendConfig]:
+    """The blends compared: kvtier's default blend at every ratio; static at
+    ``static``; at 0.15 the ``compare`` ones of ``COMPARISONS`` (the impact
+    selection, CacheBlend's own: deviation over documents alone, deviation
+    over anchored documents, the bottom-right mask)."""
+    unknown = sorted(set(compare) - set(COMPARISONS))
+    if unknown:
+        raise ValueError(f"--compare: unknown {unknown}; choose from {', '.join(COMPARISONS)}")
     out = {f"blend {r:g}": BlendConfig(ratio=r) for r in ratios}
-    out["CacheBlend 0.15"] = BlendConfig(ratio=0.15, selection="deviation", anchor=False)
-    out["deviation 0.15"] = BlendConfig(ratio=0.15, selection="deviation")
+    out |= {f"{name} 0.15": COMPARISONS[name] for name in compare}
     out |= {f"static {r:g}": BlendConfig(ratio=r, selection="static") for r in static}
-    out["bottom-right 0.15"] = BlendConfig(ratio=0.15, mask="bottom_right")
     return out
 
 
@@ -81,11 +95,15 @@ class BlendEvalRequest:
     latency_prompts: int = 24
     ratios: tuple[float, ...] = (0.0, 0.05, 0.15, 0.3, 0.5, 0.7, 1.0)
     static: tuple[float, ...] = (0.15, 0.3)
+    compare: tuple[str, ...] = tuple(COMPARISONS)
     generated: int = 32
     l1_size: str = "8GiB"
     out: Path = Path("kvtier-blend-eval")
     command: str = ""
     resume: bool = False  # keep the rows in out/prompts.jsonl and run the prompts after them
+
+    def __post_init__(self) -> None:
+        configurations(self.ratios, self.static, self.compare)  # names checked before any work
 
 
 @dataclass(slots=True)
@@ -349,7 +367,7 @@ def run_blend_eval(
     torch.set_grad_enabled(False)
     request.out.mkdir(parents=True, exist_ok=True)
     model, tokenizer = smollm2()
-    names = configurations(request.ratios, request.static)
+    names = configurations(request.ratios, request.static, request.compare)
     pool = document_pool(request.spec)
     prompts = retrieval_prompts(request.spec, pool)
     timed_spec = latency_spec(request.spec, request.latency_prompts)
@@ -411,7 +429,7 @@ def _rows_to_resume(path: Path, names: dict[str, BlendConfig]) -> list[dict[str,
         if missing:
             raise ValueError(
                 f"{path}: row {i + 1} has no {', '.join(missing)}; resume with the same "
-                "--ratios and --static, or use another --out"
+                "--ratios, --static and --compare, or use another --out"
             )
     return rows
 
@@ -451,6 +469,7 @@ def _latency_row(runner: _Runner, prompt: Prompt, names: dict[str, BlendConfig])
 
 
 __all__ = [
+    "COMPARISONS",
     "BlendEvalRequest",
     "MarginHalves",
     "configurations",

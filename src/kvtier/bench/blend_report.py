@@ -9,6 +9,10 @@ from typing import Any
 from matplotlib.figure import Figure
 from rich.table import Table
 
+from kvtier.blend import BlendConfig
+
+DEFAULT = BlendConfig()  # kvtier's blend: the solid line in the plot
+
 
 def quality_table(results: dict[str, Any]) -> Table:
     """Fidelity to full prefill's own answers, work and TTFT, per configuration."""
@@ -112,7 +116,7 @@ def quality_plot(results: dict[str, Any], path: Path) -> None:
     markers = iter("xD^v*P")
     for kind, points in _kinds(results).items():
         if len(points) > 1:  # a kind measured at several ratios: a line
-            style = "o-" if kind.startswith("impact") else "s--"
+            style = "o-" if kind.startswith(DEFAULT.selection) else "s--"
             size, colors, label = None, ("tab:blue", "tab:orange"), kind
         else:  # one configuration: a marker
             style, size, colors = next(markers, "x"), 7, ("tab:red", "tab:purple")

@@ -39,13 +39,13 @@ import inspect
 import sys
 import threading
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
-from kvtier.blend.select import Selector
+from kvtier.blend.select import QuestionReader, Selector
 
 CACHE_ARGUMENTS = ("cache", "past_key_values")  # transformers >= 5.24, then 5.19-5.23
 PROBE = "kvtier_probe"  # the keyword a layer's attention gets the pass's _Scatter by
@@ -75,6 +75,8 @@ class BlendPass:
     keys: list[torch.Tensor]
     values: list[torch.Tensor]
     layer_tokens: list[int]
+    reading_tokens: int = 0  # token-layers the question selection's first pass ran
+    read: list[torch.Tensor] = field(default_factory=list)  # per read layer, [N]
 
 
 class _Scatter:
@@ -95,6 +97,7 @@ class _Scatter:
         self.inner = "sdpa"  # the transformers attention probing_attention runs
         self.deviation: torch.Tensor | None = None  # [S]: |dK|^2 + |dV|^2 per position
         self.attention: torch.Tensor | None = None  # [S]: what the rows pay each position
+        self.paid: torch.Tensor | None = None  # [N]: the same, over every position
 
     def update(
         self,
@@ -122,8 +125,8 @@ class _Scatter:
         rotated), the layer's ``keys`` (``[1, kv_heads, N, dim]``), the
         additive ``mask`` it applies (None: causal) and its ``scaling``: keeps
         the attention the ``rows`` pay each running position, averaged over
-        heads and rows. A no-op where nothing is measured."""
-        if not self.measure or self.rows is None:
+        heads and rows. A no-op where no rows are read."""
+        if self.rows is None:
             return
         rows = self.rows
         queries = query[0].index_select(1, rows).float()  # [heads, R, dim]
@@ -142,7 +145,8 @@ class _Scatter:
                 bias.expand(q.shape[0], -1, -1), q, k.transpose(1, 2), alpha=scaling
             )
             paid += scores.softmax(-1).sum(dim=(0, 1))
-        self.attention = paid.index_select(0, self.positions) / (queries.shape[0] * rows.numel())
+        self.paid = paid / (queries.shape[0] * rows.numel())
+        self.attention = self.paid.index_select(0, self.positions)
 
 
 def probing_attention(
@@ -284,9 +288,17 @@ def blend_forward(
     """Run ``model`` over the prompt ``ids`` (``[N]``) with every layer's K and
     V preloaded in ``keys``/``values`` (the stored ones at reused positions;
     overwritten in place where a layer runs a position). The last position
-    must be one ``selector`` always computes."""
+    must be one ``selector`` always computes. The ``question`` selection
+    first runs the computed positions alone and reads what they attend to
+    (they are computed again in the second pass, over the same stored KV)."""
     with _probing(model) as inner:
-        return _blend_layers(model, ids, keys, values, selector, mask, inner)
+        if not selector.reads_question:
+            return _blend_layers(model, ids, keys, values, selector, mask, inner)
+        reading = _blend_layers(model, ids, keys, values, selector.reader(), mask, inner)
+        selector.read(reading.read)
+        out = _blend_layers(model, ids, keys, values, selector, mask, inner)
+        out.reading_tokens = sum(reading.layer_tokens)
+        return out
 
 
 def _blend_layers(
@@ -294,7 +306,7 @@ def _blend_layers(
     ids: torch.Tensor,
     keys: list[torch.Tensor],
     values: list[torch.Tensor],
-    selector: Selector,
+    selector: Selector | QuestionReader,
     mask: str,
     inner: str,
 ) -> BlendPass:
@@ -310,10 +322,11 @@ def _blend_layers(
     causal = inner == "sdpa"
     mask_tensor = attention_mask(positions, total, mask, hidden.dtype, causal)
     probed = selector.wants_attention
-    layer_tokens = []
+    layer_tokens, read = [], []
     for n, layer in enumerate(layers):
-        narrows = selector.narrows_after(n)
-        rows = torch.nonzero(selector.computed[positions]).flatten() if probed else None
+        narrows, reads = selector.narrows_after(n), selector.reads_after(n)
+        looks = probed and (narrows or reads)
+        rows = torch.nonzero(selector.computed[positions]).flatten() if looks else None
         scatter = _Scatter(keys, values, positions, measure=narrows, rows=rows)
         scatter.inner = inner
         out = layer(
@@ -326,6 +339,13 @@ def _blend_layers(
         )
         hidden = out[0] if isinstance(out, tuple) else out
         layer_tokens.append(int(positions.numel()))
+        if reads:
+            if scatter.paid is None:
+                raise RuntimeError(
+                    f"layer {n} ({type(layer).__name__}) did not hand the blend its queries "
+                    "through kvtier_probe"
+                )
+            read.append(scatter.paid)
         if narrows:
             if scatter.deviation is None or (probed and scatter.attention is None):
                 raise RuntimeError(
@@ -339,7 +359,7 @@ def _blend_layers(
                 mask_tensor = attention_mask(positions, total, mask, hidden.dtype, causal)
     last = decoder.norm(hidden[:, -1:])
     logits: torch.Tensor = model.lm_head(last)[0, -1].float()
-    return BlendPass(logits, keys, values, layer_tokens)
+    return BlendPass(logits, keys, values, layer_tokens, read=read)
 
 
 __all__ = [

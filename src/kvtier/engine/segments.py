@@ -86,7 +86,9 @@ class BlendStats:
     candidate_tokens: int  # the others: a share is recomputed
     recomputed_tokens: int  # candidates the last layer ran
     layer_tokens: list[int] = field(default_factory=list)  # positions each layer ran
-    work: float = 0.0  # token-layers run / (layers x prompt tokens); full prefill: 1.0
+    # token-layers run (a question selection's first pass included) / (layers x prompt
+    # tokens); full prefill: 1.0
+    work: float = 0.0
     computed_alone_tokens: int = 0  # tokens of segments computed alone by this call
 
 
@@ -297,7 +299,7 @@ def blend_prefill(
         candidate_tokens=selector.total,
         recomputed_tokens=last - (total - reused),
         layer_tokens=out.layer_tokens,
-        work=sum(out.layer_tokens) / (layout.num_layers * total),
+        work=(sum(out.layer_tokens) + out.reading_tokens) / (layout.num_layers * total),
         computed_alone_tokens=alone,
     )
     cache = dynamic_cache(out.keys, out.values)

@@ -13,6 +13,7 @@ import torch
 from rich.console import Console
 
 from kvtier.bench.blend_eval import (
+    BlendEvalRequest,
     Measured,
     _rows_to_resume,
     configurations,
@@ -79,6 +80,7 @@ def rows() -> list[dict[str, Any]]:
         row["blend 0"] = measured(False, agreement=0.5, ttft=0.5)
         row["blend 0.15"] = measured(blend_ok, agreement=0.75 if not blend_ok else 1.0, ttft=1.0)
         row["bottom-right 0.15"] = measured(blend_ok, ttft=1.1)
+        row["impact 0.15"] = measured(blend_ok, agreement=0.95, ttft=1.0)
         row["CacheBlend 0.15"] = measured(False, agreement=0.75, ttft=1.0)
         row["deviation 0.15"] = measured(blend_ok, agreement=0.9, ttft=1.0)
         out.append(row)
@@ -189,3 +191,12 @@ def test_a_resumed_run_keeps_rows_of_the_same_configurations_only(tmp_path: Path
     assert _rows_to_resume(path, names) == rows()
     with pytest.raises(ValueError, match=r"row 1 has no blend 0\.3.*--ratios"):
         _rows_to_resume(path, configurations((0.0, 0.15, 0.3), ()))
+
+
+def test_the_blends_compared_are_chosen_by_name() -> None:
+    names = configurations((0.0, 0.15), (0.15,), ("impact",))
+    assert list(names) == ["blend 0", "blend 0.15", "impact 0.15", "static 0.15"]
+    assert names["blend 0.15"].selection == "question"  # kvtier's default
+    assert names["impact 0.15"].selection == "impact"
+    with pytest.raises(ValueError, match=r"--compare: unknown \['bogus'\]"):
+        BlendEvalRequest(compare=("impact", "bogus"))

@@ -38,7 +38,7 @@ def test_the_probe_reads_the_attention_the_question_pays(implementation: str) ->
     computed[question] = True
     candidates = torch.zeros(total, dtype=torch.bool)
     candidates[10:52] = True
-    config = BlendConfig(ratio=0.3, check_layer=1, filter_layers=1)
+    config = BlendConfig(ratio=0.3, selection="impact", check_layer=1, filter_layers=1)
     selector = _Recording(config, 4, computed, candidates, [(10, 52)])
     selector.seen = {}
     layers, heads, dim = 4, 2, 32
@@ -60,6 +60,40 @@ def test_the_probe_reads_the_attention_the_question_pays(implementation: str) ->
     positions, attention = selector.seen[2]
     assert attention is not None and attention.shape == positions.shape
     assert model.config._attn_implementation == "eager"  # restored after each pass
+
+
+@pytest.mark.parametrize("implementation", ["sdpa", "eager"])
+def test_the_question_selection_reads_what_the_question_attends_to_in_the_later_layers(
+    implementation: str,
+) -> None:
+    """With every stored K/V exact (full prefill's), the first pass (the
+    question alone over them) reads full prefill's own attention rows, the
+    candidates it reads most are recomputed, and the result is full prefill's."""
+    model = tiny_model("llama", num_hidden_layers=4)
+    total, question = 60, list(range(52, 60))
+    ids = torch.randint(0, 512, (total,), generator=torch.Generator().manual_seed(5))
+    model.set_attn_implementation("eager")
+    with torch.inference_mode():
+        full = model(ids[None], output_attentions=True, use_cache=True)
+    expected = torch.stack([full.attentions[n][0][:, question].mean(dim=(0, 1)) for n in (2, 3)])
+    expected = expected.mean(dim=0)  # read_from 0.5 of 4 layers: layers 2 and 3
+    keys = [layer.keys.clone() for layer in full.past_key_values.layers]
+    values = [layer.values.clone() for layer in full.past_key_values.layers]
+    computed = torch.zeros(total, dtype=torch.bool)
+    computed[question] = True
+    candidates = torch.zeros(total, dtype=torch.bool)
+    candidates[10:52] = True
+    model.set_attn_implementation(implementation)
+    selector = Selector(BlendConfig(ratio=0.25), 4, computed, candidates, [(10, 52)])
+    out = blend_forward(model, ids, keys, values, selector)
+
+    assert selector.reading is not None
+    assert torch.allclose(selector.reading, expected, atol=1e-5)
+    chosen = torch.topk(expected[10:52], round(0.25 * 42)).indices + 10
+    assert selector.initial().tolist() == sorted(chosen.tolist()) + question
+    assert out.layer_tokens == [len(chosen) + len(question)] * 4  # every layer, from layer 0
+    assert out.reading_tokens == 4 * len(question)
+    assert torch.allclose(out.logits, full.logits[0, -1], atol=1e-4)
 
 
 def test_the_model_is_left_as_it_was_when_a_layer_fails() -> None:

@@ -47,8 +47,7 @@ def test_deviation_runs_everything_to_the_check_layer_then_keeps_the_most_deviat
 
 def test_impact_ranks_by_deviation_times_the_attention_the_question_pays() -> None:
     computed, candidates = masks(55, list(range(50, 55)), [(10, 30), (30, 50)])
-    config = BlendConfig(ratio=0.25, check_layer=1, spread=0.0, filter_layers=2)
-    assert config.selection == "impact"  # the default
+    config = BlendConfig(ratio=0.25, selection="impact", check_layer=1, spread=0.0, filter_layers=2)
     selector = Selector(config, 8, computed, candidates, [(10, 30), (30, 50)])
     assert selector.wants_attention
     positions = torch.arange(55)
@@ -63,7 +62,9 @@ def test_impact_ranks_by_deviation_times_the_attention_the_question_pays() -> No
         selector.after(1, positions, deviation)
     # ratio 0 or 1 narrows nothing: no attention wanted
     for ratio in (0.0, 1.0):
-        whole = Selector(BlendConfig(ratio=ratio), 8, computed, candidates, [(10, 50)])
+        whole = Selector(
+            BlendConfig(ratio=ratio, selection="impact"), 8, computed, candidates, [(10, 50)]
+        )
         assert not whole.wants_attention
 
 
@@ -75,7 +76,34 @@ def test_static_recomputes_the_first_tokens_of_each_moved_segment_from_layer_zer
     assert not any(selector.narrows_after(n) for n in range(4))
 
 
-@pytest.mark.parametrize("selection", ["impact", "deviation", "static"])
+def test_question_recomputes_what_the_question_reads_most_from_layer_zero() -> None:
+    computed, candidates = masks(55, list(range(50, 55)), [(10, 30), (30, 50)])
+    config = BlendConfig(ratio=0.25, read_from=0.5)
+    assert config.selection == "question"  # the default
+    selector = Selector(config, 8, computed, candidates, [(10, 30), (30, 50)])
+    assert selector.reads_question and not selector.wants_attention
+    reader = selector.reader()  # the first pass: the question alone, read from layer 4
+    assert reader.initial().tolist() == list(range(50, 55))
+    assert [reader.reads_after(n) for n in range(8)] == [False] * 4 + [True] * 4
+    assert not any(reader.narrows_after(n) for n in range(8))
+    with pytest.raises(ValueError, match="read first"):
+        selector.initial()
+    # what the question reads, per read layer: mostly 12-16 in one layer, 40-43 in another
+    read = [torch.full((55,), 0.01) for _ in range(4)]
+    read[0][12:17] = 1.0
+    read[3][40:44] = 0.9
+    read[3][33] = 3.0  # one token read hard in one layer outranks a mean of 0.25 ...
+    selector.read(read)
+    # ... the mean over layers ranks: 33 (0.76), 12-16 (0.26), 40-43 (0.23); 0.25 x 40 = 10
+    expected = [12, 13, 14, 15, 16, 33, 40, 41, 42, 43, *range(50, 55)]
+    assert selector.initial().tolist() == expected
+    assert not any(selector.narrows_after(n) for n in range(8))  # every layer, from layer 0
+    for ratio in (0.0, 1.0):  # nothing to choose: no first pass
+        whole = Selector(BlendConfig(ratio=ratio), 8, computed, candidates, [(10, 50)])
+        assert not whole.reads_question
+
+
+@pytest.mark.parametrize("selection", ["question", "impact", "deviation", "static"])
 def test_ratio_zero_runs_only_the_computed_positions_and_one_runs_all(selection: str) -> None:
     computed, candidates = masks(30, [29], [(5, 29)])
     zero = Selector(BlendConfig(ratio=0.0, selection=selection), 4, computed, candidates, [(5, 29)])
@@ -94,6 +122,7 @@ def test_ratio_zero_runs_only_the_computed_positions_and_one_runs_all(selection:
         ({"mask": "causal"}, "mask"),
         ({"check_layer": 0}, "layer 0"),
         ({"spread": -1.0}, "spread"),
+        ({"read_from": 1.0}, "read_from"),
     ],
 )
 def test_bad_configs_name_the_field(kwargs: dict[str, object], says: str) -> None:

@@ -123,9 +123,11 @@ def test_segments_are_stored_alone_once_then_found_in_l1(
     assert torch.equal(second.logits, first.logits)
     stats = second.blend
     assert (stats.reused_tokens, stats.exact_tokens, stats.candidate_tokens) == (73, 12, 61)
-    assert stats.layer_tokens[:2] == [len(ids)] * 2  # every position to the check layer
-    # after it: the question and 0.3 x 61 = 18 candidates (the last filtering layer's share)
-    assert stats.layer_tokens[-1] == len(PARTS[-1]) + round(0.3 * 61)
+    # every layer: the question and the 0.3 x 61 = 18 candidates it reads most; its
+    # first pass (the question alone, every layer) counts in the work
+    question = len(PARTS[-1])
+    assert stats.layer_tokens == [question + round(0.3 * 61)] * len(stats.layer_tokens)
+    assert stats.work == pytest.approx((question + 18 + question) / len(ids))
     assert storage.l1.status()["resident_objects"] == pieces
     assert_clean(storage.l1)
 

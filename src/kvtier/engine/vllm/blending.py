@@ -7,15 +7,17 @@ A request asks for it in ``kv_transfer_params``::
                       "ratio": 0.15, "selection": "deviation"}}
 
 ``segments`` are token spans as for ``KVTierModel.prefill``; the other keys
-are ``BlendConfig``'s. The scheduler side offers the tokens up to the last
-segment's end as a synchronous hit (``blend_request``); before the step's
-forward, the worker side (``Blender``) fetches each segment's pieces from
-kvtier (or computes the segment alone and stores it), moves its K, runs the
-blended pass on vLLM's model (``BlendModel``, reached through
-``kvtier.engine.vllm.capture``) and writes the blended K and V into the
-request's blocks. vLLM's own forward then computes the rest of the prompt
-(the question) over them, exactly. A blend that fails is a load error:
-vLLM recomputes those blocks.
+are ``BlendConfig``'s. The scheduler side offers every prompt token but the
+last as a synchronous hit (``blend_request``); before the step's forward,
+the worker side (``Blender``) fetches each segment's pieces from kvtier (or
+computes the segment alone and stores it), moves its K, runs the blended
+pass over the whole prompt on vLLM's model (``BlendModel``, reached through
+``kvtier.engine.vllm.capture``): the question is computed there, at every
+layer, as in the transformers blend, so the selections that read what the
+question attends to (``question``, ``impact``) see the same question. It
+writes the K and V of every token but the last into the request's blocks;
+vLLM's own forward computes the last token over them. A blend that fails is
+a load error: vLLM recomputes those blocks.
 
 Blended KV is approximate and must never be served as exact: a blend
 request stores no prefix chunks and offers no hand-off, and the connector
@@ -104,8 +106,9 @@ class Blender:
         store = self._store(spec.salt)
         blended = blend_prefill(model, spec.tokens, spec.spans, spec.config, store, shift)
         blended_layers = cache_layers(blended.cache, store.layout)
+        n = spec.written
         for pages, (keys, values) in zip(layers, blended_layers, strict=True):
-            write_tokens(pages, spec.block_ids, keys[0], values[0], block_size)
+            write_tokens(pages, spec.block_ids, keys[0, :, :n], values[0, :, :n], block_size)
         self.stats["blends"] += 1
         self.stats["reused_tokens"] += blended.stats.reused_tokens
         self.stats["recomputed_tokens"] += blended.stats.recomputed_tokens

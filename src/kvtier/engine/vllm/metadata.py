@@ -51,8 +51,9 @@ class ShadowSpec:
 
 @dataclass(slots=True)
 class BlendSpec:
-    """Blend a request's prompt ``tokens`` (up to where its question starts)
-    from its ``spans`` into ``block_ids`` before the forward
+    """Blend a request's whole prompt ``tokens`` from its ``spans`` before
+    the forward, and write the K and V of every token but the last
+    (``written``) into ``block_ids``; vLLM computes the last one
     (``kvtier.engine.vllm.blending``)."""
 
     request_id: str
@@ -61,6 +62,11 @@ class BlendSpec:
     spans: list[tuple[int, int]]
     config: BlendConfig
     block_ids: list[int]
+
+    @property
+    def written(self) -> int:
+        """The tokens whose K and V the blend writes (and vLLM is offered)."""
+        return len(self.tokens) - 1
 
 
 @dataclass(slots=True)

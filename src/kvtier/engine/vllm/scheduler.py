@@ -133,7 +133,7 @@ class SchedulerSide:
             tracked = self._track(request)
         tracked.local = num_computed_tokens
         if tracked.blend is not None:
-            return max(0, len(tracked.blend.tokens) - num_computed_tokens), False
+            return max(0, tracked.blend.written - num_computed_tokens), False
         client = tracked.client
         role = tracked.role
         if isinstance(role, Consume):
@@ -239,7 +239,7 @@ class SchedulerSide:
         role = tracked.role
         if tracked.blend is not None:
             if num_external_tokens > 0:
-                tokens = len(tracked.blend.tokens)
+                tokens = tracked.blend.written
                 ids = blocks.get_block_ids()[0][: -(-tokens // self.block_size)]
                 self._blends.append(dataclasses.replace(tracked.blend, block_ids=list(ids)))
             return
@@ -493,8 +493,7 @@ class SchedulerSide:
             return None
         spans, config = asked
         self.outcomes.add("blend")
-        tokens = prompt[: spans[-1][1]]
-        return BlendSpec(request.request_id, salt, tokens, spans, config, [])
+        return BlendSpec(request.request_id, salt, prompt, spans, config, [])
 
     def _source_hashes(self, role: Consume, prompt: list[int], salt: str, chunk_size: int) -> None:
         """A producer of another TP size or block size hashed the prompt under
