@@ -60,6 +60,7 @@ def blend_ask(spans: list[tuple[int, int]], **config: Any) -> dict[str, Any]:
 
 def configurations(ratios: list[float], static: list[float]) -> dict[str, dict[str, Any]]:
     names = {f"blend {r:g}": {"ratio": r} for r in ratios}
+    names["impact 0.15"] = {"ratio": 0.15, "selection": "impact"}  # the default until 12-04
     names |= {f"static {r:g}": {"ratio": r, "selection": "static"} for r in static}
     return names
 

@@ -21,7 +21,8 @@ import sys
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
@@ -44,6 +45,29 @@ def post_json(url: str, body: dict[str, Any], timeout_s: float = 300.0) -> tuple
             return int(response.status), json.loads(response.read())
     except urllib.error.HTTPError as exc:
         return int(exc.code), json.loads(exc.read() or b"{}")
+
+
+@contextmanager
+def doomed_parent(script: str, log: Path) -> Iterator[tuple[subprocess.Popen[str], list[str]]]:
+    """A Python process running ``script`` (its argv[1]: ``log``, where what
+    it starts writes), which prints one line about what it started and then
+    waits to be killed: yields it and that line's words, and SIGKILLs it
+    (by PID) at the end if the test did not."""
+    parent = subprocess.Popen(
+        [sys.executable, "-c", script, str(log)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+        env=clean_env(),
+    )
+    try:
+        assert parent.stdout is not None
+        line = read_line(parent.stdout, 30.0)
+        written = log.read_text(errors="replace") if log.exists() else "(nothing)"
+        assert line, f"the parent printed nothing; {log.name}:\n{written}"
+        yield parent, line.split()
+    finally:
+        stop_process(parent, signal.SIGKILL)
 
 
 def running(pid: int) -> bool:

@@ -5,15 +5,13 @@ stops its process group when the tool dies without stopping it."""
 from __future__ import annotations
 
 import signal
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from kvtier.process import GroupProcess, clean_env, read_line, stop_process
+from kvtier.process import GroupProcess, clean_env
 from kvtier.reaper import start_reaper
-from tests.integration.harness import running, wait_for
+from tests.integration.harness import doomed_parent, running, wait_for
 
 # A tool that starts a "server" (a shell and its sleeping child, one group) and
 # never stops it: it prints the pids and waits to be killed.
@@ -30,24 +28,13 @@ time.sleep(600)
 
 
 def test_a_server_group_whose_tool_dies_is_stopped_by_its_reaper(tmp_path: Path) -> None:
-    tool = subprocess.Popen(
-        [sys.executable, "-c", TOOL, str(tmp_path / "server.log")],
-        stdout=subprocess.PIPE,
-        text=True,
-        env=clean_env(),
-    )
-    try:
-        assert tool.stdout is not None
-        line = read_line(tool.stdout, 30.0)
-        assert line, "the tool printed nothing"
-        server, reaper, *children = (int(pid) for pid in line.split())
+    with doomed_parent(TOOL, tmp_path / "server.log") as (tool, words):
+        server, reaper, *children = (int(word) for word in words)
         assert children and all(running(pid) for pid in (server, reaper, *children))
         tool.send_signal(signal.SIGKILL)  # by PID: no clean-up of its own
         tool.wait()
         for pid in (server, *children, reaper):  # the whole group, then the reaper itself
             assert wait_for(lambda pid=pid: running(pid), lambda up: not up) is False
-    finally:
-        stop_process(tool, signal.SIGKILL)
 
 
 def test_a_server_group_stopped_by_its_tool_leaves_the_reaper_nothing_to_do(

@@ -4,20 +4,18 @@ register again and find what was stored before in the fs L2."""
 from __future__ import annotations
 
 import signal
-import subprocess
-import sys
 import threading
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from kvtier.process import clean_env, read_line, stop_process
 from kvtier.server.client import CacheClient
 from tests.integration import workload as w
 from tests.integration.harness import (
     SHM_DIR,
     ServerFactory,
+    doomed_parent,
     running,
     wait_for,
     wait_written_back,
@@ -181,25 +179,12 @@ def test_a_server_whose_parent_dies_stops_by_itself(tmp_path: Path) -> None:
     killed (SIGKILL, or a SIGTERM it does not handle) left the server running
     with its L1 arena, 8 GiB of /dev/shm for blend-eval's, held for nobody.
     The server's stdin is a pipe only the parent holds: it stops when it ends."""
-    parent = subprocess.Popen(
-        [sys.executable, "-c", PARENT, str(tmp_path / "serve.log")],
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        text=True,
-        env=clean_env(),
-    )
-    try:
-        assert parent.stdout is not None
-        line = read_line(parent.stdout, 30.0)
-        assert line, (
-            f"the parent printed nothing; serve log:\n{(tmp_path / 'serve.log').read_text()}"
-        )
-        pid, arena = int(line.split()[0]), SHM_DIR / line.split()[1]
+    log = tmp_path / "serve.log"
+    with doomed_parent(PARENT, log) as (parent, words):
+        pid, arena = int(words[0]), SHM_DIR / words[1]
         assert arena.exists() and running(pid)
         parent.send_signal(signal.SIGKILL)  # by PID: no clean-up of its own
         parent.wait()
         assert wait_for(lambda: running(pid), lambda up: not up) is False
         assert wait_for(arena.exists, lambda exists: not exists) is False
-        assert "stdin closed; stopping" in (tmp_path / "serve.log").read_text()
-    finally:
-        stop_process(parent, signal.SIGKILL)
+        assert "stdin closed; stopping" in log.read_text()

@@ -45,7 +45,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from kvtier.blend.select import QuestionReader, Selector
+from kvtier.blend.select import Selector
 
 CACHE_ARGUMENTS = ("cache", "past_key_values")  # transformers >= 5.24, then 5.19-5.23
 PROBE = "kvtier_probe"  # the keyword a layer's attention gets the pass's _Scatter by
@@ -306,7 +306,7 @@ def _blend_layers(
     ids: torch.Tensor,
     keys: list[torch.Tensor],
     values: list[torch.Tensor],
-    selector: Selector | QuestionReader,
+    selector: Selector,
     mask: str,
     inner: str,
 ) -> BlendPass:

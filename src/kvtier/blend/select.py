@@ -142,7 +142,7 @@ class Selector:
 
     def reader(self) -> QuestionReader:
         """The selector of the first pass (the computed positions alone)."""
-        return QuestionReader(self.computed, int(self.num_layers * self.config.read_from))
+        return QuestionReader(self)
 
     def read(self, attention: Sequence[torch.Tensor]) -> None:
         """Take what the first pass read: per read layer, the attention the
@@ -227,16 +227,28 @@ class Selector:
         return torch.nonzero(keep).flatten()
 
 
-class QuestionReader:
+class QuestionReader(Selector):
     """The first pass of the ``question`` selection: only the computed
     positions run, at every layer, and the attention they pay every position
-    is read from layer ``first`` on."""
+    is read from layer ``read_from * num_layers`` on."""
 
-    wants_attention = True
+    def __init__(self, selector: Selector) -> None:
+        super().__init__(
+            selector.config,
+            selector.num_layers,
+            selector.computed,
+            selector.candidates,
+            selector.spans,
+        )
+        self.first = int(selector.num_layers * selector.config.read_from)
 
-    def __init__(self, computed: torch.Tensor, first: int) -> None:
-        self.computed = computed
-        self.first = first
+    @property
+    def reads_question(self) -> bool:
+        return False  # it is the reading
+
+    @property
+    def wants_attention(self) -> bool:
+        return True
 
     def initial(self) -> torch.Tensor:
         return torch.nonzero(self.computed).flatten()
@@ -246,15 +258,6 @@ class QuestionReader:
 
     def reads_after(self, layer: int) -> bool:
         return layer >= self.first
-
-    def after(
-        self,
-        layer: int,
-        positions: torch.Tensor,
-        deviation: torch.Tensor,
-        attention: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        raise AssertionError("the first pass never narrows")
 
 
 __all__ = ["MASKS", "SELECTIONS", "BlendConfig", "QuestionReader", "Selector"]
