@@ -67,7 +67,7 @@ class _Layer:
         v = v.reshape(tokens, kv_heads, dim).transpose(0, 1)[None]
         keys, values = past_key_values.update(k, v, self.index)
         query = q.view(tokens, heads, dim).transpose(0, 1)[None]
-        if kvtier_probe is not None:  # the impact selection's attention (kvtier.blend.forward)
+        if kvtier_probe is not None:  # what the question attends to (kvtier.blend.forward)
             kvtier_probe.observe(query, keys, attention_mask, attn.scaling)
         out = prefix_attention(
             query, keys.to(query.dtype), values.to(query.dtype), attention_mask, attn.scaling
