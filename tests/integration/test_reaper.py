@@ -20,8 +20,10 @@ import sys, time
 from pathlib import Path
 from kvtier.process import GroupProcess, clean_env
 server = GroupProcess.start(["sh", "-c", "sleep 600 & wait"], Path(sys.argv[1]), clean_env())
-time.sleep(0.5)  # the shell has started its child
-children = Path(f"/proc/{server.pid}/task/{server.pid}/children").read_text().split()
+children_of = Path(f"/proc/{server.pid}/task/{server.pid}/children")
+deadline = time.monotonic() + 30
+while not (children := children_of.read_text().split()) and time.monotonic() < deadline:
+    time.sleep(0.05)  # until the shell has started its child
 print(server.pid, server.reaper.pid, *children, flush=True)
 time.sleep(600)
 """

@@ -243,10 +243,6 @@ class QuestionReader(Selector):
         self.first = int(selector.num_layers * selector.config.read_from)
 
     @property
-    def reads_question(self) -> bool:
-        return False  # it is the reading
-
-    @property
     def wants_attention(self) -> bool:
         return True
 
