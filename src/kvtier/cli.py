@@ -114,9 +114,9 @@ def _demo(args: argparse.Namespace) -> int:
 
 
 def _ratios(text: str) -> tuple[float, ...]:
-    """``0,0.15,0.5`` -> (0.0, 0.15, 0.5): recompute ratios in [0, 1]."""
+    """``0,0.15,0.5`` -> (0.0, 0.15, 0.5): recompute ratios in [0, 1]; ``''``: none."""
     try:
-        ratios = tuple(float(part) for part in text.split(","))
+        ratios = tuple(float(part) for part in text.split(",") if part.strip())
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r}: give ratios like 0,0.15,0.5") from None
     if not all(0.0 <= r <= 1.0 for r in ratios):
@@ -142,7 +142,7 @@ def _blend_eval(args: argparse.Namespace) -> int:
     from kvtier.bench.retrieval import RetrievalSpec
 
     quick = args.quick
-    options = {name: value for name in ("ratios", "static") if (value := getattr(args, name))}
+    options = {n: value for n in ("ratios", "static") if (value := getattr(args, n)) is not None}
     if args.compare is not None:
         options["compare"] = tuple(n for n in args.compare.split(",") if n)
     request = BlendEvalRequest(
@@ -221,10 +221,13 @@ def build_parser() -> argparse.ArgumentParser:
     blend.add_argument(
         "--ratios",
         type=_ratios,
-        help="recompute ratios of the default blends, with commas (0,0.05,0.15,0.3,0.5,0.7,1)",
+        help="recompute ratios of the default blends, with commas, '' for none "
+        "(0,0.05,0.15,0.3,0.5,0.7,1)",
     )
     blend.add_argument(
-        "--static", type=_ratios, help="recompute ratios of the static blends (0.15,0.3)"
+        "--static",
+        type=_ratios,
+        help="recompute ratios of the static blends, '' for none (0.15,0.3)",
     )
     blend.add_argument(
         "--compare",

@@ -86,6 +86,8 @@ def configurations(
     out = {f"blend {r:g}": BlendConfig(ratio=r) for r in ratios}
     out |= {f"{name} 0.15": COMPARISONS[name] for name in compare}
     out |= {f"static {r:g}": BlendConfig(ratio=r, selection="static") for r in static}
+    if not out:
+        raise ValueError("no blend to measure: give --ratios, --static or --compare")
     return out
 
 

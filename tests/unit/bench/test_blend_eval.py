@@ -200,3 +200,15 @@ def test_the_blends_compared_are_chosen_by_name() -> None:
     assert names["impact 0.15"].selection == "impact"
     with pytest.raises(ValueError, match=r"--compare: unknown \['bogus'\]"):
         BlendEvalRequest(compare=("impact", "bogus"))
+
+
+def test_empty_lists_mean_none_and_nothing_at_all_is_refused(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    from kvtier.cli import main
+
+    assert list(configurations((0.5,), (), ())) == ["blend 0.5"]
+    out = tmp_path / "out"
+    assert main(["blend-eval", "--ratios", "", "--static", "", "--compare", "", "--out", str(out)])
+    assert "no blend to measure: give --ratios, --static or --compare" in capsys.readouterr().err
+    assert not out.exists()  # refused before any work
