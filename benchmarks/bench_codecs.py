@@ -51,7 +51,7 @@ import torch
 
 from common import median_time, report
 from kvtier.bench.blend_eval import END_OF_TURN, MarginHalves, margin, spelling
-from kvtier.bench.retrieval import RetrievalSpec, retrieval_prompts
+from kvtier.bench.retrieval import CODE_ANYWHERE_HELP, RetrievalSpec, retrieval_prompts
 from kvtier.bench.stores import RedisProcess, redis_binary
 from kvtier.engine.hf import KVTierModel, cache_argument, kv_layout
 from kvtier.engine.tensors import cache_layers, dynamic_cache
@@ -362,9 +362,14 @@ def main() -> None:
     parser.add_argument("--speed-prompts", type=int, default=6)
     parser.add_argument("--gbit", type=float, default=1.0)
     parser.add_argument("--json", type=Path)
+    parser.add_argument("--code-anywhere", action="store_true", help=CODE_ANYWHERE_HELP)
     args = parser.parse_args()
     model, tokenizer = smollm2()
-    prompts = retrieval_prompts(RetrievalSpec(prompts=max(args.prompts, args.speed_prompts, 1)))
+    prompts = retrieval_prompts(
+        RetrievalSpec(
+            prompts=max(args.prompts, args.speed_prompts, 1), code_first=not args.code_anywhere
+        )
+    )
     results: dict[str, Any] = {"speed": {}, "link": {}, "switching": {}, "gbit": args.gbit}
     if args.speed_prompts:
         results |= speed_parts(model, tokenizer, prompts[: args.speed_prompts], args.gbit)

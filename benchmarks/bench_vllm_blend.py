@@ -39,6 +39,7 @@ from common import report
 from kvtier.bench.blend_eval import END_OF_TURN, latency_spec
 from kvtier.bench.engines import EngineOptions, kvtier_transfer, vllm_server
 from kvtier.bench.retrieval import (
+    CODE_ANYWHERE_HELP,
     SYSTEM,
     Prompt,
     RetrievalSpec,
@@ -71,10 +72,11 @@ def main() -> None:
     parser.add_argument("--ratios", type=float, nargs="+", default=[0.0, 0.15, 0.3])
     parser.add_argument("--static", type=float, nargs="*", default=[0.15])
     parser.add_argument("--tokens", type=int, default=32, help="greedy tokens compared")
+    parser.add_argument("--code-anywhere", action="store_true", help=CODE_ANYWHERE_HELP)
     args = parser.parse_args()
     _, tokenizer = smollm2()  # dequantized into kvtier's cache on the first run
     model = smollm2_directory()
-    spec = latency_spec(RetrievalSpec(), args.prompts)
+    spec = latency_spec(RetrievalSpec(code_first=not args.code_anywhere), args.prompts)
     pool = document_pool(spec)
     asked = retrieval_prompts(spec, pool)
     prompts = [tokenize(p, tokenizer) for p in asked]

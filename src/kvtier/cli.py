@@ -10,6 +10,7 @@ from collections.abc import Sequence
 
 from kvtier import __version__
 from kvtier.bench.command import add_parser as add_bench_parser
+from kvtier.bench.retrieval import CODE_ANYWHERE_HELP
 from kvtier.extras import missing_extra
 from kvtier.output import JSON_HELP, report_stream, write_json
 from kvtier.planner.command import add_parser as add_plan_parser
@@ -146,7 +147,11 @@ def _blend_eval(args: argparse.Namespace) -> int:
     if args.compare is not None:
         options["compare"] = tuple(n for n in args.compare.split(",") if n)
     request = BlendEvalRequest(
-        spec=RetrievalSpec(prompts=8 if quick else args.prompts, seed=args.seed),
+        spec=RetrievalSpec(
+            prompts=8 if quick else args.prompts,
+            seed=args.seed,
+            code_first=not args.code_anywhere,
+        ),
         latency_prompts=2 if quick else args.latency_prompts,
         generated=args.generated,
         out=Path(args.out),
@@ -235,6 +240,7 @@ def build_parser() -> argparse.ArgumentParser:
         "(impact,CacheBlend,deviation,bottom-right)",
     )
     blend.add_argument("--seed", type=int, default=0, help="task seed (0)")
+    blend.add_argument("--code-anywhere", action="store_true", help=CODE_ANYWHERE_HELP)
     blend.add_argument("--out", default="kvtier-blend-eval", help="results directory")
     blend.add_argument("--quick", action="store_true", help="8 prompts and 2 timed: a smoke run")
     blend.add_argument(

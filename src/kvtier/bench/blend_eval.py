@@ -358,6 +358,7 @@ def latency_spec(spec: RetrievalSpec, prompts: int) -> RetrievalSpec:
         documents=(4, 4),
         words=(300, 450),
         seed=spec.seed + 7,
+        code_first=spec.code_first,
     )
 
 

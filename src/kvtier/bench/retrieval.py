@@ -6,9 +6,20 @@ SmolLM2-135M answers questions about invented facts poorly but copies a code
 it is asked for well, so the task measures what blending changes in a model
 that does the task with full prefill. Each document is a few hundred tokens
 of plain sentences about one invented place (its founding year, colour,
-staff...), with the code sentence somewhere inside; a prompt is a system
-prompt, 2-6 documents from a shared pool in a shuffled order, and the
-question. Pure: the same spec gives the same documents and prompts.
+staff...), opening with its title line and its code sentence, as a record
+card would; a prompt is a system prompt, 2-6 documents from a shared pool in
+a shuffled order, and the question. Pure: the same spec gives the same
+documents and prompts.
+
+Where the code sentence stands decides how well the model does the task:
+over blend-eval's 100 prompts full prefill gives the asked code for 75 with
+the code sentence right after the title and for 47 with it anywhere in the
+document (``RetrievalSpec.code_first=False``, the task before 2026-12-04;
+the documents are otherwise the same word for word). The difference is in
+the documents far from the question: asked about the first document of the
+prompt, full prefill is right on 31 of 38 prompts with the code first and
+on 12 of them with it anywhere. Most wrong answers are another document's
+code.
 
 ``Prompt.parts`` are the texts of the system block, of each document and of
 the question block, in the model's chat format (the tokenizer's template
@@ -61,6 +72,10 @@ _FILLER = [
     "The director of {name} writes a short report about the {things} each {weekday}.",
 ]
 _CODE_SENTENCE = "The access code of {name} is {code}."
+CODE_ANYWHERE_HELP = (
+    "put each document's code sentence anywhere in it, not right after its title "
+    "(the task of the runs before 2026-12-04)"
+)
 _ADJECTIVES = ["quiet", "famous", "curious", "patient", "careful", "cheerful", "ancient", "rare"]
 _THINGS = ["glass beads", "wooden toys", "copper coins", "paper kites", "clay pots", "old books",
            "silk scarves", "brass keys", "river stones", "woven baskets"]  # fmt: skip
@@ -101,6 +116,7 @@ class RetrievalSpec:
     documents: Span = (2, 6)  # per prompt
     words: Span = (110, 450)  # per document (~1.35 tokens a word: 150-600 tokens)
     seed: int = 0
+    code_first: bool = True  # the code sentence right after the title line, else anywhere
 
     def __post_init__(self) -> None:
         if self.prompts < 1 or self.pool < self.documents[1]:
@@ -123,11 +139,11 @@ def document_pool(spec: RetrievalSpec) -> list[Document]:
         names.add(name)
         codes.add(code)
         words = int(rng.integers(spec.words[0], spec.words[1] + 1))
-        pool.append(Document(name, code, _text(rng, name, code, words)))
+        pool.append(Document(name, code, _text(rng, name, code, words, spec.code_first)))
     return pool
 
 
-def _text(rng: np.random.Generator, name: str, code: str, words: int) -> str:
+def _text(rng: np.random.Generator, name: str, code: str, words: int, code_first: bool) -> str:
     sentences = []
     count = 0
     while count < words:
@@ -144,8 +160,8 @@ def _text(rng: np.random.Generator, name: str, code: str, words: int) -> str:
         )
         sentences.append(sentence)
         count += len(sentence.split())
-    at = int(rng.integers(0, len(sentences) + 1))
-    sentences.insert(at, _CODE_SENTENCE.format(name=name, code=code))
+    at = int(rng.integers(0, len(sentences) + 1))  # drawn either way: the same filler
+    sentences.insert(0 if code_first else at, _CODE_SENTENCE.format(name=name, code=code))
     return f"Document about {name}.\n" + " ".join(sentences) + "\n\n"
 
 
@@ -176,4 +192,12 @@ def tokenize(prompt: Prompt, tokenizer: Any) -> tuple[list[int], list[tuple[int,
     return ids, spans
 
 
-__all__ = ["Document", "Prompt", "RetrievalSpec", "document_pool", "retrieval_prompts", "tokenize"]
+__all__ = [
+    "CODE_ANYWHERE_HELP",
+    "Document",
+    "Prompt",
+    "RetrievalSpec",
+    "document_pool",
+    "retrieval_prompts",
+    "tokenize",
+]

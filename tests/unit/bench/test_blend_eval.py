@@ -19,6 +19,7 @@ from kvtier.bench.blend_eval import (
     configurations,
     interval,
     latency,
+    latency_spec,
     margin,
     spelling,
     summarize,
@@ -51,6 +52,21 @@ def test_the_task_is_pure_and_each_question_has_its_document() -> None:
         assert prompt.answered(f"{others[0]} or {document.code}") == "asked"
     words = [len(d.text.split()) for d in pool]
     assert min(words) >= spec.words[0] and max(words) <= spec.words[1] + 40
+
+
+def test_the_code_sentence_opens_the_document_unless_asked_anywhere() -> None:
+    first = document_pool(RetrievalSpec(pool=12))
+    anywhere = document_pool(RetrievalSpec(pool=12, code_first=False))
+    inside = 0
+    for a, b in zip(first, anywhere, strict=True):
+        title = f"Document about {a.name}.\n"
+        sentence = f"The access code of {a.name} is {a.code}."
+        assert a.text.startswith(f"{title}{sentence} ") and sentence in b.text
+        assert sorted(a.text.split()) == sorted(b.text.split())  # the same words otherwise
+        inside += not b.text.startswith(f"{title}{sentence}")
+    assert inside >= 6  # anywhere: mostly not first
+    timed = latency_spec(RetrievalSpec(code_first=False), 3)
+    assert not timed.code_first and timed.documents == (4, 4)
 
 
 def test_bad_specs_are_refused() -> None:
