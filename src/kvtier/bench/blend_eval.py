@@ -41,7 +41,7 @@ import json
 import statistics
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -351,14 +351,14 @@ def latency(rows: list[dict[str, Any]], names: Sequence[str]) -> dict[str, Any]:
 
 def latency_spec(spec: RetrievalSpec, prompts: int) -> RetrievalSpec:
     """The latency set's task: ``prompts`` prompts of 4 documents of 300-450
-    words (1.5-3 K tokens), from ``spec``'s pool size and seed."""
-    return RetrievalSpec(
+    words (1.5-3 K tokens), otherwise ``spec``'s (pool size, code placement),
+    from another seed."""
+    return replace(
+        spec,
         prompts=max(prompts, 1),  # none are made with --latency-prompts 0
-        pool=spec.pool,
         documents=(4, 4),
         words=(300, 450),
         seed=spec.seed + 7,
-        code_first=spec.code_first,
     )
 
 
