@@ -4,8 +4,11 @@ Positions of a blended prompt are of three kinds:
 
 - *computed*: in no reusable segment (the question, glue between segments)
   and always the last prompt token: every layer computes them;
-- *exact*: in a segment that starts at position 0; alone or in the prompt,
-  those tokens see the same context, so their stored KV is exact;
+- *exact*: in a segment placed where its stored KV was computed: at
+  position 0 (computed alone), or right after the anchor it was computed
+  after (the first document after the system prompt); in the prompt those
+  tokens see the same context, so their stored KV is exact and recomputing
+  them would change nothing;
 - *candidates*: in a segment placed anywhere else; their stored KV lacks
   the context before the segment, and a share ``ratio`` of them is
   recomputed.

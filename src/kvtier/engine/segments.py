@@ -9,8 +9,10 @@ segment's KV as computed *on its own* (positions ``0 .. n-1``), or, with
 right after the prompt's first segment when that one starts the prompt (the
 system prompt: positions ``A .. A+n-1``, ``segment_kv``): from kvtier
 (every piece found: ``kvtier.keys.segments``, keyed by the anchor too),
-else computed now and stored for next time. ``blend_prefill`` then moves
-each segment's K to its place (``RopeShift``), runs the blended forward
+else computed now and stored for next time. A segment placed where it was
+computed (the system prompt at 0; with the anchor, the document right after
+it) is exact as stored; ``blend_prefill`` moves every other segment's K to
+its place (``RopeShift``), runs the blended forward
 pass (``blend_forward``, the ``Selector`` deciding what to recompute) and
 returns an ordinary ``Prefill`` whose cache generation continues from.
 
@@ -82,7 +84,9 @@ class BlendStats:
     segments: int
     segments_found: int  # loaded from kvtier; the others were computed alone now
     reused_tokens: int  # prompt tokens whose stored segment KV went in
-    exact_tokens: int  # of those, in a segment at position 0 (exact as stored)
+    # of those, in a segment where it was computed (at position 0, or right after the
+    # anchor it was computed after): exact as stored
+    exact_tokens: int
     candidate_tokens: int  # the others: a share is recomputed
     recomputed_tokens: int  # candidates the last layer ran
     layer_tokens: list[int] = field(default_factory=list)  # positions each layer ran
@@ -268,7 +272,7 @@ def blend_prefill(
         values[:, :, :, start:end] = fetched.kv[:, 1]
         timings.load_s += time.perf_counter() - started
         computed[start:end] = False
-        if start > 0:
+        if start != origin:  # moved: its stored KV lacks the context before it
             candidates[start:end] = True
             moved.append((start, end))
         pieces = sum(fetched.tiers.values())

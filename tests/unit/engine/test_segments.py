@@ -103,6 +103,25 @@ def test_ratio_zero_is_plain_concatenation(
         assert got.blend.recomputed_tokens == 0
 
 
+def test_a_document_right_after_its_anchor_is_exact_and_never_recomputed(
+    llama: transformers.PreTrainedModel, storage: StorageManager
+) -> None:
+    parts = [PARTS[0], PARTS[3], PARTS[4]]  # the system prompt, one document, the question
+    ids, spans = joined(parts)
+    full = KVTierModel(llama).prefill(ids).logits
+    engine = KVTierModel(llama, storage=storage, chunk_size=CHUNK)
+    for found in (0, 2):  # computed and stored, then loaded
+        got = engine.prefill(ids, segments=spans, blend=BlendConfig(ratio=0.15))
+        assert got.blend is not None and got.blend.segments_found == found
+        assert (got.blend.exact_tokens, got.blend.candidate_tokens) == (52, 0)
+        assert got.blend.layer_tokens == [len(parts[-1])] * 4  # the question only
+        assert (got.logits - full).abs().max().item() <= TOLERANCE  # full prefill's
+    # computed alone the same document lacks the system prompt: a candidate
+    alone = engine.prefill(ids, segments=spans, blend=BlendConfig(ratio=0.0, anchor=False))
+    assert alone.blend is not None and alone.blend.candidate_tokens == 40
+    assert (alone.logits - full).abs().max().item() > 0.01
+
+
 def test_segments_are_stored_alone_once_then_found_in_l1(
     llama: transformers.PreTrainedModel, storage: StorageManager
 ) -> None:
@@ -122,12 +141,13 @@ def test_segments_are_stored_alone_once_then_found_in_l1(
     assert second.tokens_by_tier == {"L1": pieces * CHUNK} and second.bytes_stored == 0
     assert torch.equal(second.logits, first.logits)
     stats = second.blend
-    assert (stats.reused_tokens, stats.exact_tokens, stats.candidate_tokens) == (73, 12, 61)
-    # every layer: the question and the 0.3 x 61 = 18 candidates it reads most; its
+    # exact: the system prompt and the document right after it, where it was computed
+    assert (stats.reused_tokens, stats.exact_tokens, stats.candidate_tokens) == (73, 17, 56)
+    # every layer: the question and the 0.3 x 56 = 17 candidates it reads most; its
     # first pass (the question alone, every layer) counts in the work
     question = len(PARTS[-1])
-    assert stats.layer_tokens == [question + round(0.3 * 61)] * len(stats.layer_tokens)
-    assert stats.work == pytest.approx((question + 18 + question) / len(ids))
+    assert stats.layer_tokens == [question + round(0.3 * 56)] * len(stats.layer_tokens)
+    assert stats.work == pytest.approx((question + 17 + question) / len(ids))
     assert storage.l1.status()["resident_objects"] == pieces
     assert_clean(storage.l1)
 
