@@ -47,18 +47,21 @@ def test_segments_are_shared_through_the_server_in_any_order(
     server = kvtier_server.start("--chunk-size", str(CHUNK))
     writer = engine(model, server)
     ids, spans = rag([SYSTEM, *DOCS], prompt(24, 6))
-    first = writer.prefill(ids, segments=spans)
+    # documents computed right after the system prompt, found at any offset
+    first = writer.prefill(ids, segments=spans, blend=BlendConfig(at_offset=False))
     assert first.blend is not None and first.blend.segments_found == 0 and first.bytes_stored
 
     reader = engine(model, server)
     shuffled, spans2 = rag([SYSTEM, DOCS[2], DOCS[0], DOCS[1]], prompt(25, 8))
-    got = reader.generate(shuffled, 4, segments=spans2, blend=BlendConfig(ratio=1.0))
+    got = reader.generate(
+        shuffled, 4, segments=spans2, blend=BlendConfig(ratio=1.0, at_offset=False)
+    )
     assert got.prefill.blend is not None and got.prefill.blend.segments_found == 4
     assert got.prefill.tokens_by_tier == {"L1": (1 + 2 + 1 + 4) * CHUNK}
     assert_same_output(KVTierModel(model).generate(shuffled, 4), got)
 
     stranger = engine(model, server, salt="globex")
-    other = stranger.prefill(shuffled, segments=spans2)
+    other = stranger.prefill(shuffled, segments=spans2, blend=BlendConfig(at_offset=False))
     assert other.blend is not None and other.blend.segments_found == 0
     assert isinstance(reader.link, ServerLink)
     wait_written_back(reader.link.client.status, 8 + 8)  # both tenants' pieces are on disk
@@ -66,9 +69,10 @@ def test_segments_are_shared_through_the_server_in_any_order(
         client.close()
     restarted = kvtier_server.restart(server, "--chunk-size", str(CHUNK))
     after = engine(model, restarted)
-    again = after.prefill(shuffled, segments=spans2, blend=BlendConfig(ratio=0.15))
+    placed = BlendConfig(ratio=0.15, at_offset=False)
+    again = after.prefill(shuffled, segments=spans2, blend=placed)
     assert again.blend is not None and again.blend.segments_found == 4
     assert set(again.tokens_by_tier) == {"fs"}
-    before = KVTierModel(model).prefill(shuffled, segments=spans2, blend=BlendConfig(ratio=0.15))
+    before = KVTierModel(model).prefill(shuffled, segments=spans2, blend=placed)
     assert torch.allclose(again.logits, before.logits, atol=1e-5)
     after.close()

@@ -107,6 +107,7 @@ def test_blends_match_the_transformers_blend_and_reuse_stored_segments(
     configs = {
         "plain concatenation": BlendConfig(ratio=0.0),
         "question 0.15": BlendConfig(ratio=0.15),
+        "question 0.15, right after the system prompt": BlendConfig(ratio=0.15, at_offset=False),
         "impact 0.15": BlendConfig(ratio=0.15, selection="impact"),
         "static 0.3": BlendConfig(ratio=0.3, selection="static"),
         "deviation 0.15, alone": BlendConfig(ratio=0.15, selection="deviation", anchor=False),
@@ -115,12 +116,13 @@ def test_blends_match_the_transformers_blend_and_reuse_stored_segments(
         params = [ask(spans, **dataclasses.asdict(config))]
         got = engine.generate([ids], NEW_TOKENS, params=params)[0]
         assert_close(transformers_blend(transformers_model, ids, spans, config), got, what)
-    # every segment was stored by now (this module's first blend stored them):
-    # another order stores nothing new and still matches
+    # every document computed right after the system prompt was stored by now:
+    # another order blended from those stores nothing new and still matches
     before = stored_objects(kv_server)
     ids, spans = rag([1, 2, 0], 62)
-    got = engine.generate([ids], NEW_TOKENS, params=[ask(spans, ratio=0.0)])[0]
-    want = transformers_blend(transformers_model, ids, spans, BlendConfig(ratio=0.0))
+    placed = BlendConfig(ratio=0.0, at_offset=False)
+    got = engine.generate([ids], NEW_TOKENS, params=[ask(spans, **dataclasses.asdict(placed))])[0]
+    want = transformers_blend(transformers_model, ids, spans, placed)
     assert_close(want, got, "another order")
     assert stored_objects(kv_server) == before
     assert held_locks(kv_server) == 0

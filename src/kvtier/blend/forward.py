@@ -40,6 +40,7 @@ import sys
 import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 import torch
@@ -284,19 +285,25 @@ def blend_forward(
     values: list[torch.Tensor],
     selector: Selector,
     mask: str = "exact",
+    rope_positions: torch.Tensor | None = None,
 ) -> BlendPass:
     """Run ``model`` over the prompt ``ids`` (``[N]``) with every layer's K and
     V preloaded in ``keys``/``values`` (the stored ones at reused positions;
     overwritten in place where a layer runs a position). The last position
     must be one ``selector`` always computes. The ``question`` selection
     first runs the computed positions alone and reads what they attend to
-    (they are computed again in the second pass, over the same stored KV)."""
+    (they are computed again in the second pass, over the same stored KV).
+    ``rope_positions`` (``[N]``, increasing; default ``0 .. N-1``) are the
+    positions RoPE gives each index: a segment computed after its anchor at
+    an offset leaves a gap there. The mask stays causal over indices."""
+    where = torch.arange(ids.numel()) if rope_positions is None else rope_positions
     with _probing(model) as inner:
+        run = partial(_blend_layers, model, ids, keys, values, mask=mask, inner=inner, where=where)
         if not selector.reads_question:
-            return _blend_layers(model, ids, keys, values, selector, mask, inner)
-        reading = _blend_layers(model, ids, keys, values, selector.reader(), mask, inner)
+            return run(selector)
+        reading = run(selector.reader())
         selector.read(reading.read)
-        out = _blend_layers(model, ids, keys, values, selector, mask, inner)
+        out = run(selector)
         out.reading_tokens = sum(reading.layer_tokens)
         return out
 
@@ -307,8 +314,10 @@ def _blend_layers(
     keys: list[torch.Tensor],
     values: list[torch.Tensor],
     selector: Selector,
+    *,
     mask: str,
     inner: str,
+    where: torch.Tensor,
 ) -> BlendPass:
     decoder = model.model
     layers = decoder.layers
@@ -318,7 +327,7 @@ def _blend_layers(
     if positions.numel() == 0 or int(positions[-1]) != total - 1:
         raise ValueError("the blend must compute the last prompt token (it gives the logits)")
     hidden = decoder.embed_tokens(ids[positions][None])
-    rope = decoder.rotary_emb(hidden, positions[None])
+    rope = decoder.rotary_emb(hidden, where[positions][None])
     causal = inner == "sdpa"
     mask_tensor = attention_mask(positions, total, mask, hidden.dtype, causal)
     probed = selector.wants_attention
@@ -332,7 +341,7 @@ def _blend_layers(
         out = layer(
             hidden,
             attention_mask=mask_tensor,
-            position_ids=positions[None],
+            position_ids=where[positions][None],
             position_embeddings=rope,
             use_cache=True,
             **{keyword: scatter, PROBE: scatter},

@@ -76,6 +76,16 @@ class BlendConfig:
     alone: its KV then holds that context and no attention sink of its own,
     and is found again by prompts that start with the same first segment
     (``kvtier.engine.segments``). Off: segments alone, found after any.
+
+    ``at_offset`` (anchored segments only): compute a segment placed ``d``
+    tokens past the anchor's end at the largest power of two ``g <= d``
+    past it (positions ``A+g ..``, nothing in between), not right after it,
+    and move it the remaining ``d - g``: a document three documents in then
+    sits as far from the system prompt as it does in the prompt, instead of
+    holding KV for "the first document". Each power of two is its own stored
+    object (``SegmentHasher.after``), so a document is found again at
+    offsets within the same power of two. Off: every anchored segment is
+    computed right after the anchor (one object per document).
     """
 
     ratio: float = 0.15
@@ -86,6 +96,13 @@ class BlendConfig:
     filter_layers: int = 3
     mask: str = "exact"
     anchor: bool = True
+    at_offset: bool = True
+
+    def gap(self, offset: int) -> int:
+        """How far past the anchor's end a segment placed ``offset`` tokens
+        past it is computed: the largest power of two <= ``offset`` with
+        ``at_offset``, else (and at offset 0) right after it."""
+        return 1 << (offset.bit_length() - 1) if self.at_offset and offset > 0 else 0
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.ratio <= 1.0:

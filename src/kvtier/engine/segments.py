@@ -6,9 +6,11 @@ reusable parts (a system prompt, RAG documents); tokens outside them (the
 question, glue) are always computed. ``SegmentStore.fetch`` gets one
 segment's KV as computed *on its own* (positions ``0 .. n-1``), or, with
 ``BlendConfig.anchor`` (the default), each moved segment's KV as computed
-right after the prompt's first segment when that one starts the prompt (the
-system prompt: positions ``A .. A+n-1``, ``segment_kv``): from kvtier
-(every piece found: ``kvtier.keys.segments``, keyed by the anchor too),
+after the prompt's first segment when that one starts the prompt (the system
+prompt), at the largest power of two ``g`` tokens past its end that is no
+more than the segment's own offset past it (``BlendConfig.at_offset``:
+positions ``A+g .. A+g+n-1``, ``segment_kv``): from kvtier
+(every piece found: ``kvtier.keys.segments``, keyed by the anchor and gap too),
 else computed now and stored for next time. A segment placed where it was
 computed (the system prompt at 0; with the anchor, the document right after
 it) is exact as stored; ``blend_prefill`` moves every other segment's K to
@@ -113,7 +115,7 @@ class SegmentStore:
         self.layout = layout
         self.hasher = hasher
         self.dtype = dtype
-        self._anchored: dict[tuple[int, ...], SegmentHasher] = {}
+        self._anchored: dict[tuple[tuple[int, ...], int], SegmentHasher] = {}
 
     def fetch(
         self,
@@ -121,14 +123,16 @@ class SegmentStore:
         compute: Callable[[], torch.Tensor],
         timings: SegmentTimings,
         anchor: Sequence[int] | None = None,
+        gap: int = 0,
     ) -> Fetched:
         """The segment's KV (``[layers, 2, 1, kv_heads, tokens, head_dim]``)
-        as computed alone, or after ``anchor``: loaded, else ``compute()``d
-        and stored; see the module docstring."""
+        as computed alone, or after ``anchor`` (``gap`` positions past its
+        end): loaded, else ``compute()``d and stored; see the module
+        docstring."""
         link = self.link
         if link is None:
             return Fetched(self._computed(compute, timings), {})
-        hashes = self._hasher(anchor).piece_hashes(tokens)
+        hashes = self._hasher(anchor, gap).piece_hashes(tokens)
         request_id = new_request_id("seg")
         try:
             started = time.perf_counter()
@@ -153,14 +157,14 @@ class SegmentStore:
         finally:
             link.end(request_id)
 
-    def _hasher(self, anchor: Sequence[int] | None) -> SegmentHasher:
+    def _hasher(self, anchor: Sequence[int] | None, gap: int) -> SegmentHasher:
         if anchor is None:
             return self.hasher
-        key = tuple(anchor)
+        key = (tuple(anchor), gap)
         if key not in self._anchored:
             if len(self._anchored) >= ANCHORS_KEPT:
                 self._anchored.clear()
-            self._anchored[key] = self.hasher.after(anchor)
+            self._anchored[key] = self.hasher.after(anchor, gap)
         return self._anchored[key]
 
     def _computed(
@@ -208,12 +212,17 @@ class Blended:
 
 
 def segment_kv(
-    model: Any, ids: Sequence[int], anchor_kv: torch.Tensor | None, store: SegmentStore
+    model: Any,
+    ids: Sequence[int],
+    anchor_kv: torch.Tensor | None,
+    store: SegmentStore,
+    gap: int = 0,
 ) -> torch.Tensor:
     """The KV of a segment computed on its own, ``[layers, 2, 1, kv_heads,
     n, head_dim]``: ``ids`` is the segment's tokens, or the anchor's and then
     the segment's when ``anchor_kv`` (the anchor's KV, as ``fetch`` gives it)
-    is given, and only the segment's positions run, over the anchor's KV."""
+    is given, and only the segment's positions run, over the anchor's KV,
+    ``gap`` positions past its end (RoPE positions ``A+gap ..``)."""
     layout = store.layout
     held = 0 if anchor_kv is None else anchor_kv.shape[4]
     shape = (layout.num_layers, 1, layout.kv_heads, len(ids), layout.head_dim)
@@ -225,7 +234,11 @@ def segment_kv(
     run = torch.zeros(len(ids), dtype=torch.bool)
     run[held:] = True
     selector = Selector(BlendConfig(ratio=0.0), layout.num_layers, run, torch.zeros_like(run), [])
-    out = blend_forward(model, torch.tensor(list(ids)), list(keys), list(values), selector)
+    where = torch.arange(len(ids))
+    where[held:] += gap
+    out = blend_forward(
+        model, torch.tensor(list(ids)), list(keys), list(values), selector, rope_positions=where
+    )
     layers = [
         torch.stack((k[:, :, held:], v[:, :, held:]))
         for k, v in zip(out.keys, out.values, strict=True)
@@ -261,18 +274,19 @@ def blend_prefill(
         tokens = ids[start:end]
         after = anchor_kv if anchored and start > 0 else None
         anchor = ids[: spans[0][1]] if after is not None else None
+        gap = config.gap(start - len(anchor)) if anchor is not None else 0
 
-        compute = partial(segment_kv, model, [*(anchor or ()), *tokens], after, store)
-        fetched = store.fetch(tokens, compute, timings, anchor)
+        compute = partial(segment_kv, model, [*(anchor or ()), *tokens], after, store, gap)
+        fetched = store.fetch(tokens, compute, timings, anchor, gap)
         if start == 0:
             anchor_kv = fetched.kv
-        origin = len(anchor) if anchor is not None else 0  # where the stored K sits
+        origin = len(anchor) + gap if anchor is not None else 0  # where the stored K sits
         started = time.perf_counter()
         keys[:, :, :, start:end] = shift.rotate(fetched.kv[:, 0], start - origin)
         values[:, :, :, start:end] = fetched.kv[:, 1]
         timings.load_s += time.perf_counter() - started
         computed[start:end] = False
-        if start != origin:  # moved: its stored KV lacks the context before it
+        if start != origin or gap:  # its stored KV lacks (some of) the context before it
             candidates[start:end] = True
             moved.append((start, end))
         pieces = sum(fetched.tiers.values())

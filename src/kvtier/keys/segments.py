@@ -28,7 +28,10 @@ the anchor's length). Such a segment's position rule names the anchor
     rule = "after:" + hex(segment hash of the anchor under rope-from-0)
 
 so it is found only after the same anchor, and never taken for a segment
-computed alone or after another anchor.
+computed alone or after another anchor. A segment computed ``g > 0``
+positions past the anchor's end (positions ``A+g .. A+g+n-1``, nothing in
+between: ``BlendConfig.at_offset``) has ``"+" + decimal(g)`` appended to
+that rule, so each gap is its own object.
 """
 
 from __future__ import annotations
@@ -83,11 +86,13 @@ class SegmentHasher:
             .digest()
         )
 
-    def after(self, anchor: Tokens) -> SegmentHasher:
-        """The hasher of segments computed after ``anchor`` (same namespace and
-        piece size); see the module docstring."""
+    def after(self, anchor: Tokens, gap: int = 0) -> SegmentHasher:
+        """The hasher of segments computed after ``anchor``, ``gap`` positions
+        past its end (same namespace and piece size); see the module docstring."""
+        if gap < 0:
+            raise ValueError(f"a segment's gap after its anchor must be >= 0, got {gap}")
         alone = SegmentHasher(self.namespace, self.chunk_size)
-        rule = AFTER + alone.segment_hash(anchor).hex()
+        rule = AFTER + alone.segment_hash(anchor).hex() + (f"+{gap}" if gap else "")
         return SegmentHasher(self.namespace, self.chunk_size, rule)
 
 

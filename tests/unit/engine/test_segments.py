@@ -7,6 +7,8 @@ cache that only costs a recomputation."""
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import pytest
 import torch
@@ -44,11 +46,15 @@ def llama() -> transformers.PreTrainedModel:
 
 
 def concatenated(
-    model: transformers.PreTrainedModel, parts: list[list[int]], anchored: bool
+    model: transformers.PreTrainedModel,
+    parts: list[list[int]],
+    anchored: bool,
+    at_offset: bool = True,
 ) -> torch.Tensor:
     """Plain concatenation, built by hand: each part's KV computed alone (or,
-    ``anchored``, each but the first after the first), K moved to its place,
-    the question run on top. Its last logits."""
+    ``anchored``, each but the first after the first: ``at_offset``, at the
+    largest power of two <= its offset past the first part's end), K moved
+    to its place, the question run on top. Its last logits."""
     shift = RopeShift.of(model)
     keys: list[list[torch.Tensor]] = [[] for _ in range(model.config.num_hidden_layers)]
     values: list[list[torch.Tensor]] = [[] for _ in range(model.config.num_hidden_layers)]
@@ -56,11 +62,18 @@ def concatenated(
     with torch.inference_mode():
         for i, part in enumerate(parts[:-1]):
             before = parts[0] if anchored and i > 0 else []
+            past = offset - len(before)
+            gap = 2 ** int(math.log2(past)) if before and at_offset and past > 0 else 0
             cache = DynamicCache()
-            model(torch.tensor([before + part]), past_key_values=cache, use_cache=True)
+            if before:
+                model(torch.tensor([before]), past_key_values=cache, use_cache=True)
+            at = torch.arange(len(part)) + len(before) + gap
+            model(
+                torch.tensor([part]), position_ids=at[None], past_key_values=cache, use_cache=True
+            )
             for n, layer in enumerate(cache.layers):
                 own = slice(len(before), None)
-                keys[n].append(shift.rotate(layer.keys[:, :, own], offset - len(before)))
+                keys[n].append(shift.rotate(layer.keys[:, :, own], past - gap))
                 values[n].append(layer.values[:, :, own])
             offset += len(part)
         cache = dynamic_cache(
@@ -83,17 +96,20 @@ def test_ratio_one_is_full_prefill_and_generation_goes_on_from_it(
     assert_clean(storage.l1)
 
 
-@pytest.mark.parametrize("anchored", [True, False])
+@pytest.mark.parametrize(("anchored", "at_offset"), [(True, True), (True, False), (False, True)])
 def test_ratio_zero_is_plain_concatenation(
-    llama: transformers.PreTrainedModel, storage: StorageManager, anchored: bool
+    llama: transformers.PreTrainedModel, storage: StorageManager, anchored: bool, at_offset: bool
 ) -> None:
     ids, spans = joined(PARTS)
     engine = KVTierModel(llama, storage=storage, chunk_size=CHUNK)
-    expected = concatenated(llama, PARTS, anchored)
-    other = concatenated(llama, PARTS, not anchored)
+    expected = concatenated(llama, PARTS, anchored, at_offset)
+    other = concatenated(llama, PARTS, not anchored, at_offset)
     assert (expected - other).abs().max().item() > 0.01  # the anchor changes the KV
+    if anchored:  # and so does the offset it is computed at (less, in this tiny model)
+        placed = concatenated(llama, PARTS, anchored, not at_offset)
+        assert (expected - placed).abs().max().item() > 10 * TOLERANCE
     for found in (0, 4):  # computed and stored, then loaded
-        config = BlendConfig(ratio=0.0, anchor=anchored)
+        config = BlendConfig(ratio=0.0, anchor=anchored, at_offset=at_offset)
         got = engine.prefill(ids, segments=spans, blend=config)
         assert (got.logits - expected).abs().max().item() <= TOLERANCE
         full = KVTierModel(llama).prefill(ids).logits
@@ -157,13 +173,36 @@ def test_the_same_documents_in_another_order_reuse_the_same_objects(
 ) -> None:
     engine = KVTierModel(llama, storage=storage, chunk_size=CHUNK)
     ids, spans = joined(PARTS)
-    engine.prefill(ids, segments=spans)
+    engine.prefill(ids, segments=spans, blend=BlendConfig(at_offset=False))
     shuffled = [PARTS[0], PARTS[3], PARTS[1], PARTS[2], prompt(9, 7)]
     ids2, spans2 = joined(shuffled)
-    got = engine.prefill(ids2, segments=spans2, blend=BlendConfig(ratio=1.0))
+    got = engine.prefill(ids2, segments=spans2, blend=BlendConfig(ratio=1.0, at_offset=False))
     assert got.blend is not None and got.blend.segments_found == 4
     full = KVTierModel(llama).prefill(ids2).logits
     assert (got.logits - full).abs().max().item() <= TOLERANCE
+
+
+def test_at_offset_a_document_is_found_again_within_the_same_power_of_two(
+    llama: transformers.PreTrainedModel, storage: StorageManager
+) -> None:
+    engine = KVTierModel(llama, storage=storage, chunk_size=CHUNK)
+    document = PARTS[3]
+
+    def blend(before: int) -> tuple[int, torch.Tensor]:
+        """The prompt with ``before`` tokens between the system prompt and the
+        document: the segments found, the logits."""
+        ids, spans = joined([PARTS[0], prompt(20 + before, before), document, PARTS[4]])
+        got = engine.prefill(ids, segments=spans, blend=BlendConfig(ratio=0.0))
+        assert got.blend is not None
+        return got.blend.segments_found, got.logits
+
+    assert blend(5)[0] == 0  # all computed; the document 4 past the system prompt
+    found, computed = blend(6)  # 6 tokens in: 4 past it again, found with it
+    assert found == 2
+    found, loaded = blend(6)
+    assert found == 3 and torch.equal(loaded, computed)
+    assert blend(8)[0] == 1  # 8 past it: another object
+    assert_clean(storage.l1)
 
 
 def test_documents_stored_after_a_system_prompt_are_found_after_it_only(

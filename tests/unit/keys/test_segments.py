@@ -42,6 +42,14 @@ def test_golden_vectors_after_an_anchor() -> None:
     assert not set(expected) & set(alone.after([7, 8]).piece_hashes(tokens))
     with pytest.raises(ValueError, match="at least one token"):
         alone.after([])
+    # a gap past the anchor's end is in the rule: each gap its own object
+    gapped = alone.after(anchor, 512)
+    assert gapped.position_rule == rule + "+512"
+    assert alone.after(anchor, 0).position_rule == rule
+    assert not set(expected) & set(gapped.piece_hashes(tokens))
+    assert not set(gapped.piece_hashes(tokens)) & set(alone.after(anchor, 256).piece_hashes(tokens))
+    with pytest.raises(ValueError, match="gap after its anchor must be >= 0"):
+        alone.after(anchor, -1)
 
 
 @pytest.mark.parametrize(("tokens", "pieces"), [(1, 1), (4, 1), (5, 2), (8, 2), (9, 3)])
