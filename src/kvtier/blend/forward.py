@@ -327,7 +327,8 @@ def _blend_layers(
     if positions.numel() == 0 or int(positions[-1]) != total - 1:
         raise ValueError("the blend must compute the last prompt token (it gives the logits)")
     hidden = decoder.embed_tokens(ids[positions][None])
-    rope = decoder.rotary_emb(hidden, where[positions][None])
+    at = where[positions][None]  # the running positions' RoPE positions
+    rope = decoder.rotary_emb(hidden, at)
     causal = inner == "sdpa"
     mask_tensor = attention_mask(positions, total, mask, hidden.dtype, causal)
     probed = selector.wants_attention
@@ -341,7 +342,7 @@ def _blend_layers(
         out = layer(
             hidden,
             attention_mask=mask_tensor,
-            position_ids=where[positions][None],
+            position_ids=at,
             position_embeddings=rope,
             use_cache=True,
             **{keyword: scatter, PROBE: scatter},
@@ -363,7 +364,7 @@ def _blend_layers(
                 )
             keep = selector.after(n, positions, scatter.deviation, scatter.attention)
             if keep.numel() != positions.numel():
-                positions, hidden = positions[keep], hidden[:, keep]
+                positions, hidden, at = positions[keep], hidden[:, keep], at[:, keep]
                 rope = tuple(t[:, keep] for t in rope)
                 mask_tensor = attention_mask(positions, total, mask, hidden.dtype, causal)
     last = decoder.norm(hidden[:, -1:])

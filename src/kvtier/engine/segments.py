@@ -50,7 +50,7 @@ from kvtier.keys import SegmentHasher
 from kvtier.layout import KVLayout
 
 Span = tuple[int, int]
-ANCHORS_KEPT = 16  # anchors whose segment hasher a store keeps
+ANCHORS_KEPT = 16  # anchors whose segment hashers (one per gap) a store keeps
 
 
 def check_segments(segments: Sequence[Span], prompt_tokens: int) -> list[Span]:
@@ -115,7 +115,7 @@ class SegmentStore:
         self.layout = layout
         self.hasher = hasher
         self.dtype = dtype
-        self._anchored: dict[tuple[tuple[int, ...], int], SegmentHasher] = {}
+        self._anchored: dict[tuple[int, ...], dict[int, SegmentHasher]] = {}  # by gap
 
     def fetch(
         self,
@@ -160,12 +160,13 @@ class SegmentStore:
     def _hasher(self, anchor: Sequence[int] | None, gap: int) -> SegmentHasher:
         if anchor is None:
             return self.hasher
-        key = (tuple(anchor), gap)
-        if key not in self._anchored:
-            if len(self._anchored) >= ANCHORS_KEPT:
-                self._anchored.clear()
-            self._anchored[key] = self.hasher.after(anchor, gap)
-        return self._anchored[key]
+        key = tuple(anchor)
+        if key not in self._anchored and len(self._anchored) >= ANCHORS_KEPT:
+            self._anchored.clear()
+        gaps = self._anchored.setdefault(key, {})  # at most one per power of two
+        if gap not in gaps:
+            gaps[gap] = self.hasher.after(anchor, gap)
+        return gaps[gap]
 
     def _computed(
         self, compute: Callable[[], torch.Tensor], timings: SegmentTimings

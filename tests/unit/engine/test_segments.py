@@ -196,10 +196,10 @@ def test_at_offset_a_document_is_found_again_within_the_same_power_of_two(
         assert got.blend is not None
         return got.blend.segments_found, got.logits
 
-    assert blend(5)[0] == 0  # all computed; the document 4 past the system prompt
-    found, computed = blend(6)  # 6 tokens in: 4 past it again, found with it
-    assert found == 2
-    found, loaded = blend(6)
+    found, computed = blend(6)  # all computed; the document 4 past the system prompt
+    assert found == 0
+    assert blend(5)[0] == 2  # 5 tokens in: 4 past it again, found with the system prompt
+    found, loaded = blend(6)  # the same prompt again: every segment loaded, the same logits
     assert found == 3 and torch.equal(loaded, computed)
     assert blend(8)[0] == 1  # 8 past it: another object
     assert_clean(storage.l1)
