@@ -15,6 +15,7 @@ client process) and ``PeerFactory.read(proc)`` takes the JSON line it prints.
 from __future__ import annotations
 
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -22,7 +23,7 @@ import time
 import urllib.error
 import urllib.request
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
@@ -68,6 +69,18 @@ def doomed_parent(script: str, log: Path) -> Iterator[tuple[subprocess.Popen[str
         yield parent, line.split()
     finally:
         stop_process(parent, signal.SIGKILL)
+
+
+@contextmanager
+def paused(pids: Sequence[int]) -> Iterator[None]:
+    """The processes stopped (SIGSTOP) for the block, then continued."""
+    for pid in pids:
+        os.kill(pid, signal.SIGSTOP)
+    try:
+        yield
+    finally:
+        for pid in pids:
+            os.kill(pid, signal.SIGCONT)
 
 
 def running(pid: int) -> bool:
@@ -132,6 +145,10 @@ class Server(ServerProcess):
         code, body = self.http_get("/metrics")
         assert code == 200, (code, body)
         return body.decode()
+
+    def stalled(self) -> AbstractContextManager[None]:
+        """The server stopped for the block: connected, but quiet."""
+        return paused([self.proc.pid])
 
 
 @dataclass(eq=False)

@@ -10,6 +10,7 @@ from typing import Any
 
 import numpy as np
 
+from kvtier.server import protocol as p
 from kvtier.server.client import CacheClient
 from tests.integration import workload as w
 from tests.integration.harness import (
@@ -103,6 +104,88 @@ def test_idle_client_registers_again_on_its_next_call(kvtier_server: ServerFacto
         client.release("again", 0, 2)
     finally:
         client.close()
+
+
+def test_an_offer_held_through_a_quiet_server_reaches_it_once(
+    kvtier_server: ServerFactory,
+) -> None:
+    """The finding: a prefill engine's offer, posted while its connection was
+    degraded (the server quiet past the request timeout), was answered with
+    nothing at once and never sent; the engine still handed the proxy its
+    hand-off, and the decode engine waited ``handoff_wait_s`` for an offer
+    that never came, then recomputed. An offer posted to be held is kept
+    while the connection is down, and when the connection drops with it on
+    the wire, and sent once the server answers again; the server holds it
+    once however many times it comes."""
+    server = kvtier_server.start()
+    config = w.client_config(server.rpc, shm=False, request_timeout_s=0.5, retry_s=0.2)
+    producer, consumer = CacheClient(config), CacheClient(config)
+    try:
+        hashes = store_and_flush(producer, seed=61, n=2)
+        with server.stalled():  # offered on the wire; the connection drops with it
+            on_wire = producer.handoff(p.HandoffOffer("wire", hashes[:1], 30.0), hold_s=60.0)
+            assert on_wire.wait(1.0) is None and not on_wire.ready
+            assert wait_for(lambda: producer.degraded, bool)
+            # Offered while the connection is down: held; without a hold, nothing.
+            down = producer.handoff(p.HandoffOffer("down", hashes, 30.0), hold_s=60.0)
+            lost = producer.handoff(p.HandoffOffer("lost", hashes, 30.0))
+            assert lost.wait(5.0) is None and lost.ready
+            assert down.wait(0.5) is None and not down.ready
+        for call in (on_wire, down):  # the one on the wire may have come twice
+            answer = call.wait(10.0)
+            assert isinstance(answer, p.HandoffState) and answer.outcome == "offered", answer
+        for handoff, offered in (("wire", hashes[:1]), ("down", hashes), ("lost", hashes)):
+            taken = consumer.handoff(p.HandoffTake(handoff, offered, "")).wait(10.0)
+            assert isinstance(taken, p.HandoffState)
+            assert taken.outcome == ("pending" if handoff == "lost" else "granted"), handoff
+            if taken.outcome == "granted":
+                consumer.handoff(p.HandoffDone(handoff, "")).wait(10.0)
+        # The status is a snapshot taken each tick: wait for the last DONE in it.
+        seen = wait_for(server.status, lambda s: s["server"].get("handoffs.consumed") == 2)
+        assert seen["server"]["handoffs.offered"] == seen["server"]["handoffs.consumed"] == 2
+        assert seen["handoffs"]["held"] == 0
+    finally:
+        producer.close()
+        consumer.close()
+
+
+def test_a_take_whose_answer_was_lost_with_its_connection_is_still_its_own(
+    kvtier_server: ServerFactory,
+) -> None:
+    """A decode engine's take goes out, the server goes quiet, the connection
+    drops with the answer: the server granted it to the old connection. The
+    take sent again over the new one names the same token, so it is still
+    granted (without a token it is another consumer's: ``taken``), and its
+    DONE, held through a dropped connection too, releases the hand-off."""
+    server = kvtier_server.start()
+    config = w.client_config(server.rpc, shm=False, request_timeout_s=0.5, retry_s=0.2)
+    producer, consumer = CacheClient(config), CacheClient(config)
+    try:
+        hashes = store_and_flush(producer, seed=62, n=2)
+        for handoff in ("with-token", "without"):
+            offered = producer.handoff(p.HandoffOffer(handoff, hashes, 30.0)).wait(10.0)
+            assert isinstance(offered, p.HandoffState) and offered.outcome == "offered"
+        for handoff, token in (("with-token", "t1"), ("without", "")):
+            take = p.HandoffTake(handoff, hashes, "", taker=token)
+            with server.stalled():
+                assert consumer.handoff(take).wait(5.0) is None  # dropped with the connection
+            again = wait_for(
+                lambda take=take: consumer.handoff(take).wait(5.0),
+                lambda reply: isinstance(reply, p.HandoffState),
+            )
+            assert isinstance(again, p.HandoffState)
+            assert again.outcome == ("granted" if token else "taken"), handoff
+        with server.stalled():
+            done = consumer.handoff(p.HandoffDone("with-token", "", "t1"), hold_s=60.0)
+            assert done.wait(1.0) is None and not done.ready
+        # Released by the DONE on the old connection, or by the one sent again.
+        reply = done.wait(10.0)
+        assert isinstance(reply, p.HandoffState) and reply.outcome in ("released", "consumed")
+        seen = wait_for(server.status, lambda s: s["server"].get("handoffs.consumed") == 1)
+        assert seen["server"]["handoffs.consumed"] == 1
+    finally:
+        producer.close()
+        consumer.close()
 
 
 def test_sigterm_stops_cleanly_with_locks_held(kvtier_server: ServerFactory) -> None:

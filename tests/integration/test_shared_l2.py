@@ -4,8 +4,6 @@ what happens when the store dies, comes back or stalls."""
 from __future__ import annotations
 
 import json
-import os
-import signal
 import threading
 import time
 from collections import Counter
@@ -23,7 +21,7 @@ from kvtier.server.client import CacheClient
 from kvtier.storage import StorageConfig, StorageManager
 from tests.conftest import make_key
 from tests.integration import workload as w
-from tests.integration.harness import ServerFactory, wait_for
+from tests.integration.harness import ServerFactory, paused, wait_for
 from tests.servers import (
     MooncakeProcess,
     RedisProcess,
@@ -251,15 +249,10 @@ def test_a_stopped_store_does_not_hold_a_lookup_past_its_deadline(
         storage.store(keys, [np.full(1024, i, np.uint8) for i in range(4)], layout)
         assert storage.flush(60)
         storage.l1.delete(keys)  # only the shared store has them now
-        for pid in pids:
-            os.kill(pid, signal.SIGSTOP)
-        try:
+        with paused(pids):
             started = time.monotonic()
             result = storage.lookup(keys, layout, deadline_s=0.5)
             waited = time.monotonic() - started
-        finally:
-            for pid in pids:
-                os.kill(pid, signal.SIGCONT)
         storage.release(list(result.placements))
         assert result.hit_chunks == 0
         assert waited < 6.0, f"the lookup waited {waited:.1f} s for a stopped store"

@@ -363,7 +363,7 @@ def test_tenants_through_the_connector_and_a_pinned_system_prompt(
         prompt = PROMPTS[0]
         cold = engine.generate([prompt], salts=["acme"])
         warm = engine.generate([prompt], salts=["acme"])
-        assert warm[0]["cached"] == kvtier_hit(len(prompt))
+        assert warm[0]["cached"] == kvtier_hit(len(prompt)), engine.tail()
         assert_same(reference["prompts"][:1], cold)
         assert_same(reference["prompts"][:1], warm)
         other = engine.generate([prompt], salts=["globex"])

@@ -72,8 +72,16 @@ def prefill_step(request_id: str, blocks: list[int], tokens: int) -> Any:
 
 
 def produce(side: SchedulerSide, tokens: list[int], store: bool = True) -> dict[str, Any] | None:
-    """Run a producer's request through its prefill step; its worker stores
-    what the step asks (unless ``store`` is False: the stores failed)."""
+    """Run a producer's request through its prefill step and finish it (the
+    offer): its hand-off's parameters."""
+    req = prefill(side, tokens, store)
+    _, params = side.request_finished(req, [10, 11, 12, 13, 14])
+    return params
+
+
+def prefill(side: SchedulerSide, tokens: list[int], store: bool = True) -> Any:
+    """A producer's request through its prefill step; its worker stores what
+    the step asks (unless ``store`` is False: the stores failed)."""
     req = pd_request("p", tokens, {"do_remote_decode": True})
     assert side.get_num_new_matched_tokens(req, 0) == (0, False)
     side.update_state_after_alloc(req, Blocks([10, 11, 12, 13, 14]), 0)
@@ -83,8 +91,7 @@ def produce(side: SchedulerSide, tokens: list[int], store: bool = True) -> dict[
     assert tail.block_ids == [14, 14]  # one block of tail, padded to the chunk's two
     if store:
         assert store_objects(side, full.hashes + tail.hashes) == 3
-    _, params = side.request_finished(req, [10, 11, 12, 13, 14])
-    return params
+    return req
 
 
 def handed_off(producer: SchedulerSide, seed: int) -> tuple[list[int], dict[str, Any]]:
@@ -146,6 +153,37 @@ def test_a_hand_off_goes_from_producer_to_consumer_and_is_released(
         server_counts = status(consumer)["server"]
         assert server_counts["handoffs.offered"] == server_counts["handoffs.consumed"] == 1
         assert status(consumer)["storage"]["held_lookup_locks"] == 0
+    finally:
+        producer.close()
+        consumer.close()
+
+
+def test_an_offer_made_while_the_server_is_quiet_is_sent_when_it_answers(
+    server: Server,
+) -> None:
+    """The finding (a CI run of test_vllm_pd): the server went quiet past the
+    producer's request timeout, so its connection was down when the request
+    finished; the offer was answered with nothing at once and never sent,
+    yet the producer handed the proxy its hand-off, and the consumer
+    recomputed after waiting ``handoff_wait_s`` for it. The offer is held
+    now, and sent once the server answers: the consumer loads it."""
+    producer = side_for(server.rpc, lookup_wait_s=0.2, request_timeout_s=0.5)
+    consumer = side_for(server.rpc)
+    try:
+        tokens = prompt(PROMPT, seed=46)
+        req = prefill(producer, tokens)
+        client = producer.clients.client("")
+        assert client is not None
+        with server.stalled():
+            assert client.ping() is False and client.degraded
+            _, params = producer.request_finished(req, [10, 11, 12, 13, 14])
+        assert params is not None and params[PROMPT_TOKENS] == PROMPT
+        assert producer.outcomes.snapshot()["handoff_offered"] == 1
+        req = consumer_request(tokens, params)
+        take_and_load(consumer, req, [30, 31, 32, 33, 34])
+        consumer.update_connector_output(SimpleNamespace(finished_recving={"d"}))
+        _, outcome = consumer.request_finished(req, [30, 31, 32, 33, 34])
+        assert outcome == {HANDOFF_ID: params[HANDOFF_ID], OUTCOME: "loaded"}
     finally:
         producer.close()
         consumer.close()

@@ -38,12 +38,23 @@ PROMPTS = [tokens(60 + i, n) for i, n in enumerate((700, 1100, 512, 200))]
 
 
 @pytest.fixture(scope="module")
-def engines(
-    model_dir: Path, kv_server: Server, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[tuple[Engine, Engine]]:
+def logs(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("pd")
+
+
+def kvtier_lines(logs: Path) -> str:
+    """The engines' kvtier messages (the last of them), for a failure's message."""
+    lines = []
+    for log in sorted(logs.glob("*.log")):
+        said = [line for line in log.read_text(errors="replace").splitlines() if "kvtier" in line]
+        lines += [f"{log.name}: {line}" for line in said[-20:]]
+    return "\n".join(lines)
+
+
+@pytest.fixture(scope="module")
+def engines(model_dir: Path, kv_server: Server, logs: Path) -> Iterator[tuple[Engine, Engine]]:
     """A prefill engine on core 0 and a decode engine on core 1; the decode's
     failed loads fail their request (the error policy's errors)."""
-    logs = tmp_path_factory.mktemp("pd")
     prefill = (EngineOptions(model_dir, 4096, 1 << 30, prefix_caching=False, cpus="0", name=MODEL),)
     decode = (EngineOptions(model_dir, 4096, 1 << 30, prefix_caching=False, cpus="1", name=MODEL),)
     configs = [
@@ -157,7 +168,8 @@ def decode_like(
     )
     status, rest = post_json(engine.url + "/v1/completions", rest_body)
     assert status == 200, rest
-    assert rest["kv_transfer_params"]["kvtier_handoff_outcome"] == "loaded", rest
+    handoff = rest["kv_transfer_params"]
+    assert handoff["kvtier_handoff_outcome"] == "loaded", handoff
     want_tokens, want_logprobs = generated(colocated)
     got_tokens, got_logprobs = generated(rest)
     assert first + got_tokens == want_tokens
@@ -171,7 +183,7 @@ def handoffs(server: Server) -> dict[str, Any]:
 
 
 def test_pd_outputs_equal_colocated_and_the_first_token_comes_once(
-    engines: tuple[Engine, Engine], proxy: str, kv_server: Server
+    engines: tuple[Engine, Engine], proxy: str, kv_server: Server, logs: Path
 ) -> None:
     prefill, _ = engines
     for i, prompt in enumerate(PROMPTS):
@@ -187,7 +199,8 @@ def test_pd_outputs_equal_colocated_and_the_first_token_comes_once(
         usage = pd["usage"]
         assert usage["prompt_tokens"] == len(prompt)
         assert usage["completion_tokens"] == NEW_TOKENS  # the first token once, not twice
-        assert usage["kvtier_handoff"]["kvtier_handoff_outcome"] == "loaded", usage
+        outcome = usage["kvtier_handoff"]["kvtier_handoff_outcome"]
+        assert outcome == "loaded", f"{usage}\n{kvtier_lines(logs)}"
         assert pd["choices"][0]["prompt_token_ids"] == prompt
     # Two tokens: the decode's one finishes in the step that loads its prompt.
     status, short = post_json(proxy + "/v1/completions", body(PROMPTS[0], max_tokens=2))
@@ -318,8 +331,8 @@ def test_the_prefill_engine_killed_after_its_answer_leaves_its_hand_off_loadable
     assert wait_for(lambda: handoffs(kv_server)["held"], lambda n: n == 0) == 0
 
 
-def written_back(server: Server) -> int:
-    store = server.status()["storage"]["store"]
+def written_back(status: dict[str, Any]) -> int:
+    store = status["storage"]["store"]
     return sum(int(v) for k, v in store.items() if k.startswith("stored_objects."))
 
 
@@ -335,13 +348,17 @@ def test_a_hand_off_outlives_its_cache_server_through_its_disk_tier(
     them there. Same tokens and logprobs as the engine's own, nothing held."""
     _, engine = engines
     prompt = tokens(120, 700)  # two chunks and a tail: three objects of one rank
+    first = written_back(kv_server.fresh_status())
     status, colocated = post_json(engine.url + "/v1/completions", body(prompt, cache_salt="ref-3"))
     assert status == 200, colocated
-    before = written_back(kv_server)
+    # The reference's two chunks reach the disk tier too: count them before the producer's.
+    before = wait_for(lambda: written_back(kv_server.status()), lambda n: n >= first + 2)
+    assert before >= first + 2
     produce = body(prompt, max_tokens=1, kv_transfer_params={"do_remote_decode": True})
     status, produced = post_json(engine.url + "/v1/completions", produce)
     assert status == 200, produced
-    assert wait_for(lambda: written_back(kv_server), lambda n: n >= before + 3) >= before + 3
+    after = wait_for(lambda: written_back(kv_server.status()), lambda n: n >= before + 3)
+    assert after >= before + 3
     restarted = module_servers.restart(kv_server)
     # The engine's clients (its scheduler's and its worker's) said hello again.
     assert wait_for(restarted.status, lambda s: s["clients"] >= 2, timeout_s=60)["clients"] >= 2

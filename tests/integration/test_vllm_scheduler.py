@@ -5,6 +5,7 @@ that every lock it takes is released."""
 
 from __future__ import annotations
 
+import threading
 from types import SimpleNamespace
 from typing import Any
 
@@ -12,6 +13,7 @@ import numpy as np
 import pytest
 import torch
 
+from kvtier.server import protocol as p
 from kvtier.server.client import CacheClient, ClientConfig
 from tests.integration.conftest import Gated
 from tests.integration.harness import Server, wait_for
@@ -235,6 +237,65 @@ def test_a_slow_lookup_defers_the_request_instead_of_blocking(gated: Gated) -> N
         assert answer == (0, False)
         side.request_finished(req, [])
         assert side.timer.total_steps == 0  # no step was built: nothing was timed per step
+    finally:
+        side.close()
+
+
+def test_a_new_tenants_first_request_waits_for_its_hello_and_is_stored(
+    gated: Gated, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A request of a tenant not seen before makes that tenant's client,
+    whose HELLO may be answered after the lookup budget (a busy node). The
+    request is deferred (None: asked again next step) until the answer is
+    in, then looked up and stored like any other, instead of running
+    without the cache and leaving the tenant's first prompt unstored."""
+    side = connected_side(gated.address, lookup_wait_s=0.05)
+    answer_hello = threading.Event()
+    hello = gated.core._hello
+
+    def late_hello(peer: bytes, connection: str, request: p.Hello) -> p.Reply:
+        if request.salt == "new-tenant":
+            assert answer_hello.wait(30), "the test never answered the HELLO"
+        return hello(peer, connection, request)
+
+    monkeypatch.setattr(gated.core, "_hello", late_hello)
+    gated.gate.set()  # L2 lookups are answered at once (the mock L2 is empty)
+    try:
+        tokens = prompt(700, seed=50)
+        req = request("first", tokens, salt="new-tenant")
+        assert side.get_num_new_matched_tokens(req, 0) == (None, False)  # its HELLO is out
+        assert side.get_num_new_matched_tokens(req, 0) == (None, False)  # still: no wait
+        answer_hello.set()
+        answer = wait_for(
+            lambda: side.get_num_new_matched_tokens(req, 0), lambda a: a[0] is not None
+        )
+        assert answer == (0, False)  # looked up: a miss
+        side.update_state_after_alloc(req, Blocks([1, 2, 3, 4, 5, 6]), 0)
+        step = parked_step()
+        step.scheduled_new_reqs = [
+            SimpleNamespace(req_id="first", block_ids=([1, 2, 3, 4, 5, 6],), num_computed_tokens=0)
+        ]
+        step.num_scheduled_tokens = {"first": 700}
+        (store,) = side.build_connector_meta(step).stores
+        assert (store.salt, store.hashes) == (
+            "new-tenant",
+            side.clients.hasher("new-tenant", CHUNK).chunk_hashes(tokens),
+        )
+        side.request_finished(req, [])
+    finally:
+        answer_hello.set()
+        side.close()
+
+
+def test_server_away_a_new_tenants_request_is_not_deferred() -> None:
+    """With no client of the pool registered the server is taken to be away:
+    a new tenant's request runs at once without the cache."""
+    settings = ConnectorSettings(address="tcp://127.0.0.1:9", request_timeout_s=5)
+    side = SchedulerSide(vllm_config(), settings)
+    try:
+        req = request("x", prompt(700), salt="new-tenant")
+        assert side.get_num_new_matched_tokens(req, 0) == (0, False)
+        assert side.clients._clients["new-tenant"].registering  # its HELLO is still out
     finally:
         side.close()
 

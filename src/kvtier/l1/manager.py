@@ -235,6 +235,21 @@ class L1Manager(L1Tables):
                 results.append(Placement(L1Result.SUCCESS, obj.offset, obj.size))
             return results
 
+    def reserve_read_all(self, keys: Sequence[ObjectKey]) -> tuple[list[Placement], int]:
+        """Read-lock every one of ``keys`` once, or none of them: their
+        placements, and how many are not resident (0: all are locked; else
+        none is, and the placements are empty)."""
+        with self._lock:
+            now = self._clock()
+            self._reap(now)
+            found = [self._resident.get(key) for key in keys]
+            resident = [obj for obj in found if obj is not None]
+            if len(resident) < len(found):
+                return [], len(found) - len(resident)
+            for obj in resident:
+                self._lock_read(obj, 1, now)
+            return [Placement(L1Result.SUCCESS, obj.offset, obj.size) for obj in resident], 0
+
     def finish_read(self, keys: Sequence[ObjectKey], n: int = 1) -> list[L1Result]:
         """Drop ``n`` read locks per key. WRONG_STATE (and no change) if the
         key holds fewer than ``n``; NOT_FOUND if it is not resident."""

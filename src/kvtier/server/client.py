@@ -127,6 +127,11 @@ class CacheClient:
         return self.chunk_size is None
 
     @property
+    def registering(self) -> bool:
+        """Whether its first HELLO is still out: degraded only until the answer."""
+        return self._connection.registering
+
+    @property
     def shared_memory(self) -> bool:
         """Whether KV goes through the server's mapped arena (else bytes in frames)."""
         return self._connection.region is not None
@@ -343,11 +348,16 @@ class CacheClient:
         reply = self._connection.submit(message).wait()
         return reply if isinstance(reply, p.Pinned) else None
 
-    def handoff(self, message: p.HandoffOffer | p.HandoffTake | p.HandoffDone) -> PendingReply:
+    def handoff(
+        self, message: p.HandoffOffer | p.HandoffTake | p.HandoffDone, hold_s: float = 0.0
+    ) -> PendingReply:
         """Send a hand-off operation without waiting (``kvtier.server.handoffs``);
         the answer is the returned call's ``reply`` once it is ``ready``: a
-        ``HandoffState``, an ``Error``, or None (no server)."""
-        return self._connection.post(message)
+        ``HandoffState``, an ``Error``, or None (no server). ``hold_s``: while
+        the connection is down (or drops with it on the wire), keep it that
+        long and send it once the server is back (an offer: the server
+        answers one sent twice with its state)."""
+        return self._connection.post(message, hold_s=hold_s)
 
     def close(self) -> None:
         """Stop the client's thread and free its descriptors; a second close does nothing."""

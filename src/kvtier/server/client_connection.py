@@ -22,7 +22,12 @@ Registration, a small state machine::
 While it is not registered every call is answered at once with no reply
 (``Call.reply`` None): the client then misses lookups and skips stores. A
 call refused with ``no_hello`` (the server restarted) is held and sent once
-more after the new WELCOME.
+more after the new WELCOME. So is a call posted to be held (``hold_s``: a
+hand-off's offer, which nobody waits for and whose loss would cost its
+consumer a recompute): while the connection is down, and when it drops with
+the call on the wire, the call is kept and sent once registered again, until
+its hold ends (then it is answered with nothing). The server may see it
+twice: such a request must be idempotent.
 
 Thread safety: any thread may submit. The holder of ``_io`` owns the socket,
 the table of requests in flight and the registration state; other threads
@@ -73,6 +78,7 @@ class Call:
     region: SharedRegion | None = None  # the arena of the registration it went under
     deadline: float = 0.0
     retried: bool = False
+    hold_until: float = 0.0  # kept through a dropped connection until then (0: not kept)
     lead: Callable[[Call, float], None] | None = None  # do the I/O for it, if the socket is free
 
     @property
@@ -124,7 +130,7 @@ class Connection:
         os.set_blocking(self._wake_write, False)
         self._seq = itertools.count(1)
         self._in_flight: dict[int, Call] = {}
-        self._held: list[Call] = []  # refused with no_hello: sent again once registered
+        self._held: list[Call] = []  # sent once registered: refused with no_hello, or held
         self._hello: Call | None = None
         self._retry_s = config.retry_s  # doubles while reconnecting fails
         self._next_try = 0.0  # when to send HELLO again while unregistered
@@ -139,15 +145,25 @@ class Connection:
             config.request_timeout_s + GRACE_S if connect_wait_s is None else connect_wait_s
         )
 
+    @property
+    def registering(self) -> bool:
+        """Whether the first HELLO is still out (neither answered nor given up on)."""
+        return not self._tried.is_set()
+
     def submit(
         self,
         message: p.Message,
         frames: Sequence[object] = (),
         timeout_s: float | None = None,
+        hold_s: float = 0.0,
     ) -> Call:
-        """Queue a request; its ``wait`` sends it (or wakes the socket's holder)."""
+        """Queue a request; its ``wait`` sends it (or wakes the socket's holder).
+        ``hold_s``: keep it through a dropped connection that long (see the
+        module docstring)."""
         timeout = self.config.request_timeout_s if timeout_s is None else timeout_s
         call = Call(message, frames, timeout, lead=self._lead)
+        if hold_s > 0:
+            call.hold_until = time.monotonic() + hold_s
         if self._stop.is_set():
             call.done.set()  # closed: no answer
             return call
@@ -155,10 +171,14 @@ class Connection:
         return call
 
     def post(
-        self, message: p.Message, frames: Sequence[object] = (), timeout_s: float | None = None
+        self,
+        message: p.Message,
+        frames: Sequence[object] = (),
+        timeout_s: float | None = None,
+        hold_s: float = 0.0,
     ) -> Call:
         """Queue a request that may not be waited for, and have it sent."""
-        call = self.submit(message, frames, timeout_s)
+        call = self.submit(message, frames, timeout_s, hold_s)
         self._wake()
         return call
 
@@ -247,7 +267,9 @@ class Connection:
             self._send_call(Call(p.Ping(), (), self.config.request_timeout_s, self._on_pong))
         self._dispatch_submissions()
         wake_at = min(
-            [now + max_wait_s, self._next_timer()] + [c.deadline for c in self._in_flight.values()]
+            [now + max_wait_s, self._next_timer()]
+            + [c.deadline for c in self._in_flight.values()]
+            + [c.hold_until for c in self._held if c.hold_until]
         )
         timeout_ms = max(0, min(1000, math.ceil((wake_at - time.monotonic()) * 1000)))
         ready = dict(self._poller.poll(timeout_ms))
@@ -268,7 +290,10 @@ class Connection:
                 return
             if not self._registered.is_set():
                 self.stats.degraded_requests += 1
-                self._finish(call, None)
+                if call.hold_until > time.monotonic():
+                    self._held.append(call)  # sent after the next WELCOME
+                else:
+                    self._finish(call, None)
             else:
                 self._send_call(call)
 
@@ -318,6 +343,11 @@ class Connection:
             call.on_reply(call)
 
     def _expire(self, now: float) -> None:
+        ended = [call for call in self._held if 0 < call.hold_until <= now]
+        if ended:
+            self._held = [call for call in self._held if call not in ended]
+            for call in ended:
+                self._finish(call, None)
         late = [call for call in self._in_flight.values() if call.deadline <= now]
         if late:
             log.warning(
@@ -400,22 +430,25 @@ class Connection:
 
     def _degrade(self) -> None:
         """The server is away (or refused us): drop the socket (and any late
-        reply with it), answer every call in flight with nothing, and try
-        again after the back-off."""
+        reply with it), answer every call in flight with nothing (but those
+        still to be held: sent again once registered), and try again after
+        the back-off."""
         self.chunk_size = None
         self._registered.clear()
         self._tried.set()
         self._disconnect()
-        self._fail_all()
+        self._fail_all(keep_held=True)
         self._next_try = time.monotonic() + self._retry_s
         self._retry_s = min(2 * self._retry_s, self.config.max_retry_s)
 
-    def _fail_all(self) -> None:
+    def _fail_all(self, keep_held: bool = False) -> None:
         calls = [*self._in_flight.values(), *self._held]
+        now = time.monotonic()
         self._in_flight.clear()
-        self._held.clear()
+        self._held = [c for c in calls if keep_held and c.hold_until > now]
         for call in calls:
-            self._finish(call, None)
+            if call not in self._held:
+                self._finish(call, None)
 
     def _disconnect(self) -> None:
         if self._socket is not None:

@@ -74,6 +74,7 @@ class HandoffRequests:
             req.source_hashes,
             req.kv_heads,
             req.find,
+            req.taker,
         )
         if outcome is HandoffOutcome.FINDING:
             return self._find(client, req, keys)
@@ -89,7 +90,8 @@ class HandoffRequests:
         return Deferred(lambda: conversion.run(self.storage), finish)
 
     def done(self, client: Client, req: p.HandoffDone, frames: Sequence[Buffer]) -> Outcome:
-        return p.HandoffState(self.table.done(client, req.handoff_id, req.consumer)), []
+        outcome = self.table.done(client, req.handoff_id, req.consumer, req.taker)
+        return p.HandoffState(outcome), []
 
     def drop_stale_lookups(self) -> None:
         """Abandon the lookups of hand-offs whose consumer stopped asking."""
@@ -112,7 +114,9 @@ class HandoffRequests:
 
         def finish() -> Answer:
             if self.table.lookup_of(req.handoff_id) is not lookup:  # another take's answer
-                outcome, why = self.table.take(client, req.handoff_id, req.hashes, req.consumer)
+                outcome, why = self.table.take(
+                    client, req.handoff_id, req.hashes, req.consumer, token=req.taker
+                )
                 return p.HandoffState(outcome, why), []
             result = self.storage.collect(lookup, 0.0)
             assert result is not None  # settled: this runs once it is
@@ -127,6 +131,7 @@ class HandoffRequests:
                     req.consumer,
                     req.group,
                     result.hit_chunks,
+                    req.taker,
                 )
             finally:
                 self.storage.release(list(result.placements))  # the hand-off holds its own

@@ -9,12 +9,18 @@ prefilled it and held for the engine that decodes it.
         └── the lease ends first ──────────────────────────────► released ("expired")
 
 A TAKE before the OFFER answers ``pending``: the consumer asks again, and its
-own deadline decides when the producer is dead. A taker loads the objects
-through an ordinary lookup of the same chunks (the hold keeps them in L1
-until then) and sends DONE once its copy is in; a taker that dies is reclaimed
-by the lease like any other holder. Each ended hand-off leaves its outcome
-behind (the last ``REMEMBERED``), so a late consumer learns what happened
-(expired, consumed, taken by another, incomplete) instead of waiting.
+own deadline decides when the producer is dead. An OFFER may come twice (the
+producer's client sends it again when its connection dropped while the first
+was out): the second is answered with the hand-off's state, never held twice.
+The taker is the connection its take came on, or the token the take names
+(``taker_of``): a consumer's request names one, so that its take sent again
+over a new connection (the answer lost with the old one) is still its own.
+A taker loads the objects through an ordinary lookup of the same chunks (the
+hold keeps them in L1 until then) and sends DONE once its copy is in; a taker
+that dies is reclaimed by the lease like any other holder. Each ended
+hand-off leaves its outcome behind (the last ``REMEMBERED``), so a late
+consumer learns what happened (expired, consumed, taken by another,
+incomplete) instead of waiting.
 
 A take names the chunks it expects (its prompt's, under its own namespace):
 another model or tenant, another layout (TP size, block size, page format)
@@ -24,10 +30,11 @@ rank split and pages instead: its take also names the prompt's chunks under
 the producer's layout (its hashes must be the offer's) and the model's KV
 heads (the offer's). The server re-shards each chunk by KV heads, re-paging
 it if the block sizes differ (``kvtier.layout.reshard``), into objects
-under the consumer's keys, off the loop thread (``Conversion``), holds them
-with the hand-off, and grants it; the taker then loads its own objects. The
-converted objects are ordinary cache entries afterwards: engines of the
-consumer's TP size reuse them.
+under the consumer's keys, off the loop thread
+(``kvtier.server.handoff_conversion``), holds them with the hand-off, and
+grants it; the taker then loads its own objects. The converted objects are
+ordinary cache entries afterwards: engines of the consumer's TP size reuse
+them.
 
 Across nodes the producer's server is not the consumer's: the producer's
 chunks reach the shared L2 by write-back, and a take that says ``find``
@@ -56,14 +63,15 @@ from enum import StrEnum
 from kvtier.controllers import PrefetchHandle
 from kvtier.counters import Counters
 from kvtier.keys import ObjectKey
-from kvtier.l1 import L1Manager, L1Result
+from kvtier.l1 import L1Manager
 from kvtier.layout import KVLayout
-from kvtier.layout.reshard import check_convertible, reshard
+from kvtier.layout.reshard import check_convertible
+from kvtier.server.handoff_conversion import Conversion
 from kvtier.server.limits import RequestError
 from kvtier.server.sessions import Client, shown
-from kvtier.storage import StorageManager
 
 REMEMBERED = 4096  # ended hand-offs whose outcome a late taker is told
+Taker = tuple[bytes, str, str]  # (peer, connection, consumer name) or (b"", token, consumer name)
 MAX_HELD = 4096  # hand-offs held at once
 
 
@@ -101,50 +109,10 @@ class Handoff:
     group: int  # the offered objects' group
     source: KVLayout  # the producer's layout of it
     kv_heads: int  # the model's KV heads (0: unknown; no conversion)
-    taker: tuple[bytes, str, str] | None = None  # (peer, connection, consumer name)
+    taker: Taker | None = None
     refused: str = ""  # the last take it refused, and why (for the operator's and proxy's view)
     converting: bool = False  # its objects are being re-sharded for the taker
     converted: int = 0  # objects of the taker's layout it holds (the last of ``keys``)
-
-
-@dataclass(frozen=True, slots=True)
-class Conversion:
-    """A granted take's re-sharding: the producer's objects (chunk-major,
-    ``source.num_ranks`` per chunk, held by the hand-off) become the
-    consumer's (``target.num_ranks`` per chunk) under ``keys``."""
-
-    handoff_id: str
-    objects: list[ObjectKey]
-    source: KVLayout
-    keys: list[ObjectKey]
-    target: KVLayout
-    kv_heads: int
-
-    def run(self, storage: StorageManager) -> tuple[list[bool], str]:
-        """Re-shard every chunk and store the taker's objects: per object
-        whether it is in L1, and why not if none is. Thread-safe (storage
-        only): the server runs it off its loop. Its own read locks keep the
-        sources while it reads them; one no longer in L1 (the hand-off ended
-        first) fails it, never reads other bytes."""
-        placements = storage.l1.reserve_read(self.objects)
-        pairs = zip(self.objects, placements, strict=True)
-        locked = [k for k, pl in pairs if pl.result is L1Result.SUCCESS]
-        try:
-            if len(locked) < len(self.objects):
-                return [False] * len(self.keys), "its objects left L1 before they were re-sharded"
-            ranks, converted = self.source.num_ranks, []
-            views = [storage.l1.view(pl) for pl in placements]
-            for start in range(0, len(views), ranks):
-                chunk = views[start : start + ranks]
-                converted += reshard(chunk, self.source, self.target, self.kv_heads)
-        except ValueError as error:  # replicas that disagree: the source is inconsistent
-            return [False] * len(self.keys), str(error)
-        finally:
-            storage.l1.finish_read(locked)
-        results = storage.store(self.keys, converted, self.target)
-        stored = [r is L1Result.SUCCESS for r in results]
-        missing = len(stored) - sum(stored)
-        return stored, f"{missing} re-sharded objects did not fit in L1" if missing else ""
 
 
 class HandoffTable:
@@ -181,16 +149,14 @@ class HandoffTable:
             raise RequestError(
                 "bad_request", f"hand-off lease_s must be in (0, {self.max_lease_s}] seconds"
             )
-        if handoff_id in self._held or handoff_id in self._ended:
-            raise RequestError("bad_request", f"hand-off {shown(handoff_id)} was offered already")
+        again = self._offered_again(client, handoff_id, hashes)
+        if again is not None:
+            return again
         if len(self._held) >= MAX_HELD:
             raise RequestError("busy", f"{MAX_HELD} hand-offs are held: take or expire some first")
-        placements = self._l1.reserve_read(keys)
-        locked = [k for k, p in zip(keys, placements, strict=True) if p.result is L1Result.SUCCESS]
-        if len(locked) < len(keys):
-            self._l1.finish_read(locked)
+        placements, missing = self._l1.reserve_read_all(keys)
+        if missing:
             self._end(handoff_id, HandoffOutcome.INCOMPLETE)
-            missing = len(keys) - len(locked)
             return HandoffOutcome.INCOMPLETE, f"{missing} of {len(keys)} objects are not in L1"
         self._held[handoff_id] = Handoff(
             handoff_id,
@@ -208,6 +174,27 @@ class HandoffTable:
         self._counters.add("handoffs.offered")
         return HandoffOutcome.OFFERED, ""
 
+    def _offered_again(
+        self, client: Client, handoff_id: str, hashes: list[bytes]
+    ) -> tuple[HandoffOutcome, str] | None:
+        """An offer of a known hand-off: the same one sent again (its
+        producer's connection dropped while the first was out) is answered
+        with the hand-off's state, and one that ended with how it ended (what
+        it held is not remembered); another offer under a held one's id is
+        refused. None: a new one."""
+        held = self._held.get(handoff_id)
+        ended = self._ended.get(handoff_id)
+        if held is None and ended is None:
+            return None
+        namespace = (client.tenant, client.model, client.salt)
+        if held is not None and (held.namespace, held.hashes) == (namespace, hashes):
+            self._counters.add("handoffs.offered_again")
+            return HandoffOutcome.OFFERED, "offered already"
+        if ended is not None:
+            self._counters.add("handoffs.offered_again")
+            return ended, "it ended already"
+        raise RequestError("bad_request", f"hand-off {shown(handoff_id)} was offered already")
+
     def take(
         self,
         client: Client,
@@ -217,11 +204,12 @@ class HandoffTable:
         source_hashes: Sequence[bytes] = (),
         kv_heads: int = 0,
         find: bool = False,
+        token: str = "",
     ) -> tuple[HandoffOutcome, str]:
-        """GRANTED to its taker, CONVERTING when the taker's rank split must
-        be made first (``conversion``, then ``converted``), FINDING when an
-        unknown hand-off must be looked for in the tiers first (then
-        ``found``), else why not."""
+        """GRANTED to its taker (``token``: see ``taker_of``), CONVERTING
+        when the taker's rank split must be made first (``conversion``, then
+        ``converted``), FINDING when an unknown hand-off must be looked for in
+        the tiers first (then ``found``), else why not."""
         self.expire()
         _check_id(handoff_id)
         handoff = self._held.get(handoff_id)
@@ -242,7 +230,7 @@ class HandoffTable:
             self._counters.add(f"handoffs.refused.{refusal[0]}")
             handoff.refused = f"{refusal[0]}: {refusal[1]}"
             return refusal
-        taker = (client.peer, client.connection, consumer)
+        taker = taker_of(client, consumer, token)
         if handoff.taker is not None and handoff.taker != taker:
             self._counters.add("handoffs.refused.taken")
             return HandoffOutcome.TAKEN, "another consumer took it"
@@ -280,15 +268,12 @@ class HandoffTable:
         if not all(stored):
             self._counters.add("handoffs.reshard_failed")
             return HandoffOutcome.INCOMPLETE, why
-        placements = self._l1.reserve_read(conversion.keys)
-        pairs = zip(conversion.keys, placements, strict=True)
-        locked = [k for k, pl in pairs if pl.result is L1Result.SUCCESS]
-        if len(locked) < len(conversion.keys):
-            self._l1.finish_read(locked)
+        placements, missing = self._l1.reserve_read_all(conversion.keys)
+        if missing:
             self._counters.add("handoffs.reshard_failed")
             return HandoffOutcome.INCOMPLETE, "re-sharded objects were evicted before the take"
-        handoff.keys += locked
-        handoff.converted = len(locked)
+        handoff.keys += conversion.keys
+        handoff.converted = len(conversion.keys)
         handoff.held_bytes += sum(pl.size for pl in placements)
         self._counters.add("handoffs.resharded")
         return HandoffOutcome.GRANTED, ""
@@ -302,6 +287,7 @@ class HandoffTable:
         consumer: str,
         group: int,
         hit_chunks: int,
+        token: str = "",
     ) -> tuple[HandoffOutcome, str]:
         """A FINDING take's lookup came back with ``hit_chunks`` of the
         prompt's chunks locked (the caller releases that lookup after
@@ -314,26 +300,22 @@ class HandoffTable:
             )
         if len(self._held) >= MAX_HELD:
             return HandoffOutcome.PENDING, f"{MAX_HELD} hand-offs are held here: ask again"
-        placements = self._l1.reserve_read(keys)  # the lookup's locks keep them: all succeed
-        locked = [
-            k for k, pl in zip(keys, placements, strict=True) if pl.result is L1Result.SUCCESS
-        ]
-        if len(locked) < len(keys):
-            self._l1.finish_read(locked)
+        placements, missing = self._l1.reserve_read_all(keys)  # the lookup's locks keep them
+        if missing:
             return HandoffOutcome.PENDING, "its chunks left L1 as soon as they were found"
         self._held[handoff_id] = Handoff(
             handoff_id,
             (client.tenant, client.model, client.salt),
             _layout_of(client),
             list(hashes),
-            locked,
+            list(keys),
             consumer,
             self._clock() + self.max_lease_s,
             sum(pl.size for pl in placements),
             group,
             client.layouts[group],
             0,
-            taker=(client.peer, client.connection, consumer),
+            taker=taker_of(client, consumer, token),
         )
         self._counters.add("handoffs.found")
         return HandoffOutcome.GRANTED, ""
@@ -360,14 +342,16 @@ class HandoffTable:
         stale = [h for h, (_, started) in self._finding.items() if started <= due]
         return [self._finding.pop(h)[0] for h in stale]
 
-    def done(self, client: Client, handoff_id: str, consumer: str) -> HandoffOutcome:
+    def done(
+        self, client: Client, handoff_id: str, consumer: str, token: str = ""
+    ) -> HandoffOutcome:
         """The taker has its copy: drop the hold."""
         self.expire()
         _check_id(handoff_id)
         handoff = self._held.get(handoff_id)
         if handoff is None:
             return self._ended.get(handoff_id, HandoffOutcome.PENDING)
-        if handoff.taker != (client.peer, client.connection, consumer):
+        if handoff.taker != taker_of(client, consumer, token):
             return HandoffOutcome.WRONG_CONSUMER
         self._release(handoff, HandoffOutcome.CONSUMED)
         return HandoffOutcome.RELEASED
@@ -464,6 +448,15 @@ class HandoffTable:
         while len(self._ended) > REMEMBERED:
             self._ended.popitem(last=False)
         self._counters.add(f"handoffs.{outcome}")
+
+
+def taker_of(client: Client, consumer: str, token: str) -> Taker:
+    """Who takes: the consumer's token for its request when its take names
+    one (the same over the consumer's new connection after a dropped one),
+    else the connection it came on."""
+    if len(token) > 256:
+        raise RequestError("bad_request", "a take's taker token has at most 256 characters")
+    return (b"", token, consumer) if token else (client.peer, client.connection, consumer)
 
 
 def _check_id(handoff_id: str) -> None:

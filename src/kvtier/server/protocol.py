@@ -199,7 +199,10 @@ class HandoffTake(Message, tag="handoff_take"):
     prompt's chunks under the producer's layout (``source_hashes``) and the
     model's KV heads: the server re-shards the objects into its layout.
     ``find``: the producer offered it on another cache server: find the
-    chunks in this server's tiers (a shared L2) and hold them here."""
+    chunks in this server's tiers (a shared L2) and hold them here.
+    ``taker``: a token the consumer keeps for its request, so that its take
+    sent again over a new connection (the first one's answer lost with the
+    old) is still its own ("": the connection is the taker)."""
 
     handoff_id: str
     hashes: list[bytes]
@@ -208,13 +211,16 @@ class HandoffTake(Message, tag="handoff_take"):
     source_hashes: list[bytes] = msgspec.field(default_factory=list)
     kv_heads: int = 0
     find: bool = False
+    taker: str = ""
 
 
 class HandoffDone(Message, tag="handoff_done"):
-    """The consumer has its copy: the hand-off's hold is dropped."""
+    """The consumer has its copy: the hand-off's hold is dropped (``taker``:
+    its take's)."""
 
     handoff_id: str
     consumer: str = ""
+    taker: str = ""
 
 
 Request = (

@@ -202,6 +202,12 @@ def test_at_offset_a_document_is_found_again_within_the_same_power_of_two(
     found, loaded = blend(6)  # the same prompt again: every segment loaded, the same logits
     assert found == 3 and torch.equal(loaded, computed)
     assert blend(8)[0] == 1  # 8 past it: another object
+    # computed 8 past the system prompt and placed 8 past it, the document sits where
+    # it was computed, but its KV never saw the 8 tokens before it: still a candidate
+    ids, spans = joined([PARTS[0], prompt(28, 8), document, PARTS[4]])
+    placed = engine.prefill(ids, segments=spans, blend=BlendConfig(ratio=0.0)).blend
+    assert placed is not None and placed.segments_found == 3
+    assert (placed.exact_tokens, placed.candidate_tokens) == (12 + 8, len(document))
     assert_clean(storage.l1)
 
 

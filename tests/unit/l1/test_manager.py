@@ -126,6 +126,21 @@ def test_read_lock_codes(make_l1: MakeL1) -> None:
     assert_clean(l1)
 
 
+def test_reserve_read_all_locks_every_key_or_none(make_l1: MakeL1) -> None:
+    l1 = make_l1()
+    k0, k1, k2 = make_key(0), make_key(1), make_key(2)
+    put(l1, [k0, k1])
+    assert l1.reserve_read_all([k0, k2, k1, k2]) == ([], 2)
+    assert l1.status()["locked_objects"] == 0  # nothing was locked
+    placements, missing = l1.reserve_read_all([k0, k1])
+    assert missing == 0 and [p.result for p in placements] == [S, S]
+    assert [p.size for p in placements] == [PAGE, PAGE]
+    assert l1.status()["locked_objects"] == 2
+    assert l1.finish_read([k0, k1]) == [S, S]
+    assert l1.finish_read([k0]) == [WS]  # locked once each
+    assert_clean(l1)
+
+
 def test_locks_are_counted(make_l1: MakeL1) -> None:
     l1 = make_l1()
     key = make_key(0)

@@ -38,15 +38,22 @@ def offer(
 
 
 def take(
-    server: CacheServer, peer: bytes, hs: list[bytes], hid: str = "h1", consumer: str = ""
+    server: CacheServer,
+    peer: bytes,
+    hs: list[bytes],
+    hid: str = "h1",
+    consumer: str = "",
+    taker: str = "",
 ) -> str:
-    reply = call(server, peer, p.HandoffTake(hid, hs, consumer))
+    reply = call(server, peer, p.HandoffTake(hid, hs, consumer, taker=taker))
     assert isinstance(reply, p.HandoffState), reply
     return reply.outcome
 
 
-def done(server: CacheServer, peer: bytes, hid: str = "h1", consumer: str = "") -> str:
-    reply = call(server, peer, p.HandoffDone(hid, consumer))
+def done(
+    server: CacheServer, peer: bytes, hid: str = "h1", consumer: str = "", taker: str = ""
+) -> str:
+    reply = call(server, peer, p.HandoffDone(hid, consumer, taker))
     assert isinstance(reply, p.HandoffState), reply
     return reply.outcome
 
@@ -113,6 +120,24 @@ def test_two_consumers_racing_one_wins_the_other_is_told(
     assert done(server, b"E") == "wrong_consumer"  # not its hand-off to end
     assert done(server, b"D") == "released"
     assert take(server, b"E", parties) == "consumed"
+    assert_clean(storage.l1)
+
+
+def test_a_take_that_names_its_token_is_its_takers_over_any_connection(
+    server: CacheServer, storage: StorageManager, parties: list[bytes]
+) -> None:
+    """A consumer whose connection dropped with its take's answer asks again
+    over a new one (here: another peer) with the same token: still its own."""
+    store(server, b"P", parties)
+    offer(server, parties)
+    assert take(server, b"D", parties, taker="t1") == "granted"
+    assert take(server, b"E", parties, taker="t1") == "granted"  # the same request, reconnected
+    assert take(server, b"E", parties, taker="t2") == "taken"  # another request
+    assert take(server, b"D", parties) == "taken"  # the connection alone is not the token's
+    assert done(server, b"D", taker="t2") == "wrong_consumer"
+    err = call(server, b"D", p.HandoffTake("h1", parties, taker="t" * 257))
+    assert isinstance(err, p.Error) and "taker token" in err.message
+    assert done(server, b"E", taker="t1") == "released"
     assert_clean(storage.l1)
 
 
@@ -190,10 +215,28 @@ def test_bad_offers_are_refused_with_the_field_to_change(
     err = offer(server, parties, hid="")
     assert isinstance(err, p.Error) and "id" in err.message
     assert offer(server, parties) == p.HandoffState("offered")
-    err = offer(server, parties)
+    err = offer(server, parties[:2])  # another offer under its id
     assert isinstance(err, p.Error) and "offered already" in err.message
     err = call(server, b"P", p.HandoffOffer("h2", [b"short"], 30))
     assert isinstance(err, p.Error) and "32" in err.message
+
+
+def test_an_offer_sent_again_is_answered_with_its_state_and_held_once(
+    server: CacheServer, storage: StorageManager, parties: list[bytes]
+) -> None:
+    """A producer's client sends an offer again when its connection dropped
+    while the first was out: the server may see it twice."""
+    store(server, b"P", parties)
+    assert offer(server, parties) == p.HandoffState("offered")
+    locked = storage.l1.status()["locked_objects"]
+    assert offer(server, parties) == p.HandoffState("offered", "offered already")
+    assert storage.l1.status()["locked_objects"] == locked  # not held twice
+    assert take(server, b"D", parties) == "granted"
+    assert done(server, b"D") == "released"
+    assert offer(server, parties) == p.HandoffState("consumed", "it ended already")
+    counters = server.counters.snapshot()
+    assert counters["handoffs.offered"] == 1 and counters["handoffs.offered_again"] == 2
+    assert_clean(storage.l1)
 
 
 def test_held_and_remembered_hand_offs_are_bounded(

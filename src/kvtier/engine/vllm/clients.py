@@ -82,6 +82,16 @@ class ClientPool:
             )
         return None if client.degraded else client
 
+    def awaiting_hello(self, salt: str) -> bool:
+        """Whether the client of ``salt`` (made now if new) has its first HELLO
+        out while the server answers this pool's other clients: its answer
+        is coming (a new tenant's HELLO can take longer than the lookup
+        budget on a busy node), so a request may wait a step for it. With no
+        client registered the server is taken to be away: nothing waits."""
+        self.client(salt)
+        pending = self._clients[salt].registering
+        return pending and any(not client.degraded for client in self._clients.values())
+
     def layout(self, chunk_size: int) -> KVLayout:
         if chunk_size not in self._layouts:
             self._layouts[chunk_size] = engine_kv_layout(self.vllm_config, chunk_size)

@@ -15,9 +15,11 @@ sets them:
   "kvtier_prompt_tokens": P}``: this engine *consumes*. Its prompt is the
   producer's P tokens and the first token the producer sampled. It takes the
   hand-off (one TAKE in flight per request, polled each step: the scheduler
-  never waits for it), loads the P tokens' KV as an asynchronous load (the
-  request waits for remote KV while the engine runs the others), computes
-  only the last token, and tells the server it is done. A producer of
+  never waits for it; each names the request's token, so a take sent again
+  over a new connection is still this request's), loads the P tokens' KV as
+  an asynchronous load (the request waits for remote KV while the engine
+  runs the others), computes only the last token, and tells the server it
+  is done. A producer of
   another TP size (``kvtier_ranks``) is no obstacle: the take also names the
   prompt's chunks under the producer's layout, and the server re-shards them
   into this engine's ranks before it grants the take; likewise a producer of
@@ -91,6 +93,8 @@ class Consume:
     find: bool = False  # offered on another cache server: found in this one's tiers
     source_hashes: list[bytes] = field(default_factory=list)  # the prompt under its layout
     kv_heads: int = 0  # the model's KV heads, for the server's re-sharding
+    # Its takes' token: a take sent again over a new connection is still this request's.
+    taker: str = field(default_factory=lambda: secrets.token_hex(8))
     call: PendingReply | None = None  # the TAKE in flight
     unanswered: bool = False  # the last TAKE got no answer: the server is away
     outcome: str = ""  # once settled: "granted", or why not
@@ -197,6 +201,7 @@ def poll_take(
             source_hashes=consume.source_hashes,
             kv_heads=consume.kv_heads,
             find=consume.find,
+            taker=consume.taker,
         )
         consume.call = client.handoff(take)
     call = consume.call

@@ -35,7 +35,9 @@ With ``kvtier.pin_prefixes_file``, a request whose prompt starts with a
 listed prefix (a system prompt) renews that prefix's pin in L1 once its
 lookup shows the prefix's chunks in kvtier (``PrefixPins``). The block
 arithmetic of one request's loads, stores and shadow checks is its
-``Tracked``'s (``kvtier.engine.vllm.tracked``).
+``Tracked``'s (``kvtier.engine.vllm.tracked``); its part in a prefill/decode
+hand-off is its role (``kvtier.engine.vllm.handoff``), and what this side
+does for that role is ``HandoffSteps`` (``kvtier.engine.vllm.handoff_steps``).
 
 The scheduler thread never waits on the network beyond a small budget: the
 new requests of a step wait together at most ``kvtier.lookup_wait_s`` for
@@ -43,7 +45,11 @@ their lookups' answers (then a request is deferred and polled next step,
 without waiting), and not at all while hardly any answer has come within
 that budget (one lookup in ``PROBE_EVERY`` still waits, to notice when they
 speed up again); a request the server cannot be reached for is a miss,
-counted ``no_server``; releases and
+counted ``no_server``. A request of a tenant (``cache_salt``) not seen before
+makes that tenant's client, which waits no longer than the budget for its
+HELLO; while that HELLO is out and the server answers the other tenants'
+clients, the request is deferred like a late lookup, so a new tenant's
+first request is looked up and stored like any other. Releases and
 session ends are sent without waiting for their acks, and a client that lost
 its server reconnects on its own thread. ``StepTimer`` measures what the
 connector's scheduler calls take per step and logs a summary every
@@ -62,15 +68,8 @@ from kvtier.counters import Counters
 from kvtier.engine.shadow import ShadowCheck
 from kvtier.engine.vllm.blending import blend_request
 from kvtier.engine.vllm.clients import ClientPool
-from kvtier.engine.vllm.handoff import (
-    NOT_OFFERED,
-    Consume,
-    Produce,
-    consumer_outcome,
-    handoff_params,
-    poll_take,
-    role_of,
-)
+from kvtier.engine.vllm.handoff import Consume, Produce, poll_take, role_of
+from kvtier.engine.vllm.handoff_steps import HandoffSteps
 from kvtier.engine.vllm.metadata import (
     BlendSpec,
     KVTierMetadata,
@@ -81,14 +80,11 @@ from kvtier.engine.vllm.settings import ConnectorSettings
 from kvtier.engine.vllm.timing import StepTimer
 from kvtier.engine.vllm.tracked import Tracked
 from kvtier.read_or_recompute import ewma
-from kvtier.server import protocol as p
 from kvtier.server.client import LookupState
-from kvtier.server.handoffs import HandoffOutcome
 
 log = logging.getLogger(__name__)
 PROBE_EVERY = 16  # while lookups are slow, one new lookup in this many still waits
 MIN_ON_TIME = 0.1  # new lookups wait while at least this share of waits gets its answer
-FINISHED_NORMALLY = ("FINISHED_STOPPED", "FINISHED_LENGTH_CAPPED")  # vLLM's RequestStatus names
 
 
 class SchedulerSide:
@@ -104,6 +100,7 @@ class SchedulerSide:
         self.clients.client(settings.salt_for(None))  # the default tenant, registered up front
         self.timer = StepTimer()
         self.outcomes = Counters()  # finished lookups by miss reason ("hit": none)
+        self.handoffs = HandoffSteps(self.clients, settings, self.outcomes)
         self.shadow = ShadowCheck(settings.shadow_fraction, settings.shadow_tolerance)
         self.block_size = self.clients.block_size
         self._store_all = settings.store != "none"  # else only a producer's chunks
@@ -130,7 +127,10 @@ class SchedulerSide:
     def _matched(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
         tracked = self.requests.get(request.request_id)
         if tracked is None or tracked.preemptions != request.num_preemptions:
-            tracked = self._track(request)
+            salt = self.settings.salt_for(getattr(request, "cache_salt", None))
+            if self.clients.awaiting_hello(salt):
+                return None, False  # a new tenant: asked again next step, with its client
+            tracked = self._track(request, salt)
         tracked.local = num_computed_tokens
         if tracked.blend is not None:
             return max(0, tracked.blend.written - num_computed_tokens), False
@@ -143,7 +143,7 @@ class SchedulerSide:
             if not role.settled:
                 return None, False  # not offered yet: asked again next step
             if not role.granted:
-                return self._handoff_failed(tracked, role, request, num_computed_tokens)
+                return self.handoffs.failed(tracked, role, request, num_computed_tokens)
         if client is None or not tracked.hashes:
             return 0, False
         wait = self.settings.lookup_wait_s
@@ -170,29 +170,6 @@ class SchedulerSide:
                 end = tracked.shadow_chunk * tracked.chunk_size  # vLLM computes it
         offered = max(0, end - num_computed_tokens)
         return offered, self.settings.load_async and offered > 0
-
-    def _handoff_failed(
-        self, tracked: Tracked, role: Consume, request: Any, num_computed_tokens: int
-    ) -> tuple[int, bool]:
-        """The request's policy for a hand-off that did not come: recompute
-        (nothing offered), or an asynchronous load of the whole prompt that
-        fails every block, which vLLM (``kv_load_failure_policy: fail``)
-        turns into the request's error."""
-        if not tracked.settled:
-            tracked.settled = True
-            self.outcomes.add(f"handoff_{role.policy}.{role.outcome}")
-            log.warning(
-                "kvtier: %s: hand-off %s did not come (%s%s): %s",
-                request.request_id,
-                role.handoff_id,
-                role.outcome,
-                f": {role.cause}" if role.cause else "",
-                "the request fails" if role.policy == "error" else "recomputing its prompt",
-            )
-        if role.policy == "error":
-            offered = max(0, request.num_tokens - 1 - num_computed_tokens)
-            return offered, self.settings.load_async and offered > 0
-        return 0, False
 
     def _worth_waiting(self) -> bool:
         """Whether a new lookup should block (within the step's budget) for
@@ -332,7 +309,7 @@ class SchedulerSide:
                 tracked = self.requests.get(request_id)
                 if tracked is not None and tracked.client is not None:
                     tracked.client.release(request_id, start, end, wait=False)
-                    self._consumed(tracked, whole=not tracked.load_blocks & invalid)
+                    self.handoffs.consumed(tracked, whole=not tracked.load_blocks & invalid)
 
     def request_finished(
         self, request: Any, block_ids: list[int]
@@ -349,66 +326,10 @@ class SchedulerSide:
                 tracked.client.end_session(request.request_id, wait=False)
             role = tracked.role
             if isinstance(role, Produce):
-                return False, self._offer(tracked, role)
+                return False, self.handoffs.offer(tracked, role)
             if isinstance(role, Consume):
-                # A request that finished normally ran on its loaded KV: vLLM would have
-                # rescheduled it (recompute) or failed it had any block not loaded. This is
-                # how a one-token decode's synchronous load ends: its step finished the
-                # request before the step's connector output came back. Otherwise (aborted,
-                # failed) the load was cut short; either way the hold is dropped now.
-                ran = getattr(getattr(request, "status", None), "name", "") in FINISHED_NORMALLY
-                self._consumed(tracked, whole=ran and bool(tracked.load_blocks))
-                return False, consumer_outcome(role, tracked.loaded)
+                return False, self.handoffs.finished(tracked, role, request)
         return False, None
-
-    def _offer(self, tracked: Tracked, role: Produce) -> dict[str, Any] | None:
-        """Offer the producer's stored prompt for its consumer. The answer is
-        awaited within the lookup budget, so that the offer is in before the
-        response reaches the proxy (a later one only makes the consumer poll)
-        and an offer the server finds incomplete is no hand-off at all."""
-        complete = tracked.stored == len(tracked.hashes) and (role.tail is None or role.tail_stored)
-        reply = None
-        if tracked.client is not None and complete:
-            hashes = tracked.hashes + ([role.tail] if role.tail is not None else [])
-            offer = p.HandoffOffer(
-                role.handoff_id,
-                hashes,
-                self.settings.handoff_lease_s,
-                role.consumer,
-                kv_heads=self.clients.kv_heads,
-            )
-            reply = tracked.client.handoff(offer).wait(self.settings.lookup_wait_s)
-        refused = isinstance(reply, p.Error) or (
-            isinstance(reply, p.HandoffState) and reply.outcome != HandoffOutcome.OFFERED
-        )
-        if tracked.client is None or not complete or refused:
-            self.outcomes.add("handoff_not_offered")
-            log.warning(
-                "kvtier: %s: no hand-off: %s",
-                tracked.request_id,
-                f"the server refused it ({reply})"
-                if refused
-                else "its prompt's KV is not all stored (server away, or the request ended "
-                "before its prefill did)",
-            )
-            return None
-        self.outcomes.add("handoff_offered")
-        server = tracked.client.boot_id or ""
-        pages = self.clients.layout(tracked.chunk_size).format
-        return handoff_params(role, tracked.prompt_tokens, self.clients.num_ranks, server, pages)
-
-    def _consumed(self, tracked: Tracked, whole: bool) -> None:
-        """A consumer's load came back (``whole``: every block): drop the
-        server's hold on the hand-off, once."""
-        role = tracked.role
-        if not isinstance(role, Consume) or not role.granted or role.done_sent:
-            return
-        role.done_sent = True
-        hit = tracked.lookup.hit_chunks if tracked.lookup is not None else 0
-        tracked.loaded = whole and hit == len(tracked.hashes)
-        self.outcomes.add("handoff_loaded" if tracked.loaded else "handoff_load_incomplete")
-        if tracked.client is not None:
-            tracked.client.handoff(p.HandoffDone(role.handoff_id, role.consumer))
 
     def close(self) -> None:
         self.timer.report()
@@ -417,11 +338,10 @@ class SchedulerSide:
 
     # ------------------------------------------------------------ internals
 
-    def _track(self, request: Any) -> Tracked:
+    def _track(self, request: Any, salt: str) -> Tracked:
         old = self.requests.get(request.request_id)
         if old is not None and old.client is not None and _looked_up(old.lookup):
             old.client.end_session(request.request_id, wait=False)  # preempted: start over
-        salt = self.settings.salt_for(getattr(request, "cache_salt", None))
         client = self.clients.client(salt)
         chunk_size = client.chunk_size if client is not None else None
         prompt = list(request.prompt_token_ids or [])
@@ -435,7 +355,7 @@ class SchedulerSide:
             self.engine_id,
         )
         if old is not None and isinstance(old.role, Consume) and isinstance(role, Consume):
-            self._resume(old, role)
+            self.handoffs.resume(old, role)
         if isinstance(role, Consume) and role.prompt_tokens:
             prompt = prompt[: role.prompt_tokens]  # the producer's prompt; its first token follows
         blend = self._blend_of(request, salt, prompt, role) if self.settings.blend else None
@@ -449,7 +369,7 @@ class SchedulerSide:
             elif tail is not None:
                 hashes.append(tail)  # a consumer loads the producer's tail too
             if isinstance(role, Consume) and not role.settled:
-                self._source_hashes(role, prompt, salt, chunk_size)
+                self.handoffs.name_source_chunks(role, prompt, salt, chunk_size)
                 role.find = (
                     bool(role.producer_server)
                     and client is not None
@@ -494,34 +414,6 @@ class SchedulerSide:
         spans, config = asked
         self.outcomes.add("blend")
         return BlendSpec(request.request_id, salt, prompt, spans, config, [])
-
-    def _source_hashes(self, role: Consume, prompt: list[int], salt: str, chunk_size: int) -> None:
-        """A producer of another TP size or block size hashed the prompt under
-        its own layout: name those chunks too, for the server to convert."""
-        own = self.clients.layout(chunk_size).format
-        ranks = role.producer_ranks or self.clients.num_ranks
-        pages = role.producer_format or own
-        if ranks == self.clients.num_ranks and pages == own:
-            return
-        try:
-            hasher = self.clients.hasher(salt, chunk_size, ranks, pages)
-        except ValueError as error:  # no TP split of this model's heads
-            role.outcome, role.cause = HandoffOutcome.LAYOUT_MISMATCH, str(error)
-            return
-        source = hasher.chunk_hashes(prompt)
-        tail = hasher.tail_hash(prompt, source)
-        role.source_hashes = source + ([tail] if tail is not None else [])
-        role.kv_heads = self.clients.kv_heads
-
-    def _resume(self, old: Tracked, role: Consume) -> None:
-        """A consumer preempted after its hand-off: what it lost is its own
-        blocks, not the hand-off. It takes nothing again: it looks its
-        chunks up like any prompt (they stay in kvtier as cache entries),
-        and recomputes what is gone, whatever its policy."""
-        assert isinstance(old.role, Consume)
-        self._consumed(old, whole=old.loaded)  # drop the server's hold if still held
-        role.outcome, role.cause = old.role.outcome or NOT_OFFERED, old.role.cause
-        role.done_sent, role.policy = True, "recompute"
 
     def _log_outcomes(self) -> None:
         outcomes = self.outcomes.snapshot()
