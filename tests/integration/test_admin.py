@@ -20,7 +20,7 @@ from kvtier.server.admin_command import AdminError, call
 from kvtier.server.client import CacheClient
 from kvtier.server.tenants import token_digest
 from tests.integration import workload as w
-from tests.integration.harness import Server, ServerFactory, tenants_toml, wait_for
+from tests.integration.harness import Server, ServerFactory, paused, tenants_toml, wait_for
 from tests.servers import RedisProcess
 
 TENANTS = tenants_toml({"acme": 'pin_bytes = "1MiB"'})
@@ -85,21 +85,21 @@ def test_usage_pins_purge_and_drain(
 
         # a reader holds two of acme's chunks while the purge runs
         assert hits(acme, mine[:2], "held", release=False) == 2
-        started = api(server, "POST", "/admin/purge", {"tenant": "acme"})
-        assert len(started["jobs"]) == 1
-        refused = acme.store("late", w.chunk_hashes(256, 32, 1), w.payloads(32, 1, SIZE))
-        assert refused == 0  # stores into a namespace being purged are refused
-        wait_for(lambda: api(server, "GET", "/admin/purges")["purges"][0]["tiers"]["L1"]["held"],
-                 lambda held: held == 2)  # fmt: skip
-        acme.release("held", 0, 2)  # the read is over: now they go too
+        with paused([redis_server.proc.pid]):  # the purge cannot end before Redis answers
+            started = api(server, "POST", "/admin/purge", {"tenant": "acme"})
+            assert len(started["jobs"]) == 1
+            refused = acme.store("late", w.chunk_hashes(256, 32, 1), w.payloads(32, 1, SIZE))
+            assert refused == 0  # stores into a namespace being purged are refused
         job = wait_for(
             lambda: api(server, "GET", "/admin/purges")["purges"][0],
             lambda j: j["state"] != "running",
         )
         assert job["state"] == "done", job
-        assert job["tiers"]["L1"]["deleted"] == 6 and job["tiers"]["fs"]["deleted"] == 6
-        assert job["tiers"]["redis"]["deleted"] == 6
+        assert job["tiers"]["L1"]["deleted"] == 6 and job["tiers"]["L1"]["held"] == 2
+        assert job["tiers"]["fs"]["deleted"] == job["tiers"]["redis"]["deleted"] == 6
         assert hits(acme, mine, "after") == 0 and redis_keys(redis_server, "acme") == 0
+        acme.release("held", 0, 2)  # the read is over: their memory goes too
+        l1_freed(server, used=2 * SIZE)  # globex's
         assert hits(globex, theirs, "theirs") == 2 and redis_keys(redis_server, "globex") == 2
 
         assert api(server, "POST", "/admin/drain", {"on": True}) == {"draining": True}
@@ -110,6 +110,46 @@ def test_usage_pins_purge_and_drain(
     finally:
         acme.close()
         globex.close()
+
+
+def l1_freed(server: Server, used: int = 0) -> None:
+    """Wait until L1 uses ``used`` bytes, with no object doomed or locked."""
+
+    def l1() -> dict[str, Any]:
+        return dict(server.status_json("ops-token")["storage"]["l1"])
+
+    seen = wait_for(l1, lambda s: (s["used_bytes"], s["doomed_objects"]) == (used, 0))
+    assert (seen["used_bytes"], seen["doomed_objects"], seen["locked_objects"]) == (used, 0, 0)
+
+
+def test_a_purge_under_a_reader_is_done_and_never_serves_its_objects_again(
+    kvtier_server: ServerFactory, tmp_path: Path
+) -> None:
+    """The finding: a lookup answered and not released, the tenant purged;
+    the job said done with 3 objects "held", and when the reader let go they
+    stayed, and the next lookup hit all 3."""
+    path = tmp_path / "tenants.toml"
+    path.write_text(TENANTS)
+    args = ["--tenants-file", str(path), "--cache-dir", "none", "--set", "purge.settle_s=0.1"]
+    server = kvtier_server.start(*args, "--set", "purge.hold_wait_s=1")
+    acme = client(server, "acme-token")
+    try:
+        hashes = w.chunk_hashes(256, 60, 3)
+        assert acme.store("s", hashes, w.payloads(60, 3, SIZE)) == 3
+        assert hits(acme, hashes, "held", release=False) == 3
+        started = api(server, "POST", "/admin/purge", {"tenant": "acme"})
+        job = wait_for(
+            lambda: api(server, "GET", "/admin/purges")["purges"][0],
+            lambda j: j["state"] != "running",
+        )
+        assert job["id"] == started["jobs"][0] and job["state"] == "done", job
+        assert job["tiers"]["L1"] == {**job["tiers"]["L1"], "deleted": 3, "held": 3}
+        assert hits(acme, hashes, "while-held") == 0  # unreachable at once
+        acme.release("held", 0, 3)
+        assert hits(acme, hashes, "after") == 0
+        l1_freed(server)  # freed when the reader let go
+    finally:
+        acme.close()
 
 
 def written(server: Server, adapter: str, objects: int) -> None:
@@ -198,6 +238,23 @@ def test_the_admin_command_line(admin_server: tuple[Server, list[str]], tmp_path
         [*base, "token-digest"], input="ops-token\n", capture_output=True, text=True, timeout=60
     )
     assert digest.stdout.strip() == token_digest("ops-token")
+
+
+def test_purge_wait_fails_unless_every_job_is_done(
+    admin_server: tuple[Server, list[str]], redis_server: RedisProcess, tmp_path: Path
+) -> None:
+    """A script's ``kvtier admin purge --wait && ...`` must not go on while the
+    purge still runs (it exited 0 when --timeout-s ran out)."""
+    server, _ = admin_server
+    token = tmp_path / "ops.token"
+    token.write_text("ops-token\n")
+    purge = [sys.executable, "-m", "kvtier.cli", "admin", "--url", server.http]
+    purge += ["--token-file", str(token), "purge", "--tenant", "acme", "--wait"]
+    with paused([redis_server.proc.pid]):  # the purge cannot end before Redis answers
+        late = subprocess.run([*purge, "--timeout-s", "0"], capture_output=True, text=True)
+    assert late.returncode == 1 and "purges not done" in late.stderr, late
+    done = subprocess.run(purge, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and ": done," in done.stdout, done
 
 
 def test_the_savings_ledger_counts_what_engines_were_served(

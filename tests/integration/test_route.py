@@ -8,10 +8,13 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
+from pathlib import Path
 from typing import Any
 
 import aiohttp
 import numpy as np
+import pytest
 from aiohttp import web
 
 from kvtier.bench.stores import free_port
@@ -20,7 +23,13 @@ from kvtier.router.app import RouterService
 from kvtier.router.config import RouterConfig
 from kvtier.server.client import CacheClient
 from tests.integration import workload as w
-from tests.integration.harness import Server, ServerFactory, wait_for, wait_written_back
+from tests.integration.harness import (
+    Server,
+    ServerFactory,
+    tenants_toml,
+    wait_for,
+    wait_written_back,
+)
 from tests.integration.test_events import events_flags
 from tests.unit.router.standin import StandIn
 
@@ -177,5 +186,80 @@ def test_two_routers_side_by_side_agree(kvtier_server: ServerFactory) -> None:
                     await engine.stop()
 
         asyncio.run(scenario())
+    finally:
+        client.close()
+
+
+def test_the_router_reads_cache_servers_that_enforce_tenants(
+    kvtier_server: ServerFactory, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Issue 41 #4: with ``cache_token`` (an admin tenant's) the router reads
+    ``/status`` and posts ``/prefetch`` to a ``--tenants-file`` server; without
+    it, every poll is a counted 401, logged once, shown in ``/status``."""
+    path = tmp_path / "tenants.toml"
+    path.write_text(tenants_toml())
+    server = kvtier_server.start("--tenants-file", str(path))
+    client = CacheClient(w.client_config(server.rpc, auth_token="acme-token"))
+    caplog.set_level(logging.INFO, logger="kvtier.router.cache_servers")
+    try:
+        tokens = w.prompt_tokens(31, 1, 256)
+        assert client.store("warm", tenant_hashes(tokens), w.payloads(31, 1, SIZE)) == 1
+
+        async def scenario(cache_token: str) -> tuple[RouterService, list[str]]:
+            engine = StandIn("e0")
+            await engine.start()
+            config = RouterConfig(
+                port=0,
+                status_poll_s=0.05,
+                engines=({"name": "e0", "url": engine.url, "cache_url": server.http},),
+                cache_token=cache_token,
+            )
+            service = RouterService(config)
+            runner = web.AppRunner(service.app())
+            await runner.setup()
+            await web.TCPSite(runner, "127.0.0.1", 0).start()
+            state = service.cache_servers.states[0]
+            node = service.router.nodes[0]
+            payload = {"model": "m", "salt": "acme", "hashes": []}
+            try:
+                for _ in range(600):  # several polls, and the namespace if readable
+                    if state.polls >= 5 and (state.error or service.router.namespace):
+                        break
+                    await asyncio.sleep(0.05)
+                assert service.session is not None
+                await service.cache_servers.prefetch(service.session, node, payload)
+                metrics = service.metrics.registry
+                outcomes = [
+                    s.labels["outcome"]
+                    for m in metrics.collect()
+                    if m.name == "kvtier_route_prefetches"
+                    for s in m.samples
+                    if s.name.endswith("_total")
+                ]
+                return service, outcomes
+            finally:
+                await runner.cleanup()
+                await engine.stop()
+
+        blind, outcomes = asyncio.run(scenario(""))
+        state = blind.cache_servers.states[0]
+        assert state.error == "http_401" and state.polls >= 5
+        assert state.errors == {"http_401": state.polls}  # every poll counted
+        assert blind.router.namespace is None and outcomes == ["http_401"]
+        errors = blind.metrics.registry.get_sample_value(
+            "kvtier_route_cache_server_errors_total", {"engine": "e0", "reason": "http_401"}
+        )
+        assert errors == state.polls
+        shown = blind.cache_servers.status()["e0"]
+        assert shown["readable"] is False and shown["error"] == "http_401"  # type: ignore[index]
+        warnings = [r for r in caplog.records if "cannot read cache server" in r.getMessage()]
+        assert len(warnings) == 1 and "cache_token" in warnings[0].getMessage()  # once
+
+        reader, outcomes = asyncio.run(scenario("ops-token"))
+        state = reader.cache_servers.states[0]
+        assert state.error == "" and state.errors == {}
+        assert reader.router.namespace is not None
+        assert reader.router.namespace["model"] == w.MODEL
+        assert outcomes and "http_401" not in outcomes  # the prefetch got past the token check
     finally:
         client.close()

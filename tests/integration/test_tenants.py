@@ -7,13 +7,22 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 
+from kvtier.keys import salt_label
 from kvtier.server import protocol as p
+from kvtier.server.admin_command import call
 from kvtier.server.client import CacheClient
 from tests.integration import workload as w
-from tests.integration.harness import ServerFactory, tenants_toml, wait_for, wait_written_back
+from tests.integration.harness import (
+    Server,
+    ServerFactory,
+    tenants_toml,
+    wait_for,
+    wait_written_back,
+)
 
 TENANTS = tenants_toml(ops_salt="public", acme_reads="public")
 
@@ -180,3 +189,76 @@ def test_tenants_are_apart_in_every_shared_store_and_after_a_restart(
     finally:
         acme.close()
         globex.close()
+
+
+ODD_SALT = "ops@example.com"  # the tenants file takes it; keys carry its hashed label
+
+
+def finished_purges(server: Server, jobs: list[str]) -> list[dict[str, Any]]:
+    def listed() -> list[dict[str, Any]]:
+        purges = call(server.http, "ops-token", "GET", "/admin/purges")["purges"]
+        return [j for j in purges if j["id"] in jobs]
+
+    found = wait_for(listed, lambda js: len(js) == len(jobs) and all(
+        j["state"] != "running" for j in js
+    ))  # fmt: skip
+    assert len(found) == len(jobs) and all(j["state"] == "done" for j in found), found
+    return found
+
+
+def test_a_tenant_whose_salt_is_not_a_label_is_purged_by_every_name(
+    kvtier_server: ServerFactory, tmp_path: Path
+) -> None:
+    """A salt such as an e-mail address is keyed by its hashed label: a purge
+    by tenant, by the salt as the file spells it, or by its label finds it."""
+    path = tmp_path / "tenants.toml"
+    path.write_text(tenants_toml(ops_salt=ODD_SALT))
+    server = kvtier_server.start("--tenants-file", str(path), "--set", "purge.settle_s=0.1")
+    label = salt_label(ODD_SALT)
+    size = w.object_bytes(256)
+    ops = client(server.rpc, "ops-token")
+    try:
+        tenants = call(server.http, "ops-token", "GET", "/admin/tenants")["tenants"]
+        assert [t["salts"] for t in tenants if t["name"] == "ops"] == [[label]]
+        bodies = [{"tenant": "ops"}, {"salt": ODD_SALT}, {"model": w.MODEL, "salt": label}]
+        for seed, body in enumerate(bodies, start=80):
+            hashes = w.chunk_hashes(256, seed, 3)
+            assert ops.store(f"s{seed}", hashes, w.payloads(seed, 3, size)) == 3
+            wait_written_back(ops.status, 3 * (seed - 79))
+            started = call(server.http, "ops-token", "POST", "/admin/purge", body)
+            (job,) = finished_purges(server, started["jobs"])
+            assert job["namespace"].endswith(f"@{label}"), job
+            assert job["tiers"]["L1"]["deleted"] == job["tiers"]["fs"]["deleted"] == 3, job
+            assert hits(ops, hashes, f"after{seed}") == 0, body
+    finally:
+        ops.close()
+
+
+@pytest.mark.slow
+def test_a_purge_of_such_a_tenant_resumes_after_the_server_was_killed(
+    kvtier_server: ServerFactory, tmp_path: Path
+) -> None:
+    path = tmp_path / "tenants.toml"
+    path.write_text(tenants_toml(ops_salt=ODD_SALT))
+    args = ["--tenants-file", str(path), "--set", "purge.settle_s=0.1"]
+    server = kvtier_server.start(*args)
+    hashes = w.chunk_hashes(256, 90, 20)
+    ops = client(server.rpc, "ops-token")
+    try:
+        assert ops.store("s", hashes, w.payloads(90, 20, w.object_bytes(256))) == 20
+        wait_written_back(ops.status, 20)
+    finally:
+        ops.close()
+    slow = [*args, "--set", "purge.batch_objects=1", "--set", "purge.pause_s=0.2"]
+    server = kvtier_server.restart(server, *slow, kill=False)
+    started = call(server.http, "ops-token", "POST", "/admin/purge", {"tenant": "ops"})
+    wait_for(lambda: call(server.http, "ops-token", "GET", "/admin/purges")["purges"][0],
+             lambda j: j["deleted"] >= 2)  # fmt: skip
+    server = kvtier_server.restart(server, *args)  # SIGKILL mid-purge; the saved job resumes
+    (job,) = finished_purges(server, started["jobs"])
+    assert job["namespace"] == f"*@{salt_label(ODD_SALT)}"
+    ops = client(server.rpc, "ops-token")
+    try:
+        assert hits(ops, hashes, "after") == 0
+    finally:
+        ops.close()

@@ -20,11 +20,15 @@ still converges to exactly what the node holds.
 Batch 0 of every run starts with ``AllBlocksCleared``: a restarted server
 announces that everything its predecessor held is gone, then what its
 persistent tiers still hold (reported to ``residency`` before ``start``).
+Every batch, snapshots included, carries the run's ``epoch`` (random, drawn
+here): a subscriber that missed batch 0 still tells the new run from the old
+one, however short either ran.
 """
 
 from __future__ import annotations
 
 import logging
+import secrets
 import threading
 import time
 from collections import deque
@@ -87,6 +91,7 @@ class EventPublisher:
         self._topic = config.topic.encode()
         self._buffer: deque[tuple[int, bytes]] = deque(maxlen=config.buffer_batches)
         self._next_seq = 0
+        self.epoch = secrets.randbits(63)  # this run's, in every batch (wire.EventBatch.epoch)
         self._first: list[Event] = [AllBlocksCleared()]
         self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
         self._pub = self._ctx.socket(zmq.PUB)
@@ -129,6 +134,7 @@ class EventPublisher:
         return {
             "endpoint": self.endpoint,
             "replay_endpoint": self.replay_endpoint,
+            "epoch": self.epoch,
             "next_seq": self._next_seq,
             "buffered": len(self._buffer),
             "pending_reports": self.residency.pending(),
@@ -172,7 +178,7 @@ class EventPublisher:
     def _publish(self, events: list[Event]) -> None:
         seq = self._next_seq
         self._next_seq += 1
-        payload = encode_batch(EventBatch(time.time(), events))
+        payload = encode_batch(EventBatch(time.time(), events, epoch=self.epoch))
         self._buffer.append((seq, payload))
         try:
             self._pub.send_multipart((self._topic, seq_bytes(seq), payload), flags=zmq.NOBLOCK)
@@ -197,7 +203,9 @@ class EventPublisher:
         send = self._replay.send_multipart
         oldest = self._buffer[0][0] if self._buffer else self._next_seq
         if start < oldest:
-            snapshot = encode_batch(EventBatch(time.time(), self.residency.snapshot()))
+            snapshot = encode_batch(
+                EventBatch(time.time(), self.residency.snapshot(), epoch=self.epoch)
+            )
             send((peer, b"", self._topic, seq_bytes(oldest - 1), snapshot))
             self.counters.add("snapshots", 1)
         for seq, payload in self._buffer:

@@ -6,13 +6,22 @@ completes, when it evicts or deletes, and when a lookup finds an object gone.
 They only append to a log (cheap, safe under their own locks); the event
 publisher's thread drains the log (``drain``) and owns every table here.
 
-Events are per *chunk*: a chunk is announced stored when its first object
-arrives in a tier and removed when its last one leaves (a node-local tier
-keeps one bit per rank and group of a chunk). A shared tier (``SHARED``: other nodes write and
-evict it too) cannot count: a chunk is announced once when this node stores
-it and removed when a lookup here finds it gone; what other nodes or the
-store's own eviction remove unseen stays claimed until then, which costs a
-misrouted request a miss, never wrong KV (the engine's lookup decides).
+Events are per *chunk hash*, the name a router indexes (``ChunkIndex``), but
+a tier holds *objects*, and objects of different namespaces (model and salt
+labels of ``ObjectKey``) may carry the same raw chunk hash: a client names its
+own keys, so two tenants can store one hash each under their own salt. So a
+chunk's residency is counted per holder, the (model, salt) pair: the chunk is
+announced stored when its first object of any holder arrives in a tier and
+removed when the last object of the last holder leaves (a node-local tier
+keeps one bit per rank and group of a chunk and holder); purging one tenant
+never announces the removal of a chunk another tenant still holds.
+
+A shared tier (``SHARED``: other nodes write and evict it too) cannot count
+objects: a chunk is announced once when this node stores it for its first
+holder and removed when lookups here have found it gone for every holder
+that stored it; what other nodes or the store's own eviction remove unseen
+stays claimed until then, which costs a misrouted request a miss, never
+wrong KV (the engine's lookup decides).
 
 ``snapshot()`` is the state after the last drain as one batch of events
 (``AllBlocksCleared`` then the chunks of every tier), what a subscriber gets
@@ -41,6 +50,20 @@ from kvtier.keys import ObjectKey
 HASHES_PER_EVENT = 4096
 OBJECT_BITS = 1024  # per chunk: ranks x groups beyond this share bits (a stale claim, never KV)
 SHARED_REMEMBERED = 1 << 20  # chunks of a shared tier announced by this node, for snapshots
+
+Holder = tuple[str, str]  # an ObjectKey's (model, salt) labels: the namespace holding a copy
+
+
+@dataclass(slots=True)
+class _TierTable:
+    """One tier's residency. ``objects``: per holder, chunk -> its objects
+    there (one bit per rank and group; 1 in a shared tier). ``holders``:
+    chunk -> how many holders have any object of it, so its keys are the
+    chunks the tier is announced to hold (in announcement order when shared).
+    Flat tables, not one dict per chunk: a tier may hold millions of chunks."""
+
+    objects: dict[Holder, dict[bytes, int]]
+    holders: dict[bytes, int]
 
 
 @dataclass(frozen=True, slots=True)
@@ -73,7 +96,7 @@ class Residency:
     def __init__(self, block_size: int) -> None:
         self.block_size = block_size
         self._log: deque[tuple[bool, Tier, Sequence[ObjectKey]]] = deque()
-        self._tiers: dict[Tier, dict[bytes, int]] = {}  # tier -> chunk -> objects (1 if shared)
+        self._tiers: dict[Tier, _TierTable] = {}
 
     # ----------------------------------------------------------- from tiers
 
@@ -119,12 +142,13 @@ class Residency:
 
     def snapshot(self) -> list[Event]:
         events: list[Event] = [AllBlocksCleared()]
-        for tier, chunks in self._tiers.items():
-            self._flush(events, (True, tier), list(chunks))
+        for tier, table in self._tiers.items():
+            self._flush(events, (True, tier), list(table.holders))
         return events
 
     def chunks(self, tier: Tier) -> int:
-        return len(self._tiers.get(tier, ()))
+        table = self._tiers.get(tier)
+        return len(table.holders) if table is not None else 0
 
     def tiers(self) -> Iterable[Tier]:
         return self._tiers.keys()
@@ -132,29 +156,55 @@ class Residency:
     # ------------------------------------------------------------ internals
 
     def _apply(self, stored: bool, tier: Tier, keys: Sequence[ObjectKey]) -> list[bytes]:
-        """Update the tier's table; the chunks whose presence changed. A
-        node-local tier keeps one bit per (rank, group) object of a chunk, so
-        a repeated report changes nothing; a shared tier keeps the chunk only."""
+        """Update the tier's table; the chunks whose presence changed (first
+        holder in, last holder out). A node-local tier keeps one bit per
+        (rank, group) object of a chunk and holder, so a repeated report
+        changes nothing; a shared tier keeps the holders only."""
         table = self._tiers.get(tier)
         if table is None:
-            table = self._tiers[tier] = OrderedDict() if tier.shared else {}
+            table = self._tiers[tier] = _TierTable({}, OrderedDict() if tier.shared else {})
         changed: list[bytes] = []
         for key in keys:
-            chunk = key.chunk_hash
-            before = table.get(chunk, 0)
+            chunk, holder = key.chunk_hash, (key.model, key.salt)
+            objects = table.objects.get(holder)
+            before = objects.get(chunk, 0) if objects is not None else 0
             bit = 1 if tier.shared else _object_bit(key)
             after = before | bit if stored else before & ~bit
             if after == before:
                 continue
+            if objects is None:
+                objects = table.objects[holder] = {}
             if after:
-                table[chunk] = after
-                if tier.shared and len(table) > SHARED_REMEMBERED:
-                    table.popitem(last=False)  # type: ignore[call-arg]
+                objects[chunk] = after
             else:
-                del table[chunk]
-            if not before or not after:
+                del objects[chunk]
+                if not objects:
+                    del table.objects[holder]  # a purged tenant leaves nothing behind
+            if before and after:
+                continue
+            count = table.holders.get(chunk, 0) + (1 if after else -1)
+            if count == 1 and after:
+                changed.append(chunk)
+                table.holders[chunk] = count
+                if tier.shared and len(table.holders) > SHARED_REMEMBERED:
+                    self._forget_oldest(table)
+            elif count:
+                table.holders[chunk] = count
+            else:
+                del table.holders[chunk]
                 changed.append(chunk)
         return changed
+
+    @staticmethod
+    def _forget_oldest(table: _TierTable) -> None:
+        """A shared tier past ``SHARED_REMEMBERED``: its oldest chunk is
+        forgotten, unannounced (snapshots leave it out; a removal reported
+        later announces nothing)."""
+        chunk, _ = table.holders.popitem(last=False)  # type: ignore[call-arg]
+        for holder in list(table.objects):
+            objects = table.objects[holder]
+            if objects.pop(chunk, 0) and not objects:
+                del table.objects[holder]
 
     def _event(self, stored: bool, tier: Tier, hashes: list[bytes]) -> Event:
         blocks: list[bytes | int] = list(hashes)

@@ -3,8 +3,12 @@
 One ZeroMQ PUB message is three frames: ``topic`` (bytes, may be empty),
 ``seq`` (8-byte big-endian sequence number of the batch, from 0 at the
 publisher's start) and ``payload``: a MessagePack ``EventBatch``, a
-*positional* array ``[ts, events, data_parallel_rank]``. Each event is a map
-tagged with its class name under ``"type"``::
+*positional* array ``[ts, events, data_parallel_rank]``; kvtier's publisher
+adds a fourth element, ``epoch``: a random 63-bit number drawn at each start,
+so a subscriber tells a new run from the old one whatever their sequence
+numbers (vLLM's decoder, like this one, ignores trailing elements it does not
+know; vLLM's own batches carry no epoch). Each event is a map tagged with its
+class name under ``"type"``::
 
     {"type": "BlockStored", "block_hashes": [...], "parent_block_hash": ...,
      "token_ids": [...], "block_size": 16, "lora_id": null, "medium": "GPU",
@@ -81,6 +85,7 @@ class EventBatch(msgspec.Struct, array_like=True, gc=False):
     ts: float
     events: list[Event]
     data_parallel_rank: int | None = None
+    epoch: int | None = None  # kvtier's publisher run; None from vLLM
 
 
 # The older positional event encoding (tag first, then the fields in order).
@@ -106,6 +111,7 @@ class _RawBatch(msgspec.Struct, array_like=True, gc=False):
     ts: float
     events: list[msgspec.Raw]
     data_parallel_rank: int | None = None
+    epoch: int | None = None
 
 
 _encoder = msgspec.msgpack.Encoder()
@@ -133,17 +139,27 @@ def seq_of(frame: bytes) -> int:
 
 class DecodedBatch(msgspec.Struct, gc=False):
     """A batch with the events this decoder knows; ``skipped``: events of
-    types it does not know (a newer publisher's), left out."""
+    types it does not know (a newer publisher's), left out; ``epoch``: the
+    publisher's run (``EventBatch.epoch``), None when it names none."""
 
     ts: float
     events: list[Event]
     data_parallel_rank: int | None
     skipped: int
+    epoch: int | None = None
 
 
 def decode_batch(payload: bytes | memoryview) -> DecodedBatch:
     """Decode a payload in either event encoding; ``msgspec.DecodeError`` /
-    ``ValidationError`` (both ``ValueError``s) for anything malformed."""
+    ``ValidationError`` (both ``ValueError``s) for anything malformed, nesting
+    too deep for the decoder included."""
+    try:
+        return _decode_batch(payload)
+    except RecursionError as exc:  # msgspec's answer to deep nesting; not a ValueError
+        raise msgspec.DecodeError(f"a batch nested too deeply ({exc})") from None
+
+
+def _decode_batch(payload: bytes | memoryview) -> DecodedBatch:
     raw = _raw_batch.decode(payload)
     events: list[Event] = []
     skipped = 0
@@ -156,7 +172,7 @@ def decode_batch(payload: bytes | memoryview) -> DecodedBatch:
             if _tag(data, positional) in _KNOWN:
                 raise  # a known event, malformed
             skipped += 1
-    return DecodedBatch(raw.ts, events, raw.data_parallel_rank, skipped)
+    return DecodedBatch(raw.ts, events, raw.data_parallel_rank, skipped, raw.epoch)
 
 
 def _tag(data: bytes, positional: bool) -> object:

@@ -8,7 +8,14 @@ from kvtier.keys.hasher import (
     token_array,
 )
 from kvtier.keys.namespace import Namespace
-from kvtier.keys.object_key import ObjectKey, chunk_keys, model_label, salt_label
+from kvtier.keys.object_key import (
+    ObjectKey,
+    chunk_keys,
+    given_salt_label,
+    is_salt_label,
+    model_label,
+    salt_label,
+)
 from kvtier.keys.segments import SegmentHasher
 from kvtier.keys.selector import KeySelector
 
@@ -21,6 +28,8 @@ __all__ = [
     "SegmentHasher",
     "TokenHasher",
     "chunk_keys",
+    "given_salt_label",
+    "is_salt_label",
     "model_label",
     "root_hash",
     "salt_label",

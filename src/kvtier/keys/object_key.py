@@ -58,6 +58,21 @@ def salt_label(salt: str) -> str:
     return "s-" + blake3(salt.encode()).hexdigest(length=16)
 
 
+def is_salt_label(text: str) -> bool:
+    """Whether ``text`` can be an ``ObjectKey.salt``: ``salt_label``'s
+    answer for some salt (a kept safe salt, or ``s-`` and 32 hex digits)."""
+    return len(text) <= MAX_SALT_CHARS and _SAFE.fullmatch(text) is not None
+
+
+def given_salt_label(salt: str) -> str:
+    """The label of a salt as an operator names it: a salt label (as
+    listings show it) is kept, anything else is labelled (``salt_label``),
+    so both the label and a tenants file's own spelling name one namespace.
+    A salt that has itself the form ``s-`` and 32 hex digits is read as a
+    label: name such a salt's namespace by its label or by its tenant."""
+    return salt if is_salt_label(salt) else salt_label(salt)
+
+
 def key_hash(chunk_hash: bytes, kv_rank: int, group: int) -> int:
     """``ObjectKey``'s hash (computed once per key; ``chunk_keys`` builds keys
     without ``__post_init__`` and uses this too)."""

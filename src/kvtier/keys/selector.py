@@ -13,7 +13,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from kvtier.keys.object_key import ObjectKey, model_label, salt_label
+from kvtier.keys.object_key import ObjectKey, given_salt_label, is_salt_label, model_label
 
 
 @dataclass(frozen=True, slots=True)
@@ -24,21 +24,22 @@ class KeySelector:
     def __post_init__(self) -> None:
         if self.model is None and self.salt is None:
             raise ValueError("a selector names a model, a salt or both, never everything")
-        for name, value, label in (
-            ("model", self.model, model_label),
-            ("salt", self.salt, salt_label),
-        ):
-            if value is not None and (value != label(value) or "@" in value):
-                raise ValueError(
-                    f"selector {name} {value!r} is not a key label; use {label.__name__}"
-                )
+        if self.model is not None and self.model != model_label(self.model):
+            raise ValueError(f"selector model {self.model!r} is not a key label; use model_label")
+        # Not ``salt != salt_label(salt)``: a hashed label (``s-`` and hex) is
+        # not its own label, and it is what a tenant's odd salt is keyed by.
+        if self.salt is not None and not is_salt_label(self.salt):
+            raise ValueError(
+                f"selector salt {self.salt!r} is not a key label; use given_salt_label"
+            )
 
     @classmethod
     def of(cls, model: str | None = None, salt: str | None = None) -> KeySelector:
-        """From names as users give them (a hub id, a tenant's salt)."""
+        """From names as users give them (a hub id; a salt as the tenants
+        file spells it, or its label: ``given_salt_label``)."""
         return cls(
             None if model is None else model_label(model),
-            None if salt is None else salt_label(salt),
+            None if salt is None else given_salt_label(salt),
         )
 
     def matches(self, key: ObjectKey) -> bool:

@@ -3,16 +3,21 @@
 ::
 
     reserve_write(keys, sizes, tag)
-        │  OUT_OF_MEMORY / NOT_WRITABLE (already resident) / WRONG_STATE
+        │  OUT_OF_MEMORY / NOT_WRITABLE (already resident, or doomed) / WRONG_STATE
         ▼
     STAGING(key, tag) ──abort_write / write-lease expiry──► freed
         │ finish_write: if already resident, this copy is discarded and the
-        │ writer still gets SUCCESS (first publisher wins)
+        │ writer still gets SUCCESS (first publisher wins); if doomed,
+        │ discarded too (NOT_FOUND)
         ▼
-    RESIDENT ◄──reserve_read(n) / finish_read(n)──► READ-LOCKED(count)
-        │ (unlocked, unfenced only)
-        ▼
-    evicted by policy / delete / clear ─► freed
+    RESIDENT ◄──reserve_read(n) / finish_read(n)──► READ-LOCKED(count) and/or FENCED
+        │ (unlocked, unfenced only)                  │ purge
+        ▼                                            ▼
+    evicted by policy / delete / clear / purge     DOOMED: no reader finds it
+        ─► freed                                     │ last finish_read / unfence /
+                                                     │ read-lease expiry
+                                                     ▼
+                                                   freed
 
     finish_write_and_reserve_read: STAGING ─► RESIDENT + READ-LOCKED in one step
 
@@ -21,10 +26,15 @@ Rules:
 - Staging objects are keyed by (key, writer tag) and invisible to readers; two
   tags may stage one key at once, and the first ``finish_write`` publishes.
 - Read locks are counted. Eviction, ``delete`` and ``clear`` skip locked,
-  fenced and staging objects. Locking is not use: recency changes only on
-  admission and ``touch``. Both apply to a batch in reverse, so the first
-  chunk of a prefix ends up most recent: evicting a prefix's head would make
-  every later chunk of it unreachable.
+  fenced and staging objects. ``purge`` does not: a held object it deletes
+  is DOOMED, out of the resident table at once (a lookup misses it, a write
+  of its key is NOT_WRITABLE, KV events announce it removed), and its
+  memory stays its holders' until the last of them lets go (a purge is
+  done while a read is in flight, and that read still finishes). Locking
+  is not use: recency changes only on admission and ``touch``. Both apply
+  to a batch in reverse, so the first chunk of a prefix ends up most
+  recent: evicting a prefix's head would make every later chunk of it
+  unreachable.
 - Leases: a write reservation expires ``write_lease_s`` after it is made, a
   read lock ``read_lease_s`` after its last ``reserve_read``. Expiry is the
   crash net for holders that vanished. It never frees memory an I/O still
@@ -45,9 +55,15 @@ Rules:
   ``too_large``), like any batch that cannot fit.
 - Owners (``set_owners``: the tenant of each key's salt, ``QuotaBook``): a
   write that would take its owner past a hard limit is OVER_QUOTA (counted
-  as ``over_quota``); after an admission takes an owner past its soft limit,
-  that owner's own least recently used objects are evicted down to it
-  (``quota_evictions``). ``pin`` keeps resident objects from eviction until
+  as ``over_quota``), and so is the part of one batch past its owner's soft
+  limit (publishing it would only evict it again). After an admission takes
+  an owner past its soft limit, that owner's own least recently used
+  objects, the admitted ones included, are evicted down to it
+  (``quota_evictions``). An owner's own excess goes first: room for a write
+  comes from bytes past owners' soft limits (the writer's own first) before
+  anyone else's objects, and neither a write's excess nor bytes held past a
+  soft limit ever evict another owner's objects (the watermark round does
+  not count them). ``pin`` keeps resident objects from eviction until
   a deadline, within the owner's pin limit and ``max_pinned_fraction`` of
   the arena (OVER_QUOTA past either); a pin protects from eviction only:
   ``delete`` still frees a pinned object.
@@ -130,10 +146,14 @@ class L1Manager(L1Tables):
     ) -> list[Placement]:
         """Stage new objects for ``tag``; their memory is all-or-nothing.
 
-        Per key: SUCCESS with an offset; NOT_WRITABLE if already resident;
+        Per key: SUCCESS with an offset; NOT_WRITABLE if already resident
+        (or doomed: purged while held, until freed);
         WRONG_STATE if this tag already stages it; OUT_OF_MEMORY for every
         key that needed memory if the batch does not fit after eviction (or
-        holds an object larger than the arena). ``costs`` (recompute seconds
+        holds an object larger than the arena); OVER_QUOTA for an owner's keys
+        from the first that would take it past its hard limit, or the batch
+        alone past its soft limit (a chunk after a refused one is unreachable
+        anyway). ``costs`` (recompute seconds
         saved) feed cost-aware eviction; ``layout`` (the objects' layout
         digest) stays with them for ``resident_objects``.
         """
@@ -145,21 +165,31 @@ class L1Manager(L1Tables):
             results: list[Placement | None] = [None] * len(keys)
             wanted: list[int] = []
             asked: dict[str, int] = {}  # owner -> bytes this call would add
+            cut: set[str] = set()  # owners whose batch stopped at a limit
             for i, key in enumerate(keys):
-                if key in self._resident:
+                if key in self._resident or key in self._doomed:
                     results[i] = Placement(L1Result.NOT_WRITABLE)
                 elif (key, tag) in self._staging:
                     results[i] = Placement(L1Result.WRONG_STATE)
                 else:
                     owner = self._quotas.owner(key)
-                    size = self._arena.reserved_bytes(sizes[i])
-                    if self._quotas.would_pass_hard(owner, asked.get(owner, 0) + size):
+                    size = asked.get(owner, 0) + self._arena.reserved_bytes(sizes[i])
+                    soft = self._quotas.limit(owner).soft
+                    if (
+                        owner in cut
+                        or self._quotas.would_pass_hard(owner, size)
+                        or (soft is not None and size > soft)
+                    ):
+                        # Past the soft limit, this key and the rest of the
+                        # batch would be this write's own victims at publish.
+                        # Past either, the rest would follow a missing chunk.
+                        cut.add(owner)
                         results[i] = Placement(L1Result.OVER_QUOTA)
                         self._counters.add("over_quota", 1)
                         continue
-                    asked[owner] = asked.get(owner, 0) + size
+                    asked[owner] = size
                     wanted.append(i)
-            offsets = self._allocate([sizes[i] for i in wanted]) if wanted else []
+            offsets = self._allocate([sizes[i] for i in wanted], asked) if wanted else []
             if offsets is None:
                 self._counters.add("out_of_memory", 1)
                 if any(sizes[i] > self._arena.capacity for i in wanted):
@@ -188,7 +218,9 @@ class L1Manager(L1Tables):
 
     def finish_write(self, keys: Sequence[ObjectKey], tag: WriterTag) -> list[L1Result]:
         """Publish ``tag``'s staged copies. SUCCESS also when another writer won
-        (this copy is discarded); NOT_FOUND if there is no such reservation."""
+        (this copy is discarded); NOT_FOUND if there is no such reservation,
+        or the key was purged while held and is not freed yet (this copy is
+        discarded)."""
         return [p.result for p in self._publish(keys, tag, read_locks=0)]
 
     def finish_write_and_reserve_read(
@@ -251,14 +283,16 @@ class L1Manager(L1Tables):
             return [Placement(L1Result.SUCCESS, obj.offset, obj.size) for obj in resident], 0
 
     def finish_read(self, keys: Sequence[ObjectKey], n: int = 1) -> list[L1Result]:
-        """Drop ``n`` read locks per key. WRONG_STATE (and no change) if the
-        key holds fewer than ``n``; NOT_FOUND if it is not resident."""
+        """Drop ``n`` read locks per key (a doomed object's last one frees
+        it). WRONG_STATE (and no change) if the key holds fewer than ``n``;
+        NOT_FOUND if it is neither resident nor doomed."""
         self._check_count(n, "finish_read")
         with self._lock:
             self._reap(self._clock())
             results = []
             for key in keys:
-                obj = self._resident.get(key)
+                # A key is never both: a doomed key cannot be written again.
+                obj = self._resident.get(key) or self._doomed.get(key)
                 if obj is None:
                     results.append(L1Result.NOT_FOUND)
                 elif obj.read_locks < n:
@@ -270,6 +304,7 @@ class L1Manager(L1Tables):
                         self._locked_objects -= 1
                         self._leases.end(obj)
                         self._locked_bytes -= obj.reserved
+                        self._bury(obj)
                     results.append(L1Result.SUCCESS)
             return results
 
@@ -298,7 +333,8 @@ class L1Manager(L1Tables):
             return results, fence
 
     def unfence(self, fence: IOFence) -> None:
-        """Lift a fence; frees the memory of objects whose lease expired meanwhile."""
+        """Lift a fence; frees the memory of objects whose lease expired, or
+        that were purged, meanwhile."""
         with self._lock:
             if fence.released:
                 raise ValueError("unfence: this fence was already lifted")
@@ -309,6 +345,8 @@ class L1Manager(L1Tables):
                 if obj.io_fences == 0 and obj.reclaimed:
                     self._zombies.discard(obj)
                     self._arena.free([obj.offset])
+                elif obj.state is ObjectState.DOOMED:
+                    self._bury(obj)
 
     # ------------------------------------------------------------ management
 
@@ -323,21 +361,14 @@ class L1Manager(L1Tables):
             return results
 
     def delete(self, keys: Sequence[ObjectKey]) -> list[L1Result]:
-        """Free resident objects; LOCKED if read-locked or fenced."""
-        with self._lock:
-            self._reap(self._clock())
-            results = []
-            for key in keys:
-                obj = self._resident.get(key)
-                if obj is None:
-                    results.append(L1Result.NOT_FOUND)
-                elif obj.read_locks or obj.io_fences:
-                    results.append(L1Result.LOCKED)
-                else:
-                    self._policy.remove(key)
-                    self._drop_resident(obj)
-                    results.append(L1Result.SUCCESS)
-            return results
+        """Free resident objects; LOCKED (and kept) if read-locked or fenced."""
+        return self._delete(keys, doom=False)
+
+    def purge(self, keys: Sequence[ObjectKey]) -> list[L1Result]:
+        """Delete resident objects for good: SUCCESS, freed now; LOCKED, held
+        (read-locked or fenced): DOOMED, no longer found by any reader, and
+        freed when the last holder lets go; NOT_FOUND if not resident."""
+        return self._delete(keys, doom=True)
 
     def clear(self) -> int:
         """Free every unlocked, unfenced resident object; return how many."""
@@ -364,11 +395,13 @@ class L1Manager(L1Tables):
             self._quotas = book
 
     def set_limit(self, owner: str, limit: OwnerLimit) -> int:
-        """Change an owner's limits; evict its objects down to a lower soft
-        limit now (returns the bytes freed)."""
+        """Change an owner's limits, and keep them now: unpin its pins past a
+        lower pin limit (those that end soonest first), then evict its objects
+        down to a lower soft limit (returns the bytes freed)."""
         with self._lock:
             self._quotas.limits[owner] = limit
-            return self._evict_own(owner, set(), self._clock())
+            self._quotas.unpin_past(owner, limit.pins, self._clock())
+            return self._evict_own(owner)
 
     def pin(self, keys: Sequence[ObjectKey], ttl_s: float) -> list[L1Result]:
         """Keep resident objects from eviction for ``ttl_s`` (a pin again
@@ -420,10 +453,32 @@ class L1Manager(L1Tables):
             self._resident.clear()
             self._staging.clear()
             self._zombies.clear()
+            self._doomed.clear()
             self._arena.close()
 
     # -------------------------------------------------------------- internals
     # All below run with self._lock held.
+
+    def _delete(self, keys: Sequence[ObjectKey], doom: bool) -> list[L1Result]:
+        with self._lock:
+            self._reap(self._clock())
+            results = []
+            for key in keys:
+                obj = self._resident.get(key)
+                if obj is None:
+                    results.append(L1Result.NOT_FOUND)
+                    continue
+                held = bool(obj.read_locks or obj.io_fences)
+                if held and not doom:
+                    results.append(L1Result.LOCKED)
+                    continue
+                self._policy.remove(key)
+                if held:
+                    self._doom(obj)
+                else:
+                    self._drop_resident(obj)
+                results.append(L1Result.LOCKED if held else L1Result.SUCCESS)
+            return results
 
     def _publish(
         self, keys: Sequence[ObjectKey], tag: WriterTag, read_locks: int
@@ -440,6 +495,11 @@ class L1Manager(L1Tables):
                     results.append(Placement(L1Result.NOT_FOUND))
                     continue
                 self._unstage(obj)
+                if key in self._doomed:  # purged while held: it stays gone until freed
+                    self._leases.end(obj)
+                    self._release_memory(obj)
+                    results.append(Placement(L1Result.NOT_FOUND))
+                    continue
                 winner = self._resident.get(key)
                 if winner is None:
                     obj.state, obj.tag = ObjectState.RESIDENT, None
@@ -454,14 +514,17 @@ class L1Manager(L1Tables):
                 if read_locks:
                     self._lock_read(winner, read_locks, now)
                 results.append(Placement(L1Result.SUCCESS, winner.offset, winner.size))
-            # Evict before the policy knows the new objects: they cannot be picked.
+            for obj in reversed(admitted):
+                self._quotas.admit(obj.key, obj.reserved)
+            if admitted and self.on_residency is not None:
+                self.on_residency(True, [obj.key for obj in admitted])
+            # Owners' own excess first, this admission's objects included (a
+            # batch is admitted in reverse: its tail goes before its head).
+            self._evict_excess()
+            admitted = [obj for obj in admitted if self._resident.get(obj.key) is obj]
+            # The watermark round runs before the policy knows the new objects:
+            # they cannot be picked.
             self._evict_to_watermark(sum(o.reserved for o in admitted if not o.read_locks))
             for obj in reversed(admitted):
                 self._policy.admit(obj.key, obj.reserved, obj.cost)
-                self._quotas.admit(obj.key, obj.reserved)
-            fresh = {obj.key for obj in admitted}
-            for owner in {self._quotas.owner(k) for k in fresh}:
-                self._evict_own(owner, fresh, now)
-            if admitted and self.on_residency is not None:
-                self.on_residency(True, [obj.key for obj in admitted])
             return results

@@ -14,6 +14,7 @@ WriterTag = NewType("WriterTag", str)
 class ObjectState(enum.Enum):
     STAGING = "staging"  # reserved by one writer tag, invisible to readers
     RESIDENT = "resident"  # published and readable; read-locked while read_locks > 0
+    DOOMED = "doomed"  # purged while held: unreadable, freed when its last holder lets go
 
 
 class L1Result(enum.Enum):
@@ -23,9 +24,11 @@ class L1Result(enum.Enum):
     NOT_FOUND = "not_found"  # no such resident object / no such staging reservation
     NOT_WRITABLE = "not_writable"  # reserve_write on a key that is already resident
     OUT_OF_MEMORY = "out_of_memory"  # no room even after evicting what may be evicted
-    LOCKED = "locked"  # delete of a read-locked or I/O-fenced object
+    LOCKED = "locked"  # delete (kept) or purge (doomed) of a read-locked or I/O-fenced object
     WRONG_STATE = "wrong_state"  # e.g. finish_read on an unlocked object
-    OVER_QUOTA = "over_quota"  # past the owner's hard limit (writes) or pin limit (pins)
+    # past the owner's hard limit, or a batch past its soft limit (writes);
+    # past its pin limit (pins)
+    OVER_QUOTA = "over_quota"
 
 
 @dataclass(frozen=True, slots=True)

@@ -11,7 +11,10 @@ that owns the salt). Per owner, ``OwnerLimit``:
 
 - ``soft`` bytes: after an admission takes the owner past it, the owner's
   *own* least recently used objects are evicted down to it (tenant-scoped
-  eviction), never another owner's;
+  eviction), never another owner's. Bytes an owner holds past it (objects
+  locked or pinned when it was trimmed) are its own to carry: they are the
+  first to go when room is needed and never make room at another owner's
+  expense;
 - ``hard`` bytes: a write that would take resident + staging bytes past it
   is refused (``L1Result.OVER_QUOTA``);
 - ``pins`` bytes: the most its pinned objects may take (None: no cap of its
@@ -96,6 +99,22 @@ class QuotaBook:
         self._owner_pins[self.owner(key)].discard(key)
         return True
 
+    def unpin_past(self, owner: str, cap: int | None, now: float) -> int:
+        """Unpin the owner's pins that end soonest until what it has pinned is
+        within ``cap`` (None: no cap); return how many were unpinned."""
+        if cap is None:
+            return 0
+        pinned = self.pinned_bytes(owner, now)
+        ending = sorted(self._owner_pins.get(owner, ()), key=lambda k: self._pins[k][0])
+        unpinned = 0
+        for key in ending:
+            if pinned <= cap:
+                break
+            pinned -= self._pins[key][1]
+            self.unpin(key)
+            unpinned += 1
+        return unpinned
+
     def touch(self, keys: Iterable[ObjectKey]) -> None:
         salt, order = None, None  # a lookup's keys share a salt: its owner is found once
         for key in keys:
@@ -113,10 +132,32 @@ class QuotaBook:
             return False
         return self._resident.get(owner, 0) + self._staging.get(owner, 0) + size > hard
 
-    def excess(self, owner: str) -> int:
-        """Bytes above the owner's soft limit (0 if none)."""
+    def excess(self, owner: str, incoming: int = 0) -> int:
+        """Resident bytes above the owner's soft limit once ``incoming`` more
+        bytes land (0 if it has none)."""
         soft = self.limit(owner).soft
-        return 0 if soft is None else max(0, self._resident.get(owner, 0) - soft)
+        return 0 if soft is None else max(0, self._resident.get(owner, 0) + incoming - soft)
+
+    def total_excess(self) -> int:
+        """Resident bytes above their owners' soft limits, all owners together."""
+        return sum(self.excess(owner) for owner in self.soft_limited())
+
+    def soft_limited(self) -> list[str]:
+        return [owner for owner, limit in self.limits.items() if limit.soft is not None]
+
+    def overflow(self, asked: Mapping[str, int], capacity: int) -> int | None:
+        """By how many bytes what owners hold within their soft limits, with
+        ``asked`` more bytes per owner, passes ``capacity`` (resident and
+        staging counted). None: an owner asking has no soft limit, so all it
+        asks is within its quota."""
+        if any(self.limit(owner).soft is None for owner in asked):
+            return None
+        within = 0
+        for owner in set(self._resident) | set(self._staging) | set(asked):
+            used = self._resident.get(owner, 0) + self._staging.get(owner, 0) + asked.get(owner, 0)
+            soft = self.limit(owner).soft
+            within += used if soft is None else min(used, soft)
+        return max(0, within - capacity)
 
     def oldest(self, owner: str, skip: int, count: int) -> list[tuple[ObjectKey, int]]:
         """Up to ``count`` of the owner's objects, least recently used first,

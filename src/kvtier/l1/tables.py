@@ -59,10 +59,13 @@ class L1Tables:
         self._resident: dict[ObjectKey, L1Object] = {}
         self._staging: dict[tuple[ObjectKey, WriterTag], L1Object] = {}
         self._zombies: set[L1Object] = set()  # expired while fenced, memory not yet freed
+        # Purged while read-locked or fenced: out of the resident table (no
+        # reader finds them), memory freed when the last holder lets go.
+        self._doomed: dict[ObjectKey, L1Object] = {}
         self._leases = LeaseHeap()
         self._staging_bytes = 0
         self._locked_bytes = 0
-        self._locked_objects = 0  # resident objects with read_locks > 0
+        self._locked_objects = 0  # resident and doomed objects with read_locks > 0
         self._fenced_objects = 0  # objects (any table) with io_fences > 0
         self._counters = Counters()
         self._counters.set(**dict.fromkeys(COUNTERS, 0))
@@ -83,6 +86,17 @@ class L1Tables:
         first (a snapshot: any of them may be evicted right after)."""
         with self._lock:
             return [(obj.key, obj.layout) for obj in reversed(self._resident.values())]
+
+    def staging_keys(self) -> list[ObjectKey]:
+        """The key of every staged copy (a store or a load in flight)."""
+        with self._lock:
+            return [key for key, _ in self._staging]
+
+    def doomed_objects(self) -> list[tuple[ObjectKey, int]]:
+        """Every purged object a holder still keeps (``L1Manager.purge``) and
+        its I/O fences (> 0: an I/O, such as a write-back, still reads it)."""
+        with self._lock:
+            return [(key, obj.io_fences) for key, obj in self._doomed.items()]
 
     def resident_sizes(self) -> list[tuple[ObjectKey, int]]:
         """Every resident object's key and the bytes it takes (a snapshot)."""
@@ -105,6 +119,7 @@ class L1Tables:
                 "locked_bytes": self._locked_bytes,
                 "resident_objects": len(self._resident),
                 "staging_objects": len(self._staging),
+                "doomed_objects": len(self._doomed),
                 "locked_objects": self._locked_objects,
                 "fenced_objects": self._fenced_objects,
                 "fragmentation": arena["fragmentation"],
@@ -136,13 +151,15 @@ class L1Tables:
         """Recount locks and bytes from the tables (for tests and debugging)."""
         with self._lock:
             live = list(self._all_objects())
+            readable = [*self._resident.values(), *self._doomed.values()]
             return {
-                "read_locks": sum(o.read_locks for o in self._resident.values()),
-                "locked_objects": sum(1 for o in self._resident.values() if o.read_locks),
+                "read_locks": sum(o.read_locks for o in readable),
+                "locked_objects": sum(1 for o in readable if o.read_locks),
                 "fenced_objects": sum(1 for o in live if o.io_fences),
                 "staging_objects": len(self._staging),
                 "io_fences": sum(o.io_fences for o in live),
                 "zombies": len(self._zombies),
+                "doomed_objects": len(self._doomed),
                 "object_bytes": sum(o.reserved for o in live),
                 "arena_used_bytes": self._arena.used_bytes,
                 "policy_entries": len(self._policy),
@@ -153,9 +170,11 @@ class L1Tables:
 
     def _evict_to_watermark(self, fresh_bytes: int) -> None:
         """After an admission: evict down to the low watermark if usage passed
-        the high one, unless unevictable bytes alone are above the low mark."""
+        the high one, unless unevictable bytes alone are above the low mark.
+        Owners' bytes past their soft limits do not count: only owners within
+        their quotas overflowing L1 may cost another owner its objects."""
         capacity = self._arena.capacity
-        used = self._arena.used_bytes
+        used = self._arena.used_bytes - self._quotas.total_excess()
         if used <= self.config.high_watermark * capacity:
             return
         low = self.config.low_watermark * capacity
@@ -164,15 +183,33 @@ class L1Tables:
             return
         self._evict(int(used - low))
 
-    def _allocate(self, sizes: list[int]) -> list[int] | None:
+    def _allocate(self, sizes: list[int], asked: dict[str, int]) -> list[int] | None:
+        """Memory for a write of ``asked`` bytes per owner. Room comes first
+        from owners past their soft limits, the writers included (what their
+        write would take past it: publishing would evict it anyway), then
+        from anyone's objects, by the policy, for no more than the bytes by
+        which owners within their quotas overflow L1: neither a write's
+        excess nor what an owner holds past its limit ever costs another
+        owner an object."""
         offsets = self._arena.allocate(sizes)
+        if offsets is not None:
+            return offsets
         need = sum(self._arena.reserved_bytes(s) for s in sizes)
         pinned = self._staging_bytes + self._locked_bytes  # eviction cannot free these
-        if offsets is None and need > self._arena.capacity - pinned:
+        if need > self._arena.capacity - pinned:
             return None  # cannot fit even if everything evictable went: evict nothing
+        self._evict_excess(asked)
+        offsets = self._arena.allocate(sizes)
+        budget = self._quotas.overflow(asked, self._arena.capacity)  # None: no limit
         while offsets is None:
-            if self._evict(max(need - (self._arena.capacity - self._arena.used_bytes), 1)) == 0:
+            want = max(need - (self._arena.capacity - self._arena.used_bytes), 1)
+            if budget is not None and want > budget:
                 return None
+            freed = self._evict(want)
+            if freed == 0:
+                return None
+            if budget is not None:
+                budget -= freed
             offsets = self._arena.allocate(sizes)
         return offsets
 
@@ -206,10 +243,18 @@ class L1Tables:
         self._staging_bytes -= obj.reserved
         self._quotas.unstage(self._quotas.owner(obj.key), obj.reserved)
 
-    def _evict_own(self, owner: str, spare: set[ObjectKey], now: float) -> int:
-        """Evict ``owner``'s least recently used objects (not ``spare``) down
-        to its soft limit; return the bytes freed."""
-        need = self._quotas.excess(owner)
+    def _evict_excess(self, incoming: dict[str, int] | None = None) -> int:
+        """Evict every owner down to its soft limit, less the ``incoming``
+        bytes it is about to write; return the bytes freed."""
+        incoming = incoming or {}
+        return sum(
+            self._evict_own(owner, incoming.get(owner, 0)) for owner in self._quotas.soft_limited()
+        )
+
+    def _evict_own(self, owner: str, incoming: int = 0) -> int:
+        """Evict ``owner``'s least recently used objects down to its soft
+        limit, less ``incoming`` bytes; return the bytes freed."""
+        need = self._quotas.excess(owner, incoming)
         freed = kept = 0  # kept: the oldest objects that may not go (they stay first)
         while freed < need:
             batch = self._quotas.oldest(owner, kept, OWN_EVICTION_BATCH)
@@ -218,7 +263,7 @@ class L1Tables:
             for key, size in batch:
                 if freed >= need:
                     break
-                if key in spare or not self._evictable(key):
+                if not self._evictable(key):
                     kept += 1
                     continue
                 self._policy.remove(key)
@@ -228,9 +273,25 @@ class L1Tables:
         return freed
 
     def _drop_resident(self, obj: L1Object) -> None:
+        self._unlist(obj)
+        self._arena.free([obj.offset])
+
+    def _doom(self, obj: L1Object) -> None:
+        """A held resident object leaves the resident table now; its memory
+        stays its holders' until ``_bury``."""
+        self._unlist(obj)
+        obj.state = ObjectState.DOOMED
+        self._doomed[obj.key] = obj
+
+    def _bury(self, obj: L1Object) -> None:
+        """Free a doomed object once nothing holds it any more."""
+        if obj.read_locks == 0 and obj.io_fences == 0 and self._doomed.get(obj.key) is obj:
+            del self._doomed[obj.key]
+            self._arena.free([obj.offset])
+
+    def _unlist(self, obj: L1Object) -> None:
         self._quotas.drop(obj.key)
         del self._resident[obj.key]
-        self._arena.free([obj.offset])
         if self.on_residency is not None:
             self.on_residency(False, (obj.key,))
 
@@ -260,15 +321,23 @@ class L1Tables:
                 self._release_memory(obj)
                 self._counters.add("expired_write_leases", 1)
                 log.warning("L1: write lease of %s (tag %s) expired; reclaimed", obj.key, obj.tag)
-            elif self._resident.get(obj.key) is obj and obj.read_locks:
+            elif obj.read_locks and (
+                self._resident.get(obj.key) is obj or obj.state is ObjectState.DOOMED
+            ):
                 log.warning("L1: %d read lock(s) on %s expired", obj.read_locks, obj.key)
                 obj.read_locks = 0
                 self._locked_bytes -= obj.reserved
                 self._locked_objects -= 1
                 self._counters.add("expired_read_leases", 1)
+                self._bury(obj)
 
     def _all_objects(self) -> list[L1Object]:
-        return [*self._resident.values(), *self._staging.values(), *self._zombies]
+        return [
+            *self._resident.values(),
+            *self._staging.values(),
+            *self._zombies,
+            *self._doomed.values(),
+        ]
 
     @staticmethod
     def _check_count(n: int, method: str) -> None:

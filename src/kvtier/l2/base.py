@@ -217,6 +217,14 @@ class L2Adapter(ABC):
         that cannot fail that way)."""
         return 0
 
+    def set_owners(self, owner_of: Callable[[str], str], caps: Mapping[str, int]) -> bool:
+        """Keep each owner's bytes here (``owner_of(key.salt)``, a tenant)
+        within ``caps`` as each store lands: past its cap an owner loses its
+        own oldest objects, never another's. True if this adapter does so; a
+        remote store says False, and the store controller's gate keeps its
+        caps by what this server wrote there."""
+        return False
+
     def held_keys(self) -> list[ObjectKey]:
         """Every object a node-local adapter holds now (what a restarted server
         announces); a remote store cannot list cheaply and says nothing."""

@@ -15,7 +15,11 @@ stored, and a copy whose codec this node cannot decode is a miss:
   dtype: keys quantized per channel (one scale and offset per layer, head and
   channel, over the chunk's tokens: key outliers live in channels), values per
   token (over the channels); ``int4`` in groups of 32 along the same axes.
-  Scales and offsets are float16.
+  Scales and offsets are float16. A chunk they cannot describe (KV beyond
+  float16's range, or codes that would decode past its dtype's largest finite
+  value) is stored with ``none``, exact; a reader refuses a copy whose scales
+  decode to anything but finite values of its dtype (such as one written from
+  such KV before this rule).
 
 A lossy codec is used only for objects whose layout asks for it
 (``KVLayout.lossy_codec``): that field is in the layout digest, hence in the
@@ -55,8 +59,9 @@ class Codec(ABC):
         return True
 
     @abstractmethod
-    def encode(self, payload: Payload, layout: KVLayout | None) -> Payload:
-        """The stored bytes of ``payload``."""
+    def encode(self, payload: Payload, layout: KVLayout | None) -> Payload | None:
+        """The stored bytes of ``payload``; None when this codec cannot code
+        it (it is then stored as it is)."""
 
     @abstractmethod
     def decode(self, stored: Payload, layout: KVLayout | None, out: Payload) -> None:
@@ -97,17 +102,34 @@ class Zstd(Codec):
         width = int(stored[0]) if stored.nbytes else 0
         if width not in (1, *_WORDS) or out.nbytes % width:
             raise CorruptObject(Corruption.CODEC, f"zstd: {width} byte planes")
-        try:
-            raw = self._tools()[1].decompress(stored[1:].data, max_output_size=out.nbytes)
+        frame = stored[1:].data
+        declared = self._declared_size(frame)
+        if declared != out.nbytes:
+            # The frame's own size is what the decompressor allocates and fills,
+            # whatever limit it is given: a frame that declares more than the
+            # object is refused before any of it is decompressed. (Frames
+            # that declare no size are refused too: the writer always declares.)
+            what = "no size" if declared is None else f"{declared} bytes"
+            raise CorruptObject(Corruption.CODEC, f"zstd frame declares {what} for {out.nbytes}")
+        try:  # gives the declared size, or raises
+            raw = self._tools()[1].decompress(frame, allow_extra_data=False)
         except Exception as exc:  # zstandard.ZstdError: not a zstd frame, truncated
             raise CorruptObject(Corruption.CODEC, f"zstd: {exc}") from None
-        if len(raw) != out.nbytes:
-            raise CorruptObject(Corruption.CODEC, f"zstd gave {len(raw)} of {out.nbytes} bytes")
         planes = np.frombuffer(raw, dtype=np.uint8)
         if width > 1:
             _join(planes, width, out)
         else:
             np.copyto(out, planes)
+
+    @staticmethod
+    def _declared_size(frame: memoryview) -> int | None:
+        """The decompressed size a zstd frame's header declares (None: none declared)."""
+        zstd = _zstandard()
+        try:
+            size = int(zstd.get_frame_parameters(frame).content_size)
+        except Exception as exc:  # zstandard.ZstdError: not a zstd frame header
+            raise CorruptObject(Corruption.CODEC, f"zstd: {exc}") from None
+        return None if size == zstd.CONTENTSIZE_UNKNOWN else size
 
     def _tools(self) -> tuple[Any, Any]:
         tools = getattr(self._local, "tools", None)
@@ -125,7 +147,8 @@ class Quantized(Codec):
     codes, value codes (both ``[layers][heads][tokens][channels]``, two 4-bit
     codes per byte for int4), then the float16 scales and offsets of keys
     (``[layers][heads][token groups][channels]``) and of values
-    (``[layers][heads][tokens][channel groups]``)."""
+    (``[layers][heads][tokens][channel groups]``). A group decodes to
+    ``offset + code * scale``."""
 
     lossy = True
     bits: ClassVar[int]
@@ -134,11 +157,16 @@ class Quantized(Codec):
     def applies(self, layout: KVLayout | None) -> bool:
         return layout is not None and layout.lossy_codec == self.name
 
-    def encode(self, payload: Payload, layout: KVLayout | None) -> Payload:
+    def encode(self, payload: Payload, layout: KVLayout | None) -> Payload | None:
+        """The codes and scales; None for KV that float16 scales cannot
+        describe (see ``_decodes_finite``)."""
         layout = self._check(layout, payload.nbytes)
         k, v = _planes(payload, layout)
-        ck, sk, ok = self._quantize(k, self._grouped(layout, 2), 3)
-        cv, sv, ov = self._quantize(v, self._grouped(layout, 3), 4)
+        keys = self._quantize(k, self._grouped(layout, 2), 3, layout.dtype)
+        values = self._quantize(v, self._grouped(layout, 3), 4, layout.dtype)
+        if keys is None or values is None:
+            return None
+        (ck, sk, ok), (cv, sv, ov) = keys, values
         parts = [ck, cv] + [a.view(np.uint8).reshape(-1) for a in (sk, ok, sv, ov)]
         return np.concatenate(parts)
 
@@ -151,6 +179,10 @@ class Quantized(Codec):
         if stored.nbytes != sum(sizes):
             raise CorruptObject(Corruption.CODEC, f"{self.name}: {stored.nbytes} != {sum(sizes)}")
         ck, cv, sk, ok, sv, ov = np.split(stored, np.cumsum(sizes)[:-1])
+        top = (1 << self.bits) - 1
+        halves = [(s.view(np.float16), o.view(np.float16)) for s, o in ((sk, ok), (sv, ov))]
+        if not all(_decodes_finite(s, o, top, layout.dtype) for s, o in halves):
+            raise CorruptObject(Corruption.CODEC, f"{self.name}: scales beyond {layout.dtype}")
         target = _float_view(out, layout).reshape(
             layout.num_layers, 2, layout.kv_heads, layout.tokens_per_chunk, layout.head_dim
         )
@@ -186,19 +218,24 @@ class Quantized(Codec):
         return count * self.bits // 8
 
     def _quantize(
-        self, x: F32, grouped: tuple[int, ...], axis: int
-    ) -> tuple[Payload, npt.NDArray[np.float16], npt.NDArray[np.float16]]:
-        """Codes, scales and offsets of ``x`` with one scale per group along
-        ``axis`` of its ``grouped`` shape."""
+        self, x: F32, grouped: tuple[int, ...], axis: int, dtype: str
+    ) -> tuple[Payload, npt.NDArray[np.float16], npt.NDArray[np.float16]] | None:
+        """Codes, scales and offsets of ``x`` (KV of ``dtype``) with one scale
+        per group along ``axis`` of its ``grouped`` shape; None where float16
+        scales cannot describe a group (see ``_decodes_finite``)."""
         g = x.reshape(grouped)
         top = (1 << self.bits) - 1
         low, high = g.min(axis=axis, keepdims=True), g.max(axis=axis, keepdims=True)
-        # float16 scale and offset, rounded outwards so that [low, high] maps into [0, top]
-        offset = low.astype(np.float16)
-        offset = np.where(offset > low, np.nextafter(offset, np.float16(-np.inf)), offset)
-        scale = ((high - offset) / top).astype(np.float16)
-        short = offset.astype(np.float32) + scale.astype(np.float32) * top < high
-        scale = np.where(short, np.nextafter(scale, np.float16(np.inf)), scale)
+        # float16 scale and offset, rounded outwards so that [low, high] maps
+        # into [0, top]; KV beyond float16 overflows here and is caught below
+        with np.errstate(over="ignore", invalid="ignore"):
+            offset = low.astype(np.float16)
+            offset = np.where(offset > low, np.nextafter(offset, np.float16(-np.inf)), offset)
+            scale = ((high - offset) / top).astype(np.float16)
+            short = offset.astype(np.float32) + scale.astype(np.float32) * top < high
+            scale = np.where(short, np.nextafter(scale, np.float16(np.inf)), scale)
+        if not _decodes_finite(scale, offset, top, dtype):
+            return None
         wide = scale.astype(np.float32)
         inverse = np.divide(1.0, wide, out=np.zeros_like(wide), where=wide > 0)
         codes = (g - offset.astype(np.float32)) * inverse
@@ -283,7 +320,8 @@ class PayloadCodec:
             self._plain_stores += skip
         if skip:
             return 0, payload
-        return self.writer.ident, self.writer.encode(payload, shape)
+        stored = self.writer.encode(payload, shape)
+        return (0, payload) if stored is None else (self.writer.ident, stored)
 
     def decode(self, ident: int, layout: str, stored: Payload, out: Payload) -> None:
         codec = self._readers.get(ident)
@@ -439,6 +477,27 @@ def _join(planes: Payload, width: int, out: Payload) -> None:
     np.copyto(words, rows[0], casting="unsafe")
     for i in range(1, width):
         words |= rows[i].astype(word) << word(8 * i)
+
+
+# The largest finite value of each float dtype a lossy codec takes.
+_FINITE_MAX = {
+    "float32": float(np.finfo(np.float32).max),
+    "float16": float(np.finfo(np.float16).max),
+    "bfloat16": float(np.array(0x7F7F0000, np.uint32).view(np.float32)),
+}
+
+
+def _decodes_finite(
+    scale: npt.NDArray[np.float16], offset: npt.NDArray[np.float16], top: int, dtype: str
+) -> bool:
+    """Whether every code from 0 to ``top`` decodes, with these scales and
+    offsets, to a finite value of ``dtype`` (the two ends are the extremes;
+    computed as ``_dequantize`` does, in float32)."""
+    low = offset.astype(np.float32)
+    with np.errstate(over="ignore", invalid="ignore"):  # inf and NaN are what is looked for
+        high = low + scale.astype(np.float32) * np.float32(top)
+    limit = _FINITE_MAX[dtype]
+    return bool(np.all(np.abs(low) <= limit) and np.all(np.abs(high) <= limit))
 
 
 def _float_view(payload: Payload, layout: KVLayout) -> npt.NDArray[Any]:

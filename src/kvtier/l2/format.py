@@ -22,7 +22,9 @@ the same fields, the payload length and checksum being those of the stored
     43      8     the decoded payload's length
     51      n     the key ...
 
-Uncoded objects keep version 1, which readers of every version read.
+Uncoded objects keep version 1, which readers of every version read. A
+reader that takes payloads as they are stored (``verify_payload``) refuses a
+coded copy: its bytes are not the KV.
 All integers are little-endian. A load whose magic, version, key, layout,
 length or checksum does not match what the reader asked for is a miss, and
 the adapter deletes or quarantines that copy: stale metadata can cost a miss,
@@ -153,6 +155,8 @@ def unpack_header(data: bytes | memoryview) -> Header:
         if len(view) < start + _CODED.size:
             raise CorruptObject(Corruption.SHORT, f"{len(view)} bytes")
         codec, decoded = _CODED.unpack_from(view, start)
+        if codec == 0:  # written for coded payloads only; "none" has no decoded length
+            raise CorruptObject(Corruption.CODEC, "version 2 header without a codec")
         start += _CODED.size
     if header_len < start + key_len or len(view) < start + key_len:
         raise CorruptObject(Corruption.SHORT, "header shorter than its key")
@@ -172,7 +176,16 @@ def parse_header(data: bytes | memoryview, key: ObjectKey, layout: str) -> Heade
 
 
 def verify_payload(header: Header, payload: Payload) -> None:
-    """Check length and checksum of a payload already read into memory."""
+    """Check a payload already read into memory, for a reader that takes
+    payloads as they are stored: its length and checksum, and that it was
+    stored as it is (a coded copy, ``Corruption.CODEC``, is not the KV)."""
+    if header.codec:
+        raise CorruptObject(Corruption.CODEC, f"codec {header.codec} where none is read")
+    _verify_stored(header, payload)
+
+
+def _verify_stored(header: Header, payload: Payload) -> None:
+    """Check length and checksum of the stored bytes (coded or not)."""
     size = payload.nbytes
     if size != header.payload_len:
         raise CorruptObject(Corruption.LENGTH, f"{size} != {header.payload_len}")
@@ -209,10 +222,9 @@ def decode_object(
     if out.nbytes != header.plain_len:
         raise CorruptObject(Corruption.LENGTH, f"reader expects {out.nbytes} bytes")
     payload = np.frombuffer(view, dtype=np.uint8, offset=header.header_len)
-    verify_payload(header, payload)
-    if header.codec == 0:
+    if codec is None or header.codec == 0:
+        verify_payload(header, payload)
         np.copyto(out, payload)
-    elif codec is None:
-        raise CorruptObject(Corruption.CODEC, f"codec {header.codec} where none is read")
     else:
+        _verify_stored(header, payload)
         codec.decode(header.codec, layout, payload, out)

@@ -10,8 +10,12 @@ shared object format (header, then payload).
 - Warm restart: the index (key -> bytes on disk, oldest first) is rebuilt
   from the files at start; leftover temp files are removed. A restarted
   server keeps every stored object usable.
-- Capacity: with ``capacity_bytes`` set, the least recently stored or loaded
-  files are deleted to stay under it.
+- Capacity and tenant caps (``kvtier.l2.local_index``), kept as each store
+  lands: a store that takes its tenant past its cap (``set_owners``) deletes
+  that tenant's own least recently stored or loaded files (counted
+  ``quota_evictions``), never another's; an object larger than its tenant's
+  cap alone is not written (``over_quota``). Past ``capacity_bytes`` the
+  least recently stored or loaded files of all are deleted (``evictions``).
 - Errors: ENOSPC, EACCES and other OS errors fail that key's store (counted
   as ``no_space``, ``permission``, ``os_error``) and leave nothing visible.
   A corrupt or truncated file is a miss and is deleted.
@@ -20,8 +24,8 @@ shared object format (header, then payload).
   that refuse O_DIRECT (tmpfs), use buffered I/O.
 
 The directory belongs to one adapter at a time (the index lives in memory).
-Thread safety: ``_index_lock`` guards ``_index`` and ``_used``; file I/O runs
-outside it on the adapter's thread pool.
+Thread safety: ``_index_lock`` guards ``_index``; file I/O runs outside it
+on the adapter's thread pool.
 """
 
 from __future__ import annotations
@@ -33,8 +37,7 @@ import mmap
 import os
 import threading
 import time
-from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -49,6 +52,7 @@ from kvtier.l2.format import (
     parse_header,
     verify_payload,
 )
+from kvtier.l2.local_index import Evicted, LocalIndex
 
 log = logging.getLogger(__name__)
 
@@ -87,9 +91,16 @@ class FSAdapter(BlockingAdapter):
         self._direct = config.o_direct and hasattr(os, "O_DIRECT")
         self._tmp_ids = itertools.count()
         self._index_lock = threading.Lock()
-        self._index: OrderedDict[ObjectKey, int] = OrderedDict()  # oldest first
-        self._used = 0
+        self._index = LocalIndex(config.capacity_bytes)
         self._rebuild_index()
+
+    def set_owners(self, owner_of: Callable[[str], str], caps: Mapping[str, int]) -> bool:
+        """Keep each owner's files within its cap from now on; owners already
+        past theirs lose their oldest files now."""
+        with self._index_lock:
+            evicted = self._index.set_owners(owner_of, caps)
+        self._remove(evicted)
+        return True
 
     # ----------------------------------------------------------- backend
 
@@ -112,7 +123,7 @@ class FSAdapter(BlockingAdapter):
             return {
                 "path": str(self.root),
                 "objects": len(self._index),
-                "used_bytes": self._used,
+                "used_bytes": self._index.used,
                 "capacity_bytes": self.fs_config.capacity_bytes,
             }
 
@@ -122,6 +133,12 @@ class FSAdapter(BlockingAdapter):
         final = self.path_of(key)
         direct = self._direct_ok(buffer)
         header = encode_header(key, layout, buffer, DIRECT_ALIGN if direct else 64)
+        with self._index_lock:
+            refused = self._index.refuses(key, len(header) + buffer.nbytes)
+        if refused:
+            log.warning("L2 %s: %s is larger than its tenant's quota here", self.name, key)
+            self._count_failure("over_quota")
+            return None
         tmp = final.with_name(f"{final.name}.tmp-{os.getpid()}-{next(self._tmp_ids)}")
         renamed = False
         try:
@@ -193,8 +210,7 @@ class FSAdapter(BlockingAdapter):
         finally:
             os.close(fd)
         with self._index_lock:
-            if key in self._index:
-                self._index.move_to_end(key)
+            self._index.touch(key)
         return True
 
     def _read_payload(self, path: Path, fd: int, buffer: Buffer, offset: int) -> int:
@@ -222,41 +238,36 @@ class FSAdapter(BlockingAdapter):
         return self.root / digest[:2] / digest[2:4] / (key.to_str() + SUFFIX)
 
     def _admit(self, key: ObjectKey, size: int) -> None:
-        victims: list[ObjectKey] = []
-        cap = self.fs_config.capacity_bytes
         with self._index_lock:
-            self._used += size - self._index.pop(key, 0)
-            self._index[key] = size
-            while cap and self._used > cap and len(self._index) > 1:
-                victim, victim_size = self._index.popitem(last=False)
-                self._used -= victim_size
-                victims.append(victim)
-        for victim in victims:
+            evicted = self._index.admit(key, size)
+        self._remove(evicted)
+
+    def _remove(self, evicted: Evicted) -> None:
+        """Delete the files of objects the index evicted (already out of it)."""
+        for victim in evicted.keys:
             self.path_of(victim).unlink(missing_ok=True)
-        if victims:
-            self._count_evictions(len(victims))
-            if self.on_removed is not None:
-                self.on_removed(victims)
+        self._counters.add("quota_evictions", len(evicted.own))
+        self._counters.add("evictions", len(evicted.oldest))
+        if evicted.keys and self.on_removed is not None:
+            self.on_removed(evicted.keys)
 
     def _forget(self, key: ObjectKey) -> None:
         with self._index_lock:
-            size = self._index.pop(key, None)
-            if size is None:
+            if self._index.forget(key) is None:
                 return
-            self._used -= size
         if self.on_removed is not None:
             self.on_removed((key,))
 
     def held_keys(self) -> list[ObjectKey]:
         with self._index_lock:
-            return list(self._index)
+            return self._index.keys()
 
     def held_sizes(self) -> list[tuple[ObjectKey, int]]:
         with self._index_lock:
-            return list(self._index.items())
+            return self._index.items()
 
     def delete(self, keys: Sequence[ObjectKey]) -> int:
-        """Remove these objects (a tenant's oldest, over its quota); how many were held."""
+        """Remove these objects (retention: a tenant's expired ones); how many were held."""
         with self._index_lock:
             held = [k for k in keys if k in self._index]
         for key in held:
@@ -290,9 +301,6 @@ class FSAdapter(BlockingAdapter):
         self._forget(key)
         path.unlink(missing_ok=True)
 
-    def _count_evictions(self, n: int) -> None:
-        self._counters.add("evictions", n)
-
     def _rebuild_index(self) -> None:
         found: list[tuple[float, ObjectKey, int]] = []
         stale = 0
@@ -313,15 +321,15 @@ class FSAdapter(BlockingAdapter):
                 continue
             found.append((stat.st_mtime, key, stat.st_size))
         found.sort(key=lambda item: item[0])
-        with self._index_lock:
-            for _, key, size in found:
-                self._index[key] = size
-                self._used += size
+        with self._index_lock:  # a capacity lowered since: the oldest go now
+            evicted = [self._index.admit(key, size) for _, key, size in found]
+        for each in evicted:
+            self._remove(each)
         log.info(
             "L2 %s: indexed %d objects (%d bytes) under %s; removed %d temp files",
             self.name,
             len(found),
-            self._used,
+            self._index.used,
             self.root,
             stale,
         )

@@ -14,7 +14,8 @@ and changed at run time through ``adapter.faults``:
 =====================  ==========================================================
 
 A lookup leases what it finds until ``unlock``; ``status()["leases"]`` lets
-tests check that callers unlock exactly what they looked up.
+tests check that callers unlock exactly what they looked up. Capacity and
+tenant caps are kept as the fs adapter keeps them (``kvtier.l2.local_index``).
 """
 
 from __future__ import annotations
@@ -22,14 +23,15 @@ from __future__ import annotations
 import random
 import threading
 import time
-from collections import Counter, OrderedDict
-from collections.abc import Callable, Sequence
+from collections import Counter
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 from kvtier.keys import KeySelector, ObjectKey
 from kvtier.l2.base import AdapterConfig, Buffer, CompletionCallback, PurgeStep
 from kvtier.l2.blocking import BackendUnavailable, BlockingAdapter
 from kvtier.l2.format import CorruptObject, decode_object, encode_object
+from kvtier.l2.local_index import LocalIndex
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -73,10 +75,10 @@ class MockAdapter(BlockingAdapter):
             config.unreachable,
         )
         self._rng = random.Random(config.seed)
-        self._data_lock = threading.Lock()  # guards _objects, _leases, _rng
-        self._objects: OrderedDict[ObjectKey, bytes] = OrderedDict()
+        self._data_lock = threading.Lock()  # guards _objects, _index, _leases, _rng
+        self._objects: dict[ObjectKey, bytes] = {}
+        self._index = LocalIndex(config.capacity_bytes)  # what _objects holds, in order
         self._leases: Counter[ObjectKey] = Counter()
-        self._used = 0
         self._link_lock = threading.Lock()
         self._link_free = 0.0  # when the link has sent what was queued on it
 
@@ -86,22 +88,29 @@ class MockAdapter(BlockingAdapter):
         """Replace a stored copy by ``change(copy)`` (to plant bad data)."""
         with self._data_lock:
             value = change(self._objects[key])
-            self._used += len(value) - len(self._objects[key])
-            self._objects[key] = value
+        self._put(key, value)
 
     def wipe(self) -> None:
         """Forget every object, as a store restarted without persistence does."""
         with self._data_lock:
             self._objects.clear()
-            self._used = 0
+            self._index.clear()
 
     def keys(self) -> list[ObjectKey]:
         with self._data_lock:
-            return list(self._objects)
+            return self._index.keys()
 
     def held_sizes(self) -> list[tuple[ObjectKey, int]]:
         with self._data_lock:
-            return [(k, len(v)) for k, v in self._objects.items()]
+            return self._index.items()
+
+    def set_owners(self, owner_of: Callable[[str], str], caps: Mapping[str, int]) -> bool:
+        with self._data_lock:
+            evicted = self._index.set_owners(owner_of, caps)
+            for key in evicted.keys:
+                del self._objects[key]
+        self._counters.add("quota_evictions", len(evicted.own))
+        return True
 
     def delete(self, keys: Sequence[ObjectKey]) -> int:
         with self._data_lock:
@@ -112,7 +121,7 @@ class MockAdapter(BlockingAdapter):
 
     def purge(self, selector: KeySelector, cursor: str | None, limit: int) -> PurgeStep:
         with self._data_lock:
-            matched = [k for k in self._objects if selector.matches(k)]
+            matched = [k for k in self._index if selector.matches(k)]
             for key in matched[:limit]:
                 self._drop(key)
         return PurgeStep(min(len(matched), limit), "" if len(matched) > limit else None)
@@ -135,6 +144,12 @@ class MockAdapter(BlockingAdapter):
             cap = self.mock_config.capacity_bytes
             if cap and len(value) > cap:
                 self._count_failure("capacity")
+                written.append(None)
+                continue
+            with self._data_lock:
+                refused = self._index.refuses(key, len(value))
+            if refused:
+                self._count_failure("over_quota")
                 written.append(None)
                 continue
             if buffer.nbytes and self._chance(self.faults.corrupt_rate):
@@ -184,7 +199,7 @@ class MockAdapter(BlockingAdapter):
         with self._data_lock:
             return {
                 "objects": len(self._objects),
-                "used_bytes": self._used,
+                "used_bytes": self._index.used,
                 "leases": sum(self._leases.values()),
             }
 
@@ -202,17 +217,17 @@ class MockAdapter(BlockingAdapter):
         return True
 
     def _put(self, key: ObjectKey, value: bytes) -> None:
-        cap = self.mock_config.capacity_bytes
         with self._data_lock:
-            if key in self._objects:
-                self._drop(key)
             self._objects[key] = value
-            self._used += len(value)
-            while cap and self._used > cap and self._objects:
-                self._drop(next(iter(self._objects)))
+            evicted = self._index.admit(key, len(value))
+            for victim in evicted.keys:
+                del self._objects[victim]
+        self._counters.add("quota_evictions", len(evicted.own))
+        self._counters.add("evictions", len(evicted.oldest))
 
     def _drop(self, key: ObjectKey) -> None:
-        self._used -= len(self._objects.pop(key))
+        del self._objects[key]
+        self._index.forget(key)
 
     def _chance(self, rate: float) -> bool:
         if rate <= 0:

@@ -23,6 +23,12 @@ precedence). For example::
     api_keys = ["sk-..."]                   # keep this file private (0600)
     requests_per_s = 20
     prompt_tokens_per_s = 200000
+
+The two tokens are secrets: ``cache_token`` (what the router shows the cache
+servers) and ``operator_token`` (what its ``/status`` and ``/metrics`` ask
+for) come from the file, ``KVTIER_ROUTE_CACHE_TOKEN`` /
+``KVTIER_ROUTE_OPERATOR_TOKEN``, or a file named by ``cache_token_file`` /
+``operator_token_file``; never from a flag.
 """
 
 from __future__ import annotations
@@ -32,7 +38,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvtier.config import from_mapping, load, read_toml
+from kvtier.config import from_mapping, load, read_toml, secret
 from kvtier.keys import salt_label
 from kvtier.router.chunks import MAX_NODES
 from kvtier.router.cost import CostConfig
@@ -81,12 +87,25 @@ class RouterConfig:
     events_stale_s: float = 5.0  # no event for this long: approximate mode for that node
     approx_ttl_s: float = 60.0
     prefetch: bool = True  # tell the chosen node's cache server to start L2 -> L1 loads
+    # A request's body, at most (413 past it). The router parses it whole: a
+    # prompt of token ids costs ~10x its bytes in memory while it is checked.
+    max_body_bytes: int = 16 << 20
     engines: tuple[Any, ...] = ()  # EngineSpec tables
     tenants: tuple[Any, ...] = ()  # TenantSpec tables
     # The cache servers' tenants file (kvtier.server.tenants): its tenants become
     # the gateway's (token digests as API keys, first salt as cache_salt); a
     # [[tenants]] table of the same name adds its limits.
     tenants_file: str = ""
+    # Secrets: from this file, KVTIER_ROUTE_CACHE_TOKEN or cache_token_file.
+    # The token the router shows the cache servers (GET /status, POST /prefetch):
+    # an admin tenant's, when they have tokens (kvtier serve --tenants-file or
+    # --auth-token-file).
+    cache_token: str = field(default="", repr=False)
+    cache_token_file: str = ""
+    # The token /status and /metrics ask for (they describe every tenant); with
+    # tenants and no operator token, nobody may read them.
+    operator_token: str = field(default="", repr=False)
+    operator_token_file: str = ""
     cost: CostConfig = field(default_factory=CostConfig)
 
     def __post_init__(self) -> None:
@@ -94,7 +113,12 @@ class RouterConfig:
             raise ValueError(f"--policy {self.policy!r} is not one of {sorted(POLICIES)}")
         if not 0 <= self.port < 65536:
             raise ValueError(f"--port {self.port} is not a TCP port")
-        for option in ("connect_timeout_s", "first_byte_timeout_s", "status_poll_s"):
+        for option in (
+            "connect_timeout_s",
+            "first_byte_timeout_s",
+            "status_poll_s",
+            "max_body_bytes",
+        ):
             if getattr(self, option) <= 0:
                 raise ValueError(f"option {option!r} must be positive")
         if len(self.engines) > MAX_NODES:
@@ -141,7 +165,12 @@ def load_router_config(
     if len(set(names)) != len(names):
         raise ValueError(f"two engines share a name: {names}")
     tenants = _with_tenants_file(config.tenant_specs(), config.tenants_file)
-    return dataclasses.replace(config, engines=engines, tenants=tuple(tenants))
+    secrets: dict[str, Any] = {
+        name: secret(path, f"{name}_file", ENV_PREFIX + name.upper())
+        for name in ("cache_token", "operator_token")
+        if (path := getattr(config, f"{name}_file"))
+    }
+    return dataclasses.replace(config, engines=engines, tenants=tuple(tenants), **secrets)
 
 
 def _with_tenants_file(specs: list[TenantSpec], path: str) -> list[TenantSpec]:

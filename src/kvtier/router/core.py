@@ -191,6 +191,14 @@ class Router:
                 node.inflight_tokens -= routed.decision.prefill_tokens
                 node.inflight_s -= routed.decision.expected_ttft_s - routed.decision.queue_s
 
+    def live_nodes(self) -> list[Node]:
+        """The engines up now, the least busy first (for work outside a plan:
+        tokenizing a prompt)."""
+        now = self._clock()
+        with self._lock:
+            live = [n for n in self.nodes if n.live(now)]
+            return sorted(live, key=lambda n: (n.inflight_requests, n.index))
+
     def failed(self, node_index: int, reason: str) -> None:
         """Take the engine out for ``down_s``; count why."""
         with self._lock:

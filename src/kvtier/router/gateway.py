@@ -12,7 +12,11 @@
   second, each with a burst. A request that would overdraw either is refused
   (429) with ``Retry-After``: the seconds until the bucket holds enough.
   A prompt larger than a whole bucket could ever hold is refused for good
-  (the error says so), not asked to retry.
+  (the error says so), not asked to retry. The request bucket is asked
+  first, before the prompt is tokenized (``admit_request``); the prompt
+  bucket once its tokens are known (``admit_prompt``).
+- The router's ``/status`` and ``/metrics`` describe every tenant: they need
+  the operator's token (``operator``), never a tenant's key.
 
 Keys are compared as SHA-256 digests in constant time; they are never logged
 or shown in ``/status``.
@@ -125,7 +129,10 @@ class Gateway:
     """See the module docstring. Thread-safe."""
 
     def __init__(
-        self, tenants: Sequence[TenantSpec], clock: Callable[[], float] = time.monotonic
+        self,
+        tenants: Sequence[TenantSpec],
+        clock: Callable[[], float] = time.monotonic,
+        operator_token: str = "",
     ) -> None:
         names = [t.name for t in tenants]
         if len(set(names)) != len(names):
@@ -145,6 +152,9 @@ class Gateway:
                     raise ValueError(f"tenant {spec.name!r}: an API key is given to two tenants")
                 self._keys.append((digest, tenant))
         self.open = not tenants  # no tenants configured: no keys asked for
+        self._operator = token_digest(operator_token) if operator_token else None
+        if self._operator and any(hmac.compare_digest(self._operator, d) for d, _ in self._keys):
+            raise ValueError("operator_token is also a tenant's API key: give the operator its own")
 
     def authenticate(self, authorization: str | None) -> Tenant | None:
         """The tenant of an ``Authorization`` header; None: refuse (401)."""
@@ -159,19 +169,44 @@ class Gateway:
                 found = tenant
         return found
 
-    def admit(self, tenant: Tenant, prompt_tokens: int) -> Admission:
+    def admit_request(self, tenant: Tenant) -> Admission:
+        """Take one request from the tenant's request bucket, before any work
+        is done for the request (tokenizing included)."""
         with self._lock:
             if tenant.requests is not None:
                 wait = tenant.requests.take(1)
                 if wait is None or wait > 0:
                     return Admission("requests", wait)
+            return Admission()
+
+    def give_back_request(self, tenant: Tenant) -> None:
+        """Undo ``admit_request`` for a request refused through no fault of
+        the tenant's (no engine could tokenize it)."""
+        with self._lock:
+            if tenant.requests is not None:
+                tenant.requests.give_back(1)
+
+    def admit_prompt(self, tenant: Tenant, prompt_tokens: int) -> Admission:
+        """Take the tokenized prompt from the tenant's prompt-token bucket.
+        A refusal keeps the request's token: the request was tokenized, and
+        the request rate is what bounds the tokenizing a tenant can cause."""
+        with self._lock:
             if tenant.tokens is not None:
                 wait = tenant.tokens.take(prompt_tokens)
                 if wait is None or wait > 0:
-                    if tenant.requests is not None:
-                        tenant.requests.give_back(1)
                     return Admission("too_large" if wait is None else "prompt_tokens", wait)
             return Admission()
+
+    def operator(self, authorization: str | None) -> bool | None:
+        """Whether an ``Authorization`` header is the operator's (``/status``,
+        ``/metrics``). None: no credential is needed (no tenants and no
+        operator token configured: a single-team router)."""
+        if self._operator is None:
+            return None if self.open else False
+        if not authorization or not authorization.startswith("Bearer "):
+            return False
+        digest = token_digest(authorization[len("Bearer ") :].strip())
+        return hmac.compare_digest(digest, self._operator)
 
     def count(self, tenant: Tenant, outcome: str) -> None:
         with self._lock:

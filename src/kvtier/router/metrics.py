@@ -31,6 +31,12 @@ class Metrics:
         self.prefetches = Counter(
             "kvtier_route_prefetches", "routing-time prefetches by outcome", ["outcome"], registry=r
         )
+        self.cache_server_errors = Counter(
+            "kvtier_route_cache_server_errors",
+            "polls of a cache server's /status the router could not read, by reason",
+            ["engine", "reason"],
+            registry=r,
+        )
         self.ttft = Histogram(
             "kvtier_route_ttft_seconds",
             "time to the first streamed token, through the router",

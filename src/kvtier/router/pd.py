@@ -23,6 +23,15 @@ disaggregated-serving proxy API; the two bodies' shapes:
 A hand-off that fails ends with the request's policy (``kvtier_on_failure``
 in the body, else ``--on-failure``): ``recompute`` on the decode engine, or
 an ``error`` answer (502) naming the cause.
+
+Each failure is answered as the party that caused it: a malformed body gets
+400 (413: too large) naming what to change, before any engine is asked; an
+engine's 4xx is its word on the client's request and is passed on; an engine
+that cannot be reached, fails (5xx, or refuses the proxy's own credentials:
+401, 403) or answers 200 with no completion the proxy can read gets the
+client a 502 naming the engine. Once a stream has started, a decode engine's
+failure ends it with an error event and ``data: [DONE]``; a client that
+leaves ends its own request only, and its decode stream is closed.
 """
 
 from __future__ import annotations
@@ -40,7 +49,8 @@ import aiohttp
 from aiohttp import web
 
 from kvtier.engine.vllm.handoff import CAUSE, HANDOFF_ID, ON_FAILURE, OUTCOME, POLICIES
-from kvtier.router.app import error
+from kvtier.router.app import error, error_body
+from kvtier.router.body import BadRequest, read_body
 from kvtier.router.pd_api import API_PATHS, Api, streamed_usage, usage
 from kvtier.router.serving import serve_app
 
@@ -50,6 +60,8 @@ FATES = {  # an ended hand-off's outcome, as the error says it
     "consumed": "was already consumed",
     "incomplete": "was incomplete: the prefill engine's stores did not all land",
 }
+CREDENTIALS = (401, 403)  # refusals of the proxy's own credentials: the engine's failure
+DONE = b"data: [DONE]\n\n"
 
 
 @dataclass(eq=False)
@@ -58,8 +70,24 @@ class Instance:
     in_flight: int = 0
 
 
-class PrefillFailed(Exception):
-    """The prefill engine did not answer the request."""
+class EngineRefused(Exception):
+    """An engine refused the request as the client sent it (a 4xx): passed on."""
+
+    def __init__(self, status: int, data: bytes) -> None:
+        super().__init__(f"the engine answered {status}")
+        self.status = status
+        self.data = data
+
+    def response(self) -> web.Response:
+        return web.Response(status=self.status, body=self.data, content_type="application/json")
+
+
+class EngineFailed(Exception):
+    """An engine gave no usable answer; ``reason`` is how, for the counts."""
+
+    def __init__(self, reason: str, message: str) -> None:
+        super().__init__(message)
+        self.reason = reason
 
 
 class PDProxy:
@@ -119,11 +147,9 @@ class PDProxy:
 
     async def _completions(self, api: Api, request: web.Request) -> web.StreamResponse:
         try:
-            body = await request.json()
-        except ValueError:
-            return error(400, "the body is not JSON", "invalid_request_error")
-        if not isinstance(body, dict):
-            return error(400, "the body must be a JSON object", "invalid_request_error")
+            body = await _client_body(request)
+        except BadRequest as exc:
+            return error(exc.status, str(exc), exc.kind)
         problem = api.check(body)
         if problem:
             return error(400, problem, "invalid_request_error")
@@ -132,9 +158,12 @@ class PDProxy:
             return error(400, f"{ON_FAILURE} must be one of {POLICIES}", "invalid_request_error")
         max_tokens = api.max_tokens(body)
         try:
-            first = await self._prefill(api, body)
-        except PrefillFailed as exc:
-            self._count("prefill_failed")
+            first = await self._ask(self.prefill, "prefill", api, api.prefill_body(body))
+        except EngineRefused as exc:
+            self._count("refused_by_prefill")
+            return exc.response()
+        except EngineFailed as exc:
+            self._count(f"prefill_failed.{exc.reason}")
             return error(502, str(exc), "engine_error")
         return_ids = bool(body.get("return_token_ids"))
         if max_tokens == 1 or first["choices"][0].get("finish_reason") == "stop":
@@ -149,85 +178,93 @@ class PDProxy:
             params = {}
         handoff = {**params, ON_FAILURE: policy} if params else {}
         decode_body = api.decode_body(body, first, handoff, max_tokens)
-        if body.get("stream"):
-            return await self._stream(api, request, first, decode_body, params)
-        return await self._joined(api, first, decode_body, params)
-
-    async def _prefill(self, api: Api, body: dict[str, Any]) -> dict[str, Any]:
-        status, data = await self._post(self.prefill, api.path, api.prefill_body(body))
-        if status != 200:
-            raise PrefillFailed(f"the prefill engine answered {status}: {data[:500]!r}")
-        answer: dict[str, Any] = json.loads(data)
-        return answer
-
-    async def _post(
-        self, pool: list[Instance], path: str, body: dict[str, Any]
-    ) -> tuple[int, bytes]:
-        assert self.session is not None
-        instance = min(pool, key=lambda i: i.in_flight)
-        instance.in_flight += 1
         try:
-            async with self.session.post(instance.url + path, json=body) as resp:
-                return resp.status, await resp.read()
-        except (TimeoutError, aiohttp.ClientError) as exc:
-            return 503, f"{instance.url} unreachable: {exc}".encode()
-        finally:
-            instance.in_flight -= 1
-
-    async def _joined(
-        self, api: Api, first: dict[str, Any], decode_body: dict[str, Any], params: dict[str, Any]
-    ) -> web.Response:
-        status, data = await self._post(self.decode, api.path, decode_body)
-        if status != 200:
-            self._count(f"decode_failed.{status}")
-            return error(502, await self._decode_failure(status, data, params), "engine_error")
-        rest = json.loads(data)
+            if body.get("stream"):
+                return await self._stream(api, request, first, decode_body)
+            rest = await self._ask(self.decode, "decode", api, decode_body)
+        except EngineRefused as exc:
+            self._count("refused_by_decode")
+            return exc.response()
+        except EngineFailed as exc:
+            self._count(f"decode_failed.{exc.reason}")
+            return error(502, await self._decode_failure(exc, params), "engine_error")
         answer = api.joined(first, rest, decode_body["return_token_ids"])
         answer["usage"] = usage(first, rest, rest.get("kv_transfer_params") if params else None)
         answer.pop("kv_transfer_params", None)
         self._count(_outcome(rest.get("kv_transfer_params"), params))
         return web.json_response(answer)
 
+    async def _ask(
+        self, pool: list[Instance], kind: str, api: Api, body: dict[str, Any]
+    ) -> dict[str, Any]:
+        """The least busy engine of ``pool``'s completion for ``body``.
+        ``EngineRefused``: it refused the client's request; ``EngineFailed``:
+        no completion came."""
+        assert self.session is not None
+        instance = min(pool, key=lambda i: i.in_flight)
+        instance.in_flight += 1
+        try:
+            async with self.session.post(instance.url + api.path, json=body) as resp:
+                status, data = resp.status, await resp.read()
+        except (TimeoutError, aiohttp.ClientError) as exc:
+            message = f"the {kind} engine {instance.url} failed: {exc!r}"
+            raise EngineFailed("no_answer", message) from None
+        finally:
+            instance.in_flight -= 1
+        _judge(kind, instance.url, status, data)
+        try:
+            answer: dict[str, Any] = json.loads(data)
+        except (ValueError, RecursionError) as exc:
+            problem = f"not JSON ({exc.__class__.__name__})"
+        else:
+            problem = api.unreadable(answer, prefill=kind == "prefill")
+        if problem:
+            message = f"the {kind} engine {instance.url} answered 200 with no completion: {problem}"
+            raise EngineFailed("not_a_completion", message)
+        return answer
+
     async def _stream(
-        self,
-        api: Api,
-        request: web.Request,
-        first: dict[str, Any],
-        decode_body: dict[str, Any],
-        params: dict[str, Any],
+        self, api: Api, request: web.Request, first: dict[str, Any], decode_body: dict[str, Any]
     ) -> web.StreamResponse:
+        """The prefill's token, then the decode engine's events. Before the
+        first byte, the decode engine's failure raises as ``_ask``'s does."""
         assert self.session is not None
         instance = min(self.decode, key=lambda i: i.in_flight)
         instance.in_flight += 1
         try:
             async with self.session.post(instance.url + api.path, json=decode_body) as upstream:
                 if upstream.status != 200:
-                    data = await upstream.read()
-                    self._count(f"decode_failed.{upstream.status}")
-                    message = await self._decode_failure(upstream.status, data, params)
-                    return error(502, message, "engine_error")
+                    _judge("decode", instance.url, upstream.status, await upstream.read())
                 response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
-                await response.prepare(request)
-                head = api.first_chunk(first, decode_body["return_token_ids"])
-                await response.write(_event(head))
-                async for line in upstream.content:
-                    await response.write(_patched(line, first))
-                await response.write_eof()
-                self._count("streamed")
+                try:
+                    await response.prepare(request)
+                    head = api.first_chunk(first, decode_body["return_token_ids"])
+                    await response.write(_event(head))
+                    failure = await _relay(upstream, response, first, instance.url)
+                    if failure:
+                        self._count("decode_failed.mid_stream")
+                        await response.write(_event(error_body(failure, "engine_error", 502)))
+                        await response.write(DONE)
+                    else:
+                        self._count("streamed")
+                    await response.write_eof()
+                except ConnectionError:  # a write to the client failed: it left
+                    upstream.close()  # the decode engine sees it and stops generating
+                    self._count("client_gone")
                 return response
         except (TimeoutError, aiohttp.ClientError) as exc:
-            return error(502, f"the decode engine failed: {exc}", "engine_error")
+            message = f"the decode engine {instance.url} failed: {exc!r}"
+            raise EngineFailed("no_answer", message) from None
         finally:
             instance.in_flight -= 1
 
-    async def _decode_failure(self, status: int, data: bytes, params: dict[str, Any]) -> str:
+    async def _decode_failure(self, failed: EngineFailed, params: dict[str, Any]) -> str:
         """The error for a decode engine that failed the request: under the
         error policy, a hand-off that did not come. The cause is the cache
         server's word (``--cache-admin``), when it can be asked."""
         handoff = str(params.get(HANDOFF_ID, ""))
-        head = f"the decode engine answered {status} for hand-off {handoff or '(none)'}"
         cause = await self._fate(handoff) if handoff else ""
-        return f"{head}: {cause or 'see the decode engine log'}; engine said {data[:300]!r}"
+        return f"{failed} (hand-off {handoff or '(none)'}: {cause or 'see the decode engine log'})"
 
     async def _fate(self, handoff: str) -> str:
         """What the cache server says became of ``handoff``, in words."""
@@ -239,9 +276,15 @@ class PDProxy:
             async with self.session.post(
                 self.cache_admin + "/admin/handoff", json={"id": handoff}, headers=headers
             ) as resp:
-                fate = await resp.json()
+                status, text = resp.status, await resp.text()
         except (TimeoutError, aiohttp.ClientError, ValueError) as exc:
             return f"the cache server is away ({exc})"
+        try:
+            fate = json.loads(text) if status == 200 else None
+        except ValueError:
+            fate = None
+        if not isinstance(fate, dict):  # e.g. 401: the proxy has no KVTIER_AUTH_TOKEN
+            return f"the cache server's admin API answered {status}: {text[:200]!r}"
         if fate.get("state") == "ended":
             return f"the hand-off {FATES.get(fate.get('outcome', ''), fate.get('outcome'))}"
         if fate.get("state") == "held":
@@ -256,11 +299,54 @@ class PDProxy:
         if not body.get("stream"):
             return web.json_response(answer)
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
-        await response.prepare(request)
-        await response.write(_event(answer))
-        await response.write(b"data: [DONE]\n\n")
-        await response.write_eof()
+        try:
+            await response.prepare(request)
+            await response.write(_event(answer) + DONE)
+            await response.write_eof()
+        except ConnectionError:
+            self._count("client_gone")
         return response
+
+
+async def _client_body(request: web.Request) -> dict[str, Any]:
+    """The client's JSON object (strict, and nested no deeper than the
+    engines' encoder can follow: ``kvtier.router.body``), or ``BadRequest``
+    saying what is wrong with it."""
+    try:
+        raw = await request.read()
+    except web.HTTPRequestEntityTooLarge:
+        message = f"the body is over {request.client_max_size} bytes"
+        raise BadRequest(message, "body_too_large", 413) from None
+    return read_body(raw)
+
+
+def _judge(kind: str, url: str, status: int, data: bytes) -> None:
+    """Raise for an engine's answer other than 200: the client's refusal
+    (``EngineRefused``) or the engine's failure (``EngineFailed``)."""
+    if status == 200:
+        return
+    if 400 <= status < 500 and status not in CREDENTIALS:
+        raise EngineRefused(status, data)
+    message = f"the {kind} engine {url} answered {status}: {data[:300]!r}"
+    raise EngineFailed(f"http_{status}", message)
+
+
+async def _relay(
+    upstream: aiohttp.ClientResponse, response: web.StreamResponse, first: dict[str, Any], url: str
+) -> str:
+    """Forward the decode engine's events to the client until the stream
+    ends: "" when it ended, else how the engine failed. A failed write to
+    the client raises (``ConnectionError``)."""
+    while True:
+        try:
+            line = await upstream.content.readline()
+            patched = _patched(line, first)
+        # ValueError: a line past aiohttp's limit, or a usage the proxy cannot read.
+        except (TimeoutError, aiohttp.ClientError, ValueError, RecursionError) as exc:
+            return f"the decode engine {url} failed mid-stream ({exc!r}); retry the request"
+        if not line:
+            return ""
+        await response.write(patched)
 
 
 def _outcome(decoded: dict[str, Any] | None, params: dict[str, Any]) -> str:
@@ -274,13 +360,14 @@ def _outcome(decoded: dict[str, Any] | None, params: dict[str, Any]) -> str:
 
 def _patched(line: bytes, first: dict[str, Any]) -> bytes:
     """A decode stream's line, its usage (if any) counting the prompt as the
-    client sent it and the prefill's token."""
+    client sent it and the prefill's token. ``ValueError`` if that usage
+    cannot be read."""
     if not line.startswith(b"data: {") or b'"usage"' not in line:
         return line
     event = json.loads(line[len(b"data: ") :])
     if event.get("usage"):
         event["usage"] = streamed_usage(event["usage"], first)
-    return _event(event)
+    return b"data: " + json.dumps(event).encode() + b"\n"  # the blank line follows as it came
 
 
 def _event(data: dict[str, Any]) -> bytes:

@@ -12,18 +12,74 @@ how to ask the decode engine for the rest, and how to join the two answers.
 
 Both count ``usage`` as the client sent the request: the prompt once, every
 generated token once.
+
+``kv_transfer_params`` is the proxy's alone: a client's is refused (it could
+name another request's hand-off, or prompt ids no check has seen), and the
+decode engine gets only what the prefill engine returned. An engine's answer
+is read only once it has the shape the proxy reads (``Api.unreadable``).
 """
 
 from __future__ import annotations
 
-from typing import Any, ClassVar
+from typing import Annotated, Any, ClassVar, Generic, TypeVar
+
+import msgspec
 
 from kvtier.engine.vllm.handoff import CAUSE, HANDOFF_ID, OUTCOME
 
 DEFAULT_MAX_TOKENS = 16  # vLLM's, for a completion that names none
 NOT_OFFERED = {OUTCOME: "recomputed", CAUSE: "not_offered"}
+KV_TRANSFER = "kv_transfer_params"
+SWITCHES = ("stream", "return_token_ids")  # booleans the proxy itself acts on
 
 Body = dict[str, Any]
+
+
+# What the proxy reads of an engine's answer; any other field passes through.
+class EngineUsage(msgspec.Struct):
+    prompt_tokens: int
+    completion_tokens: int
+
+
+class TextLogprobs(msgspec.Struct):
+    tokens: list[Any]
+    token_logprobs: list[Any]
+    text_offset: list[int]
+    top_logprobs: list[Any] | None = None
+
+
+class TextChoice(msgspec.Struct):
+    text: str
+    token_ids: list[int] | None = None
+    prompt_token_ids: list[int] | None = None
+    logprobs: TextLogprobs | None = None
+
+
+class ChatMessage(msgspec.Struct):
+    content: str | None = None
+
+
+class ChatLogprobs(msgspec.Struct):
+    content: list[Any]
+
+
+class ChatChoice(msgspec.Struct):
+    message: ChatMessage
+    token_ids: list[int] | None = None
+    logprobs: ChatLogprobs | None = None
+
+
+Choice = TypeVar("Choice", TextChoice, ChatChoice)
+
+
+class EngineAnswer(msgspec.Struct, Generic[Choice]):
+    id: str
+    created: int
+    model: str
+    choices: Annotated[list[Choice], msgspec.Meta(min_length=1)]
+    usage: EngineUsage
+    prompt_token_ids: list[int] | None = None
+    kv_transfer_params: dict[str, Any] | None = None
 
 
 class Api:
@@ -31,14 +87,20 @@ class Api:
 
     path: ClassVar[str]
     limit_fields: ClassVar[tuple[str, ...]]  # where a body names its token limit
+    answer: ClassVar[type[EngineAnswer[Any]]]  # what the proxy reads of an engine's answer
 
     def check(self, body: Body) -> str:
         """What is wrong with a client's body ("": nothing)."""
+        if body.get(KV_TRANSFER) not in (None, {}):
+            return f"{KV_TRANSFER} is set by pd-proxy for its engines, not by clients: leave it out"
+        for name in SWITCHES:
+            if not isinstance(body.get(name), bool | None):
+                return f"{name} must be true or false"
         if body.get("n", 1) != 1 or body.get("best_of", 1) != 1:
             return "pd-proxy serves n = 1 and best_of = 1 only"
         for name in self.limit_fields:
             value = body.get(name)
-            if value is not None and (not isinstance(value, int) or value < 1):
+            if value is not None and (not _integer(value) or value < 1):
                 return f"{name} must be a positive integer"
         if body.get("echo"):
             return "pd-proxy does not echo the prompt"
@@ -58,8 +120,10 @@ class Api:
         return prefill
 
     def decode_body(self, body: Body, first: Body, params: Body, max_tokens: int) -> Body:
-        """The rest of the answer: the prompt and the first token, one token fewer."""
-        decode = dict(body)
+        """The rest of the answer: the prompt and the first token, one token
+        fewer; ``params`` (what the prefill engine returned) its only
+        ``kv_transfer_params``."""
+        decode = {k: v for k, v in body.items() if k != KV_TRANSFER}
         for name in self.limit_fields:
             decode.pop(name, None)
         decode[self.limit_fields[0]] = max_tokens - 1
@@ -69,6 +133,19 @@ class Api:
             decode["kv_transfer_params"] = params
         decode["return_token_ids"] = bool(body.get("return_token_ids"))
         return decode
+
+    def unreadable(self, answer: Any, prefill: bool) -> str:
+        """What keeps the proxy from reading an engine's 200 answer ("":
+        nothing). The prefill's must carry its prompt and token ids: the
+        decode engine's prompt is made of them."""
+        try:
+            msgspec.convert(answer, self.answer)
+        except msgspec.ValidationError as exc:
+            return str(exc)
+        prompt, generated = self.ids(answer)
+        if prefill and not (prompt and generated):
+            return "no prompt_token_ids or token_ids (does the engine know return_token_ids?)"
+        return ""
 
     def ids(self, answer: Body) -> tuple[list[int], list[int]]:
         """An engine's answer's prompt ids and generated ids."""
@@ -94,14 +171,18 @@ class Api:
 class Completions(Api):
     path = "/v1/completions"
     limit_fields = ("max_tokens",)
+    answer = EngineAnswer[TextChoice]
 
     def check(self, body: Body) -> str:
         prompt = body.get("prompt")
         single = isinstance(prompt, str) or (
-            isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt)
+            isinstance(prompt, list) and prompt and all(_integer(t) and t >= 0 for t in prompt)
         )
         if not single:
-            return "prompt must be one string or one list of token ids (pd-proxy takes one prompt)"
+            return (
+                "prompt must be one string or one list of token ids, integers from 0 "
+                "(pd-proxy takes one prompt)"
+            )
         return super().check(body)
 
     def decode_body(self, body: Body, first: Body, params: Body, max_tokens: int) -> Body:
@@ -139,6 +220,7 @@ class Completions(Api):
 class ChatCompletions(Api):
     path = "/v1/chat/completions"
     limit_fields = ("max_completion_tokens", "max_tokens")
+    answer = EngineAnswer[ChatChoice]
 
     def check(self, body: Body) -> str:
         messages = body.get("messages")
@@ -199,17 +281,24 @@ def usage(first: Body, rest: Body, decoded: Body | None) -> Body:
     return joined
 
 
-def streamed_usage(event_usage: Body, first: Body) -> Body:
+def streamed_usage(event_usage: Any, first: Body) -> Body:
     """A decode stream's usage, counting the prompt as the client sent it
-    and the prefill's token."""
+    and the prefill's token. ``msgspec.ValidationError`` (a ``ValueError``)
+    if it is not a usage."""
+    counted = msgspec.convert(event_usage, EngineUsage)
     patched = dict(event_usage)
     patched["prompt_tokens"] = int(first["usage"]["prompt_tokens"])
-    patched["completion_tokens"] = int(event_usage["completion_tokens"]) + 1
+    patched["completion_tokens"] = counted.completion_tokens + 1
     patched["total_tokens"] = patched["prompt_tokens"] + patched["completion_tokens"]
     return patched
 
 
 API_PATHS: dict[str, Api] = {api.path: api for api in (Completions(), ChatCompletions())}
+
+
+def _integer(value: Any) -> bool:
+    """An integer in JSON's sense (Python's ``True`` is an ``int`` too)."""
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def _head(first: Body, kind: str) -> Body:

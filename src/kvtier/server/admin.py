@@ -33,6 +33,38 @@ from kvtier.server.transport import ServerTransport
 
 MAX_PREFETCH_BODY = 1 << 20
 MAX_ADMIN_BODY = 4 << 20
+BODY_TIMEOUT_S = 30.0
+MAX_NESTING = 32  # the admin API's bodies are flat: two levels suffice
+
+
+def json_object(raw: bytes) -> dict[str, Any]:
+    """A request body (empty: ``{}``) as a JSON object; ValueError says what
+    is wrong. Bodies are flat: nesting past ``MAX_NESTING`` is refused here,
+    as is nesting past Python's recursion limit (json raises RecursionError,
+    which no caller expects), so no handler recurses through a body. A
+    number a field cannot take (``1e400`` reads as inf, ``NaN``) is refused
+    by that field's check, which names it."""
+    try:
+        body = json.loads(raw or b"{}")
+    except RecursionError:
+        raise ValueError(f"the body is nested more than {MAX_NESTING} levels deep") from None
+    if not isinstance(body, dict):
+        raise ValueError("the body must be a JSON object")
+    if _nesting(body) > MAX_NESTING:
+        raise ValueError(f"the body is nested more than {MAX_NESTING} levels deep")
+    return body
+
+
+def _nesting(value: Any) -> int:
+    """How deep lists and objects nest in ``value`` (a loop, not recursion)."""
+    deepest, stack = 0, [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        items = item.values() if isinstance(item, dict) else item
+        if isinstance(item, dict | list):
+            deepest = max(deepest, depth)
+            stack.extend((child, depth + 1) for child in items)
+    return deepest
 
 
 class SnapshotCollector(Collector):
@@ -116,19 +148,19 @@ class AdminHTTP:
                 else:
                     self._send(404, b"not found\n", "text/plain")
 
-            def _json_body(self) -> dict[str, Any] | None:
-                """The request's JSON object (None: a 400 was sent)."""
+            def _json_body(self, limit: int = MAX_ADMIN_BODY) -> dict[str, Any] | None:
+                """The request's JSON object (None: a 400 was sent, or the
+                client stopped sending and its connection is dropped)."""
                 try:
                     length = int(self.headers.get("Content-Length") or 0)
-                    if not 0 <= length <= MAX_ADMIN_BODY:
-                        raise ValueError(f"a body of at most {MAX_ADMIN_BODY} bytes, please")
-                    body = json.loads(self.rfile.read(length) or b"{}")
-                    if not isinstance(body, dict):
-                        raise ValueError("the body must be a JSON object")
-                    return body
+                    if not 0 <= length <= limit:
+                        raise ValueError(f"a body of at most {limit} bytes, please")
+                    return json_object(self.rfile.read(length))
                 except ValueError as exc:
                     self._send(400, json.dumps({"error": str(exc)}).encode(), "application/json")
-                    return None
+                except TimeoutError:
+                    self.close_connection = True  # a body announced, never sent: not a fault
+                return None
 
             def _api(self, method: str, body: dict[str, Any]) -> None:
                 code, answer = api.handle(method, self.path, body)
@@ -136,11 +168,10 @@ class AdminHTTP:
 
             def _prefetch(self) -> None:
                 """``{"model": label, "salt": label, "hashes": [hex, ...]}``."""
+                body = self._json_body(MAX_PREFETCH_BODY)
+                if body is None:
+                    return
                 try:
-                    length = int(self.headers.get("Content-Length") or 0)
-                    if not 0 < length <= MAX_PREFETCH_BODY:
-                        raise ValueError(f"a body of 1 to {MAX_PREFETCH_BODY} bytes, please")
-                    body = json.loads(self.rfile.read(length))
                     hashes = [bytes.fromhex(h) for h in body["hashes"]]
                     asked = warmup.start(str(body["model"]), str(body["salt"]), hashes)
                 except KeyError as exc:
@@ -174,11 +205,15 @@ class AdminHTTP:
                     self.send_header("Content-Length", str(len(body)))
                     self.end_headers()
                     self.wfile.write(body)
-                except (BrokenPipeError, ConnectionResetError):
+                except (BrokenPipeError, ConnectionResetError, TimeoutError):
                     self.close_connection = True  # the client gave up waiting: not a fault
 
             def log_message(self, format: str, *args: Any) -> None:
                 return None  # no request lines in the server log
+
+            # A client that announces a body and stops sending holds a thread
+            # until this (seconds); then its connection is dropped.
+            timeout = BODY_TIMEOUT_S
 
         self._server = ThreadingHTTPServer((host, port), Handler)
         self.port = self._server.server_address[1]

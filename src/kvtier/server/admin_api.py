@@ -31,10 +31,11 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from kvtier.keys import KeySelector, model_label, salt_label
+from kvtier.keys import KeySelector, given_salt_label, model_label
 from kvtier.l1 import L1Result
 from kvtier.l1.quotas import OwnerLimit
 from kvtier.server.dashboard import History, totals
+from kvtier.server.tenants import ANY_SALT
 from kvtier.units import parse_size
 
 if TYPE_CHECKING:
@@ -42,6 +43,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 Answer = tuple[int, dict[str, Any]]
+MAX_BYTES = (1 << 63) - 1  # a size every store, metric and JSON reader can hold
 
 
 class BadRequest(ValueError):
@@ -76,6 +78,8 @@ class AdminAPI:
         }
 
     def handle(self, method: str, path: str, body: dict[str, Any]) -> Answer:
+        """One call's status and answer. A handler's own failure is a 500 that
+        says so (and is logged): a fault of the server, never of the body."""
         route = self.routes.get((method, path))
         if route is None:
             known = sorted({p for _, p in self.routes})
@@ -86,6 +90,9 @@ class AdminAPI:
             return 400, {"error": str(exc)}
         except NotFound as exc:
             return 404, {"error": str(exc)}
+        except Exception:
+            log.exception("admin: %s %s failed", method, path)
+            return 500, {"error": f"{method} {path} failed inside the server (see its log)"}
 
     # ------------------------------------------------------------- reads
 
@@ -214,7 +221,7 @@ class AdminAPI:
         return self._pin(body, 0.0)
 
     def _pin(self, body: dict[str, Any], ttl_s: float) -> dict[str, Any]:
-        model, salt = model_label(_text(body, "model")), salt_label(_text(body, "salt", ""))
+        model, salt = model_label(_text(body, "model")), given_salt_label(_text(body, "salt", ""))
         hashes = body.get("hashes")
         if not isinstance(hashes, list) or not all(isinstance(h, str) for h in hashes):
             raise BadRequest("give 'hashes': a list of chunk hashes in hex")
@@ -238,23 +245,16 @@ class AdminAPI:
             tenant = self.core.tenants.tenants.get(_text(body, "tenant"))
             if tenant is None:
                 raise NotFound(f"no tenant {body['tenant']!r}; see GET /admin/tenants")
-            salts = [s for s in tenant.salts if s != "*"]
+            salts = [s for s in tenant.salts if s != ANY_SALT]
             if not salts:
                 raise BadRequest(f"tenant {tenant.name!r} owns no salt of its own to purge")
-            selectors = [KeySelector(salt=s) for s in salts]
+            selectors = [KeySelector(salt=s) for s in salts]  # the table holds labels
         else:
-            model = body.get("model")
-            salt = body.get("salt")
+            model = _text(body, "model") if body.get("model") is not None else None
+            salt = _text(body, "salt") if body.get("salt") is not None else None
             if model is None and salt is None:
                 raise BadRequest("give 'model', 'salt' (or both), or 'tenant'")
-            try:
-                selectors = [
-                    KeySelector.of(
-                        None if model is None else str(model), None if salt is None else str(salt)
-                    )
-                ]
-            except ValueError as exc:
-                raise BadRequest(str(exc)) from None
+            selectors = [KeySelector.of(model, salt)]
         jobs = [self.core.purger.start(s).id for s in selectors]
         return {"jobs": jobs, "purges": [self.core.purger.job(j) for j in jobs]}
 
@@ -296,19 +296,27 @@ def _number(body: dict[str, Any], name: str, default: float) -> float:
     value = body.get(name, default)
     if isinstance(value, bool) or not isinstance(value, int | float):
         raise BadRequest(f"{name!r} must be a number, got {value!r}")
-    return float(value)
+    try:
+        return float(value)
+    except OverflowError:  # an integer of hundreds of digits
+        raise BadRequest(f"{name!r} is out of range") from None
 
 
 def _size(body: dict[str, Any], name: str) -> int | None:
+    """A byte count: a whole number, or a size such as "4GiB"; None: no limit."""
     value = body[name]
     if value is None:
         return None
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)  # 1e9 is a whole number; 1e400 (inf), NaN and 1.5 are not
     try:
-        size = parse_size(value, name) if isinstance(value, str) else int(value)
-    except (TypeError, ValueError) as exc:
-        raise BadRequest(str(exc)) from None
-    if size < 0:
-        raise BadRequest(f"{name} must be >= 0")
+        if isinstance(value, bool) or not isinstance(value, int | str):
+            raise ValueError(f"{name}: give a byte count or a size such as '4GiB', got {value!r}")
+        size = parse_size(value, name) if isinstance(value, str) else value
+    except (ValueError, OverflowError) as exc:  # OverflowError: "1" and 400 zeros
+        raise BadRequest(str(exc) if name in str(exc) else f"{name}: {exc}") from None
+    if not 0 <= size <= MAX_BYTES:
+        raise BadRequest(f"{name} must be in [0, {MAX_BYTES}] bytes, got {size}")
     return size
 
 

@@ -6,7 +6,8 @@ The token of an admin tenant comes from ``--token-file`` or the environment
 command line shows in ``ps``). ``kvtier admin token-digest`` prints the
 SHA-256 digest a tenants file holds for a token read from standard input.
 Every command prints a readable report; ``--json FILE`` also writes the
-answer as JSON (``-``: standard output).
+answer as JSON (``-``: standard output). ``purge --wait`` exits 1 unless
+every job it started is done (one failed, or still ran at ``--timeout-s``).
 """
 
 from __future__ import annotations
@@ -76,6 +77,11 @@ def _run(args: argparse.Namespace) -> int:
         print(line, file=stream)
     if args.json:
         write_json(args.json, answer)
+    if args.admin_command == "purge" and args.wait:
+        unfinished = [j["id"] for j in answer["purges"] if j["state"] != "done"]
+        if unfinished:  # a script's `purge --wait && ...` must not go on as if purged
+            print(f"kvtier admin: purges not done: {', '.join(unfinished)}", file=sys.stderr)
+            return 1
     return 0
 
 

@@ -6,21 +6,31 @@ keeps serving in between)::
 
     L1 ──► each L2 adapter in order ──► settle (wait, then every tier once more) ──► done
 
-- **L1**: resident objects the selector matches are deleted a batch at a
-  time. One a reader holds (a read lock, an I/O fence) is not: it is retried
-  on the next pass, so a read in flight finishes and a later one misses;
-  memory is never freed under a reader.
+- **L1**: resident objects the selector matches are purged a batch at a
+  time (``L1Manager.purge``). One a reader holds (a read lock, an I/O fence)
+  leaves the resident table at once, so no later lookup finds it, and its
+  memory is freed when the last reader lets go: a read in flight finishes,
+  a later one misses, memory is never freed under a reader. The pass ends
+  once no purged object is still being written to an L2 (a write-back in
+  flight), so the L2 passes after it find what that write-back wrote.
 - **L2**: ``L2Adapter.purge`` (directory index, Redis SCAN + UNLINK, S3
   listing + batch delete, Mooncake remove by regex), cursor by cursor; a
   backend failure is counted and retried after a pause, up to ``max_errors``.
 - **Settle**: objects a lookup was loading, a write-back was writing or a
   Mooncake read lease kept while the job ran are removed by one more pass
-  over every tier after ``settle_s``.
+  over every tier after ``settle_s``. Its L1 pass first waits for the
+  namespace's loads still in flight to land (L2 holds nothing of it now, so
+  no new one starts).
+
+A wait in L1 that lasts past ``hold_wait_s`` fails the job (purge again):
+a job is done only once every object it purged is gone or unreachable.
 
 While a job runs the server refuses stores into the namespace (``purging``),
 so nothing new appears behind it. Jobs are kept in ``state_file`` (JSON, next
 to the fs L2) after every step: a server restarted mid-purge resumes each
-unfinished job from the start (every step is idempotent). Thread safety: one
+unfinished job from the start (every step is idempotent). Only the last
+``KEPT_FINISHED_JOBS`` finished jobs are kept, so that many purges cost
+neither memory nor a state file rewritten ever longer. Thread safety: one
 lock guards the job table; the storage has its own.
 """
 
@@ -32,6 +42,7 @@ import os
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -42,6 +53,7 @@ from kvtier.storage import StorageManager
 
 log = logging.getLogger(__name__)
 L1_TIER = "L1"
+KEPT_FINISHED_JOBS = 100
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,7 +64,7 @@ class PurgeConfig:
     pause_s: float = 0.002  # between steps: the server keeps serving
     settle_s: float = 1.0  # before the last pass over every tier
     max_errors: int = 20  # backend failures per tier before the job fails
-    hold_wait_s: float = 60.0  # how long L1 waits for readers to let go
+    hold_wait_s: float = 60.0  # how long L1 waits for the namespace's loads and write-backs
 
     def __post_init__(self) -> None:
         if self.batch_objects < 1 or self.max_errors < 1:
@@ -66,7 +78,7 @@ class TierProgress:
     deleted: int = 0
     passes: int = 0
     errors: int = 0
-    held: int = 0  # L1: objects a reader held at the last pass (retried)
+    held: int = 0  # L1: purged objects a reader held (unreachable, freed as it lets go)
     done: bool = False
 
 
@@ -189,31 +201,55 @@ class Purger:
                 progress = job.tiers[name]
                 if settling:
                     progress.done = False
-                ok = self._l1(job, progress) if name == L1_TIER else self._l2(job, name, progress)
+                if name == L1_TIER:
+                    ok = self._l1(job, progress, settling)
+                else:
+                    ok = self._l2(job, name, progress)
                 if not ok:
                     return
         self._finish(job, "done")
 
-    def _l1(self, job: PurgeJob, progress: TierProgress) -> bool:
-        """Delete what L1 holds of the namespace; retry what readers hold."""
+    def _l1(self, job: PurgeJob, progress: TierProgress, settling: bool) -> bool:
+        """Purge what L1 holds of the namespace (held objects become
+        unreachable at once), then wait for write-backs of them to end. In
+        the last pass L2 holds nothing of it, so no new load can start: the
+        loads in flight are waited for first, and purged here too."""
         selector, l1 = job.selector, self.storage.l1
-        deadline = time.monotonic() + self.hold_wait_s
-        while not progress.done:
-            matched = [k for k, _ in l1.resident_objects() if selector.matches(k)]
-            held = 0
-            for start in range(0, len(matched), self.batch):
-                results = l1.delete(matched[start : start + self.batch])
-                progress.deleted += sum(r is L1Result.SUCCESS for r in results)
-                held += sum(r is L1Result.LOCKED for r in results)
-                if self._step(job):
-                    return False
-            progress.passes += 1
-            progress.held = held
-            if held == 0 or time.monotonic() > deadline:
-                progress.done = True
-            elif self._sleep(0.05):
+        if settling and not self._wait_l1(
+            job,
+            "being loaded or stored",
+            lambda: sum(selector.matches(k) for k in l1.staging_keys()),
+        ):
+            return False
+        matched = [k for k, _ in l1.resident_objects() if selector.matches(k)]
+        for start in range(0, len(matched), self.batch):
+            results = l1.purge(matched[start : start + self.batch])
+            progress.deleted += sum(r in (L1Result.SUCCESS, L1Result.LOCKED) for r in results)
+            progress.held += sum(r is L1Result.LOCKED for r in results)
+            if self._step(job):
                 return False
-            self._save()
+        if not self._wait_l1(
+            job,
+            "being written to an L2",
+            lambda: sum(bool(io) and selector.matches(k) for k, io in l1.doomed_objects()),
+        ):
+            return False
+        progress.passes += 1
+        progress.done = True
+        self._save()
+        return True
+
+    def _wait_l1(self, job: PurgeJob, what: str, count: Callable[[], int]) -> bool:
+        """Wait until ``count()`` (L1 objects of the job's namespace that are
+        ``what``) is 0; False when stopping, or failed after ``hold_wait_s``."""
+        deadline = time.monotonic() + self.hold_wait_s
+        while left := count():
+            if time.monotonic() > deadline:
+                error = f"L1: {left} objects still {what} after {self.hold_wait_s} s"
+                self._finish(job, "failed", f"{error}; purge again")
+                return False
+            if self._sleep(0.05):
+                return False
         return True
 
     def _l2(self, job: PurgeJob, name: str, progress: TierProgress) -> bool:
@@ -251,6 +287,9 @@ class Purger:
     def _finish(self, job: PurgeJob, state: str, error: str = "") -> None:
         with self._lock:
             job.state, job.error, job.finished = state, error, time.time()
+            finished = [j for j in self._jobs.values() if j.state != "running"]
+            for old in finished[:-KEPT_FINISHED_JOBS]:  # the table is in start order
+                del self._jobs[old.id]
             self._save_locked()
         log.info("purge %s: %s, %d objects deleted", job.id, state, job.deleted)
 

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import math
 import re
 import tomllib
 from collections.abc import Mapping, Sequence
@@ -254,7 +255,9 @@ def _tenant(table: Any, where: _Where) -> Tenant:
         raise where.error("admin", f"must be true or false, got {admin!r}")
     retention = table.get("retention_s")
     if retention is not None and (
-        isinstance(retention, bool) or not isinstance(retention, int | float) or retention <= 0
+        isinstance(retention, bool)
+        or not isinstance(retention, int | float)
+        or not 0 < retention < math.inf  # TOML has nan and inf
     ):
         raise where.error("retention_s", f"must be a number of seconds > 0, got {retention!r}")
     return Tenant(
@@ -287,7 +290,7 @@ def _quota(table: Any, where: _Where) -> Quota:
     def size(name: str, value: Any) -> int:
         try:
             return parse_size(value, name) if isinstance(value, str) else _count(value)
-        except (ValueError, TypeError) as exc:
+        except (ValueError, TypeError, OverflowError) as exc:  # Overflow: "1" and 400 zeros
             raise where.error(f"quota.{name}", str(exc)) from None
 
     l2 = table.get("l2_bytes", {})

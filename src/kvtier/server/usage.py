@@ -3,17 +3,19 @@
 A tenant's ``l2_bytes`` quota names a cap per adapter. What "holds" means
 depends on what one node can see:
 
-- a **node-local** adapter (the fs L2) lists what it holds: usage is exact
-  (its index, re-counted every ``refresh_s`` where a cap needs it, every
-  ``IDLE_REFRESH_S`` otherwise), and a tenant over its cap
-  loses its *own* oldest objects there, down to the cap (tenant-scoped
-  eviction, counted ``quota_evictions.<adapter>``);
-- a **shared** store (Redis, S3, Mooncake) also holds what other nodes
-  wrote and cannot be listed cheaply: usage is what *this* server wrote
-  there since it started, and past the cap its write-back skips the tenant's
-  objects (the store controller's gate; counted ``over_quota.<adapter>``).
-  Expiry or eviction inside the store is not seen, so this errs toward
-  refusing.
+- a **node-local** adapter that keeps caps itself (fs, mock:
+  ``L2Adapter.set_owners``) is told each tenant's cap there, and a store
+  that takes a tenant past it evicts that tenant's *own* oldest objects as
+  it lands (tenant-scoped eviction, counted in the adapter's
+  ``quota_evictions``), never another's. Its usage is exact (its index,
+  re-counted for display every ``refresh_s`` where a cap is, every
+  ``IDLE_REFRESH_S`` otherwise);
+- a **shared** store (Redis, S3, Mooncake), or a node-local one that cannot
+  keep caps, also holds what other nodes wrote or cannot be listed cheaply:
+  usage is what *this* server wrote there since it started, and past the cap
+  its write-back skips the tenant's objects (the store controller's gate;
+  counted ``over_quota.<adapter>``). Expiry or eviction inside the store is
+  not seen, so this errs toward refusing.
 
 ``gate`` runs on the store controller's thread, ``on_stored`` on the
 adapters' threads, ``refresh`` on this object's thread; one lock guards the
@@ -48,9 +50,8 @@ class L2Usage:
         self.counters = Counters()
         self._lock = threading.Lock()
         self._owner: Callable[[str], str] = tenants.tenant_of
-        self._local = {a.name for a in storage.adapters if not a.shared}
         self._held: dict[tuple[str, str], int] = {}  # (tenant, adapter) -> bytes, local
-        self._written: dict[tuple[str, str], int] = {}  # (tenant, adapter) -> bytes, shared
+        self._written: dict[tuple[str, str], int] = {}  # (tenant, adapter) -> bytes, gated
         self._namespaces: dict[tuple[str, str, str], list[int]] = {}  # (model, salt, adapter)
         self._pending: dict[tuple[str, str], int] = {}  # approved, not yet stored
         self._caps = {
@@ -58,8 +59,14 @@ class L2Usage:
             for t in tenants.tenants.values()
             for adapter, cap in t.quota.l2_bytes.items()
         }
+        self._local = {  # the adapters that keep their caps as each store lands
+            a.name
+            for a in storage.adapters
+            if not a.shared
+            and a.set_owners(self._owner, {t: c for (t, n), c in self._caps.items() if n == a.name})
+        }
         # Re-counting a disk of a million objects is not free: often only where
-        # a local cap needs it, else now and then for the usage shown.
+        # a tenant near its local cap wants to see it, else now and then.
         if not any(adapter in self._local for _, adapter in self._caps):
             self.refresh_s = max(refresh_s, IDLE_REFRESH_S)
         self._stop = threading.Event()
@@ -73,8 +80,8 @@ class L2Usage:
 
     def gate(self, adapter: str, key: ObjectKey, nbytes: int) -> bool:
         """Whether the store controller may write ``key`` to ``adapter``: always
-        on a node-local adapter (eviction keeps the cap), on a shared store
-        while the tenant stays under its cap."""
+        where the adapter keeps the cap itself, elsewhere while the tenant
+        stays under its cap."""
         if not self._caps or adapter in self._local:
             return True
         tenant = self._owner(key.salt)
@@ -90,7 +97,7 @@ class L2Usage:
         return True
 
     def on_stored(self, result: TaskResult) -> None:
-        """A store task's result: what landed in a shared store counts."""
+        """A store task's result: what landed in a gated store counts."""
         if result.kind is not TaskKind.STORE or result.adapter in self._local:
             return
         per_key = result.nbytes // max(result.count, 1)
@@ -133,36 +140,14 @@ class L2Usage:
     # ------------------------------------------------------------ refresh
 
     def refresh(self) -> None:
-        """Re-count node-local adapters; evict tenants over their caps there."""
+        """Re-count what each tenant holds in the node-local adapters."""
         for adapter in self.storage.adapters:
-            if adapter.shared:
+            if adapter.name not in self._local:
                 continue
-            held = adapter.held_sizes()  # oldest first
             per_tenant: dict[str, int] = {}
-            for key, size in held:
+            for key, size in adapter.held_sizes():
                 tenant = self._owner(key.salt)
                 per_tenant[tenant] = per_tenant.get(tenant, 0) + size
-            for tenant, used in per_tenant.items():
-                cap = self._caps.get((tenant, adapter.name))
-                if cap is None or used <= cap:
-                    continue
-                victims, freed = [], 0
-                for key, size in held:
-                    if used - freed <= cap:
-                        break
-                    if self._owner(key.salt) == tenant:
-                        victims.append(key)
-                        freed += size
-                removed = adapter.delete(victims)
-                per_tenant[tenant] = used - freed
-                self.counters.add(f"quota_evictions.{adapter.name}", removed)
-                log.info(
-                    "L2 %s: tenant %s was over its %d-byte quota; %d of its oldest objects removed",
-                    adapter.name,
-                    tenant,
-                    cap,
-                    removed,
-                )
             with self._lock:
                 for slot in [s for s in self._held if s[1] == adapter.name]:
                     del self._held[slot]

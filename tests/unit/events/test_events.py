@@ -10,6 +10,8 @@ import msgspec
 import pytest
 import zmq
 
+from kvtier.bench.stores import free_port
+from kvtier.events import subscriber
 from kvtier.events.publisher import EventPublisher, EventsConfig
 from kvtier.events.residency import HASHES_PER_EVENT, L1_TIER, Residency, Tier
 from kvtier.events.subscriber import EventSubscriber
@@ -20,6 +22,8 @@ from kvtier.events.wire import (
     EventBatch,
     decode_batch,
     encode_batch,
+    seq_bytes,
+    seq_of,
 )
 from kvtier.keys import ObjectKey
 from tests.unit.events.mirror import Mirror
@@ -27,8 +31,8 @@ from tests.unit.events.mirror import Mirror
 SHARED_TIER = Tier("redis", shared=True)
 
 
-def key(i: int, rank: int = 0) -> ObjectKey:
-    return ObjectKey(i.to_bytes(32, "big"), "m", rank)
+def key(i: int, rank: int = 0, salt: str = "") -> ObjectKey:
+    return ObjectKey(i.to_bytes(32, "big"), "m", rank, salt=salt)
 
 
 def chunk(i: int) -> bytes:
@@ -100,6 +104,24 @@ def test_a_shared_tier_announces_each_chunk_once() -> None:
     assert [type(e) for e in residency.drain()] == [BlockRemoved]
 
 
+@pytest.mark.parametrize("tier", [L1_TIER, SHARED_TIER], ids=["local", "shared"])
+def test_a_chunk_is_removed_only_when_no_namespace_holds_it(tier: Tier) -> None:
+    """Two tenants hold one raw chunk hash under their own salts: a purge of
+    one removes its objects, and the chunk stays announced for the other."""
+    residency = Residency(256)
+    residency.added(tier, [key(1, salt="acme"), key(1, salt="globex"), key(2, salt="acme")])
+    (stored,) = residency.drain()
+    assert isinstance(stored, BlockStored) and stored.block_hashes == [chunk(1), chunk(2)]
+    residency.removed(tier, [key(1, salt="acme"), key(2, salt="acme")])  # acme purged
+    (removed,) = residency.drain()
+    assert isinstance(removed, BlockRemoved) and removed.block_hashes == [chunk(2)]
+    assert truth(residency) == {tier.ownership: {chunk(1)}}
+    residency.removed(tier, [key(1, salt="globex")])
+    (removed,) = residency.drain()
+    assert isinstance(removed, BlockRemoved) and removed.block_hashes == [chunk(1)]
+    assert residency.chunks(tier) == 0
+
+
 def test_events_keep_their_order_and_split_at_the_event_size() -> None:
     residency = Residency(16)
     residency.added(L1_TIER, [key(i) for i in range(HASHES_PER_EVENT + 1)])
@@ -144,6 +166,25 @@ def publisher(buffer_batches: int = 10_000) -> EventPublisher:
         heartbeat_s=0.05,
     )
     pub = EventPublisher(config, Residency(256))
+    pub.start()
+    return pub
+
+
+def restarted(old: EventPublisher, held: list[ObjectKey]) -> EventPublisher:
+    """A new run on ``old``'s (closed) endpoints, holding ``held`` in L1 from the start."""
+    config = EventsConfig(
+        endpoint=old.endpoint,
+        replay_endpoint=old.replay_endpoint,
+        interval_s=0.002,
+        heartbeat_s=0.05,
+    )
+    for _ in range(100):  # the old sockets close on zmq's I/O thread
+        try:
+            pub = EventPublisher(config, Residency(256))
+            break
+        except ValueError:
+            time.sleep(0.05)
+    pub.residency.added(L1_TIER, held)
     pub.start()
     return pub
 
@@ -210,22 +251,11 @@ def test_a_restarted_publisher_clears_what_its_predecessor_announced() -> None:
     mirror = Mirror()
     sub = EventSubscriber(pub.endpoint, pub.replay_endpoint, mirror.apply)
     sub.start()
-    endpoint, replay = pub.endpoint, pub.replay_endpoint
     try:
         churn(pub.residency, 50)
         assert wait_for(lambda: mirror.view() == truth(pub.residency) != {})
         pub.close()
-        config = EventsConfig(
-            endpoint=endpoint, replay_endpoint=replay, interval_s=0.002, heartbeat_s=0.05
-        )
-        for _ in range(100):  # the old sockets close on zmq's I/O thread
-            try:
-                pub = EventPublisher(config, Residency(256))
-                break
-            except ValueError:
-                time.sleep(0.05)
-        pub.residency.added(L1_TIER, [key(1000)])  # what the new run holds
-        pub.start()
+        pub = restarted(pub, [key(1000)])
         assert wait_for(lambda: mirror.view() == {"kvtier:L1": {chunk(1000)}})
         sub.resync()  # what a router does when the boot id changes: same outcome
         time.sleep(0.2)
@@ -254,6 +284,127 @@ def test_malformed_batches_are_counted_and_skipped() -> None:
             time.sleep(0.02)
         assert mirror.view() == {"kvtier:L1": {chunk(1)}}
         assert sub.status()["malformed"] >= 2
+    finally:
+        sub.close()
+        pub.close(linger=0)
+
+
+def test_a_restart_after_a_short_run_is_found_by_its_epoch() -> None:
+    """The new run's first batches go out before the subscriber reconnects:
+    the first it sees carries the very number it expects next. The epoch
+    still tells the runs apart; a late batch of the old run is then stale."""
+    pub = publisher()
+    mirror = Mirror()
+    sub = EventSubscriber(pub.endpoint, pub.replay_endpoint, mirror.apply)
+    sub.start()
+    restarting: list[bool] = []
+    old_batch: list[list[bytes]] = []  # the old run's last batch seen, delivered again late
+    late: list[bool] = []
+    live = sub._on_live
+
+    def reconnecting(frames: list[bytes]) -> None:  # on the subscriber's thread
+        if not restarting:
+            old_batch[:] = [frames]
+        elif seq_of(frames[1]) < (sub._expected or 0):
+            return  # sent before the subscriber reconnected: never seen
+        elif late:
+            late.clear()
+            live(old_batch[0])
+        live(frames)
+
+    sub._on_live = reconnecting  # type: ignore[method-assign]
+    try:
+        pub.residency.added(L1_TIER, [key(1)])
+        assert wait_for(lambda: mirror.view() == {"kvtier:L1": {chunk(1)}})
+        pub.close()
+        restarting.append(True)
+        pub = restarted(pub, [key(2)])
+        assert wait_for(lambda: mirror.view() == {"kvtier:L1": {chunk(2)}})
+        assert sub.status()["restarts"] == 1 and sub.status()["epoch"] == pub.epoch
+
+        late.append(True)
+        assert wait_for(lambda: sub.status().get("stale_batches") == 1)
+        assert sub.status()["restarts"] == 1 and mirror.view() == {"kvtier:L1": {chunk(2)}}
+    finally:
+        sub.close()
+        pub.close()
+
+
+def joined(sock: zmq.Socket[bytes]) -> None:
+    """Wait until a subscriber (re)joined ``sock`` (an XPUB): what is sent next arrives."""
+    while True:
+        assert sock.poll(10_000), "no subscriber joined"
+        if sock.recv()[:1] == b"\x01":  # (b"\x00": one left)
+            return
+
+
+def stored_batch(i: int) -> bytes:
+    return encode_batch(EventBatch(1.0, [BlockStored([chunk(i)], ownership="kvtier:L1")]))
+
+
+def test_a_garbage_batch_does_not_take_its_sequence_number() -> None:
+    pub = zmq.Context.instance().socket(zmq.XPUB)
+    port = pub.bind_to_random_port("tcp://127.0.0.1")
+    mirror = Mirror()
+    sub = EventSubscriber(f"tcp://127.0.0.1:{port}", "", mirror.apply)
+    sub.start()
+    try:
+        joined(pub)
+        pub.send_multipart((b"", seq_bytes(0), stored_batch(1)))
+        pub.send_multipart((b"", seq_bytes(1), b"\x93garbage"))
+        pub.send_multipart((b"", seq_bytes(1), stored_batch(2)))  # the publisher's own batch 1
+        assert wait_for(lambda: mirror.view() == {"kvtier:L1": {chunk(1), chunk(2)}})
+        status = sub.status()
+        assert status["malformed"] == 1 and status.get("lost_batches", 0) == 0
+    finally:
+        sub.close()
+        pub.close(linger=0)
+
+
+def test_a_batch_nested_too_deep_is_malformed_and_the_stream_goes_on() -> None:
+    deep = b"\x92" + msgspec.msgpack.encode(1.0) + b"\x91" * 200_000 + b"\xc0"
+    with pytest.raises(msgspec.DecodeError, match="nested too deeply"):
+        decode_batch(deep)
+    pub = zmq.Context.instance().socket(zmq.XPUB)
+    port = pub.bind_to_random_port("tcp://127.0.0.1")
+    mirror = Mirror()
+    sub = EventSubscriber(f"tcp://127.0.0.1:{port}", "", mirror.apply)
+    sub.start()
+    try:
+        joined(pub)
+        pub.send_multipart((b"", seq_bytes(0), deep))
+        pub.send_multipart((b"", seq_bytes(0), stored_batch(1)))
+        assert wait_for(lambda: mirror.view() == {"kvtier:L1": {chunk(1)}})
+        assert sub.status()["malformed"] == 1 and "errors" not in sub.status()
+    finally:
+        sub.close()
+        pub.close(linger=0)
+
+
+def test_a_bound_subscriber_refuses_a_message_past_the_size_limit(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Anyone may connect to a bound endpoint: a message over the limit drops
+    that connection unread, the sender connects again, and the stream goes on."""
+    monkeypatch.setattr(subscriber, "MAX_MESSAGE_BYTES", 1 << 20, raising=False)
+    huge = encode_batch(
+        EventBatch(1.0, [BlockStored([chunk(i) for i in range(2, 40_000)], ownership="kvtier:L1")])
+    )
+    assert len(huge) > 1 << 20
+    endpoint = f"tcp://127.0.0.1:{free_port()}"
+    mirror = Mirror()
+    sub = EventSubscriber(endpoint, "", mirror.apply, bind=True)
+    sub.start()
+    pub = zmq.Context.instance().socket(zmq.XPUB)
+    pub.setsockopt(zmq.XPUB_VERBOSE, 1)  # a subscription again after a reconnect, too
+    pub.connect(endpoint)
+    try:
+        joined(pub)
+        pub.send_multipart((b"", seq_bytes(0), huge))
+        joined(pub)  # dropped, then connected again
+        pub.send_multipart((b"", seq_bytes(1), stored_batch(1)))
+        assert wait_for(lambda: mirror.view() == {"kvtier:L1": {chunk(1)}})
+        assert sub.status()["batches"] == 1
     finally:
         sub.close()
         pub.close(linger=0)

@@ -10,6 +10,7 @@ import pytest
 from kvtier.keys import ObjectKey
 from kvtier.l1 import L1Config, L1Manager, WriterTag
 from kvtier.l1.eviction import EVICTION_POLICIES, LRUPolicy
+from kvtier.l1.quotas import OwnerLimit
 from tests.conftest import LK, NF, NW, OOM, WS, FakeClock, S, make_key
 from tests.ledger import assert_clean
 
@@ -530,4 +531,102 @@ def test_a_batch_that_can_never_fit_evicts_nothing(make_l1: MakeL1) -> None:
     assert sum(resident(l1, small)) == 1  # now eviction makes room
     l1.finish_read([big])
     l1.abort_write([make_key(9)], B)
+    assert_clean(l1)
+
+
+# ----------------------------------------------------------------- purge
+
+
+def test_a_purged_object_a_reader_holds_is_unreachable_and_freed_on_release(
+    make_l1: MakeL1,
+) -> None:
+    l1 = make_l1()
+    removed: list[ObjectKey] = []
+    l1.on_residency = lambda admitted, keys: None if admitted else removed.extend(keys)
+    k = [make_key(i) for i in range(3)]
+    put(l1, k)
+    (held,) = l1.reserve_read([k[0]], n=2)
+    used = l1.status()["used_bytes"]
+    assert l1.purge(k) == [LK, S, S]  # k0 held: doomed, the others freed now
+    assert removed == k  # all three announced gone
+    assert l1.contains(k[0]) is False
+    assert [p.result for p in l1.reserve_read([k[0]])] == [NF]  # never served again
+    assert l1.reserve_read_all([k[0]]) == ([], 1)
+    assert l1.resident_objects() == []
+    assert [p.result for p in l1.reserve_write([k[0]], [PAGE], B)] == [NW]  # until freed
+    assert l1.delete([k[0]]) == l1.purge([k[0]]) == [NF]
+    assert l1.doomed_objects() == [(k[0], 0)]
+    assert (l1.view(held) == k[0].chunk_hash[-1]).all()  # the reader's bytes are intact
+    assert l1.status()["used_bytes"] == used - 2 * PAGE
+    assert l1.finish_read([k[0]]) == [S]
+    assert l1.doomed_objects() == [(k[0], 0)]  # one lock left
+    assert l1.finish_read([k[0]]) == [S]
+    assert l1.doomed_objects() == [] and l1.status()["used_bytes"] == 0
+    assert l1.finish_read([k[0]]) == [NF]
+    put(l1, [k[0]])  # written again: a new object
+    assert l1.delete([k[0]]) == [S]
+    assert_clean(l1)
+
+
+def test_a_purged_object_under_io_is_freed_when_the_fence_lifts(make_l1: MakeL1) -> None:
+    l1 = make_l1()
+    key = make_key(0)
+    put(l1, [key])
+    l1.reserve_read([key])
+    _, fence = l1.fence([key])  # a write-back reads it
+    assert l1.purge([key]) == [LK]
+    assert l1.doomed_objects() == [(key, 1)]
+    assert l1.finish_read([key]) == [S]
+    assert l1.doomed_objects() == [(key, 1)]  # the I/O still reads it
+    l1.unfence(fence)
+    assert l1.doomed_objects() == [] and l1.status()["used_bytes"] == 0
+    assert_clean(l1)
+
+
+def test_a_doomed_objects_expired_read_lease_frees_it(make_l1: MakeL1, clock: FakeClock) -> None:
+    l1 = make_l1(read_lease_s=5)
+    key = make_key(0)
+    put(l1, [key])
+    l1.reserve_read([key])
+    assert l1.purge([key]) == [LK]
+    clock.advance(6)  # the reader vanished
+    l1.reap_expired()
+    assert l1.doomed_objects() == [] and l1.status()["used_bytes"] == 0
+    assert l1.finish_read([key]) == [NF]
+    assert_clean(l1)
+
+
+def test_a_copy_staged_before_a_purge_is_not_published_while_doomed(make_l1: MakeL1) -> None:
+    l1 = make_l1()
+    key = make_key(0)
+    assert [p.result for p in l1.reserve_write([key], [PAGE], B)] == [S]  # a load begins
+    put(l1, [key])  # ...while another copy is published, and read
+    l1.reserve_read([key])
+    assert l1.purge([key]) == [LK]
+    assert [p.result for p in l1.finish_write_and_reserve_read([key], B)] == [NF]
+    assert not l1.contains(key)
+    assert l1.finish_read([key]) == [S]
+    assert l1.status()["used_bytes"] == 0
+    assert_clean(l1)
+
+
+def test_an_object_trimmed_at_its_own_admission_is_announced_then_removed(
+    make_l1: MakeL1,
+) -> None:
+    """An owner over its soft limit loses its own objects at the admission, the
+    admitted ones included when its older ones are held: KV events see the
+    admission before the removal, never a removal of an unannounced key."""
+    l1 = make_l1()
+    l1.set_owners(lambda salt: salt, {"acme": OwnerLimit(soft=2 * PAGE)})
+    events: list[tuple[bool, list[ObjectKey]]] = []
+    l1.on_residency = lambda admitted, keys: events.append((admitted, list(keys)))
+    old = [make_key(i, salt="acme") for i in range(2)]
+    put(l1, old)
+    l1.reserve_read(old)  # acme's quota is all held by a reader
+    new = make_key(2, salt="acme")
+    put(l1, [new])
+    assert resident(l1, [*old, new]) == [True, True, False]
+    assert events[-2:] == [(True, [new]), (False, [new])]
+    assert l1.status()["quota_evictions"] == 1
+    l1.finish_read(old)
     assert_clean(l1)

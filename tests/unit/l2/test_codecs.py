@@ -7,9 +7,17 @@ from __future__ import annotations
 
 import logging
 import struct
+import subprocess
+import sys
+import textwrap
+from collections import Counter
+from pathlib import Path
 
 import numpy as np
 import pytest
+import zstandard
+from hypothesis import given
+from hypothesis import strategies as st
 
 from kvtier.keys import ObjectKey
 from kvtier.l2 import CompletionQueue, L2Adapter, make_adapter
@@ -21,7 +29,9 @@ from kvtier.l2.format import (
     decode_object,
     encode_header,
     encode_object,
+    unpack_header,
 )
+from kvtier.l2.fs import FSAdapter
 from kvtier.l2.mock import MockAdapter
 from kvtier.layout import KVLayout
 from tests.conftest import make_key
@@ -40,12 +50,17 @@ def kv(shape: KVLayout, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
     rng = np.random.default_rng(seed)
     x = rng.standard_normal((shape.num_layers, 2, shape.kv_heads, shape.tokens_per_chunk, 64))
     x[:, 0] *= rng.uniform(0.1, 8.0, size=(shape.num_layers, shape.kv_heads, 1, 64))
-    x = x.astype(np.float32)
-    if shape.dtype == "bfloat16":
+    return typed(x.astype(np.float32), shape.dtype)
+
+
+def typed(x: np.ndarray, dtype: str) -> tuple[np.ndarray, np.ndarray]:
+    """Float32 ``x`` as a payload of ``dtype`` (bfloat16: truncated), and
+    that payload's values as float32."""
+    if dtype == "bfloat16":
         bits = (x.view(np.uint32) >> 16).astype(np.uint16)
         return bits.view(np.uint8).reshape(-1), (bits.astype(np.uint32) << 16).view(np.float32)
-    typed = x.astype(shape.dtype)
-    return typed.view(np.uint8).reshape(-1), typed.astype(np.float32)
+    data = x.astype(dtype)
+    return data.view(np.uint8).reshape(-1), data.astype(np.float32)
 
 
 def floats(data: np.ndarray, shape: KVLayout) -> np.ndarray:
@@ -88,24 +103,32 @@ def test_quantized_error_is_within_a_step(dtype: str, codec: Int8 | Int4, ratio:
     stored = codec.encode(data, shape)
     out = np.zeros_like(data)
     codec.decode(stored, shape, out)
-    y = floats(out, shape).reshape(x.shape)
-    levels = (1 << codec.bits) - 1
-    # keys: a step per (layer, head, channel) over a group of tokens
-    g = 32 if codec.bits == 4 else shape.tokens_per_chunk
-    k = x[:, 0].reshape(3, 2, -1, g, 64)
-    k_step = (k.max(axis=3, keepdims=True) - k.min(axis=3, keepdims=True)) / levels
-    k_err = np.abs(y[:, 0].reshape(k.shape) - k)
-    # values: a step per (layer, head, token) over a group of channels
-    g = 32 if codec.bits == 4 else 64
-    v = x[:, 1].reshape(3, 2, 64, -1, g)
-    v_step = (v.max(axis=4, keepdims=True) - v.min(axis=4, keepdims=True)) / levels
-    v_err = np.abs(y[:, 1].reshape(v.shape) - v)
-    # half a step, plus float16 scales and the output dtype's rounding
-    slack = {"float32": 1e-3, "float16": 2e-3, "bfloat16": 8e-3}[dtype]
-    assert np.all(k_err <= k_step * 0.51 + slack * np.abs(k) + 1e-3)
-    assert np.all(v_err <= v_step * 0.51 + slack * np.abs(v) + 1e-3)
+    assert_within_a_step(x, floats(out, shape), shape, codec)
     width = shape.dtype_bytes
     assert data.nbytes / stored.nbytes >= ratio * width / 2
+
+
+def assert_within_a_step(x: np.ndarray, y: np.ndarray, shape: KVLayout, codec: Int8 | Int4) -> None:
+    """Every decoded value ``y`` is finite and within half a quantization
+    step of its input ``x``, plus the rounding of float16 scales and offsets
+    and of the output dtype."""
+    assert np.isfinite(y).all()
+    levels = (1 << codec.bits) - 1
+    lhtd = (shape.num_layers, shape.kv_heads, shape.tokens_per_chunk, shape.head_dim)
+    x, y = x.reshape(lhtd[0], 2, *lhtd[1:]), y.reshape(lhtd[0], 2, *lhtd[1:])
+    rounding = {"float32": 2**-20, "float16": 2**-10, "bfloat16": 2**-7}[shape.dtype]
+    # keys: a step per (layer, head, channel) over a group of tokens;
+    # values: a step per (layer, head, token) over a group of channels
+    for half, axis in ((0, 2), (1, 3)):
+        size = lhtd[axis]
+        group = codec.group if codec.group and size % codec.group == 0 else size
+        grouped = (*lhtd[:axis], size // group, group, *lhtd[axis + 1 :])
+        a, b = x[:, half].reshape(grouped), y[:, half].reshape(grouped)
+        low, high = a.min(axis=axis + 1, keepdims=True), a.max(axis=axis + 1, keepdims=True)
+        step = (high.astype(np.float64) - low) / levels
+        top = np.maximum(np.abs(low), np.abs(high))
+        bound = 0.51 * step + 2**-10 * top / levels + rounding * np.abs(a) + 2**-23
+        assert np.all(np.abs(b.astype(np.float64) - a) <= bound)
 
 
 def test_a_constant_group_decodes_exactly() -> None:
@@ -114,6 +137,114 @@ def test_a_constant_group_decodes_exactly() -> None:
     out = np.zeros_like(data)
     Int8().decode(Int8().encode(data, shape), shape, out)
     assert np.array_equal(out.view(np.float32), data.view(np.float32))
+
+
+SMALL = dict(num_layers=1, kv_heads=2, head_dim=64, tokens_per_chunk=32)
+
+
+def _through_the_format(shape: KVLayout, data: np.ndarray) -> tuple[int, np.ndarray]:
+    """Store ``data`` with the layout's lossy codec and load it back: the
+    codec it was stored with, and the loaded payload."""
+    reader = PayloadCodec(shape.lossy_codec, {shape.digest(): shape})
+    value = encode_object(make_key(1), shape.digest(), data, reader)
+    out = np.zeros_like(data)
+    decode_object(value, make_key(1), shape.digest(), out, reader)
+    return unpack_header(value).codec, out
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+@pytest.mark.parametrize("codec", ["int8", "int4"])
+@pytest.mark.parametrize("magnitude", [1e5, 1e30, 3e38])
+def test_kv_beyond_float16_scales_is_stored_exact(dtype: str, codec: str, magnitude: float) -> None:
+    """Float16 scales cannot describe it: such a chunk is stored uncoded, not
+    as inf or NaN."""
+    shape = layout(dtype, codec)
+    real, x = kv(shape, seed=4)
+    data, _ = typed((x / np.abs(x).max() * magnitude).astype(np.float32), dtype)
+    ident, out = _through_the_format(shape, data)
+    assert ident == 0
+    assert out.tobytes() == data.tobytes()
+    ident, out = _through_the_format(shape, real)  # ordinary KV is still coded
+    assert ident == codec_named(codec).ident
+
+
+@pytest.mark.parametrize("codec", [Int8(), Int4()])
+def test_float16_kv_whose_top_code_would_pass_its_largest_value_is_stored_exact(
+    codec: Int8 | Int4,
+) -> None:
+    """A key channel spanning float16's whole range: its scale, rounded up to
+    a float16, carries the top code past 65504 (to inf once written as
+    float16), so the chunk is stored exact."""
+    shape = layout("float16", codec.name)
+    _, x = kv(shape, seed=5)
+    x[0, 0, 0, :, 0] = np.linspace(-65504, 65504, shape.tokens_per_chunk)
+    data, x = typed(x, "float16")
+    ident, out = _through_the_format(shape, data)
+    assert ident == 0
+    assert out.tobytes() == data.tobytes()
+
+
+def _finite_kv(dtype: str) -> st.SearchStrategy[np.ndarray]:
+    """Float32 KV of ``SMALL``'s shape whose values are finite in ``dtype``,
+    of any magnitude: normal noise around a centre, each scaled by a power of
+    two (often one float16 scales can describe, often any), with a few values
+    anywhere in the dtype's range."""
+    limit = float(np.finfo(np.float16 if dtype == "float16" else np.float32).max)
+    value = st.floats(-limit, limit, width=32)
+    power = st.one_of(st.integers(-24, 15), st.integers(-149, 127)).map(lambda e: 2.0**e)
+    count = 2 * SMALL["num_layers"] * SMALL["kv_heads"] * SMALL["tokens_per_chunk"] * 64
+
+    @st.composite
+    def kv_of(draw: st.DrawFn) -> np.ndarray:
+        rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
+        centre = draw(st.floats(-2, 2)) * draw(power)
+        x = centre + rng.standard_normal(count) * draw(power)
+        for where, v in draw(st.lists(st.tuples(st.integers(0, count - 1), value), max_size=4)):
+            x[where] = v
+        return np.clip(x, -limit, limit).astype(np.float32)
+
+    return kv_of()
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16", "float32"])
+@pytest.mark.parametrize("codec", [Int8(), Int4()])
+def test_finite_kv_of_any_magnitude_loads_finite_and_within_a_step(
+    dtype: str, codec: Int8 | Int4
+) -> None:
+    shape = KVLayout(dtype=dtype, lossy_codec=codec.name, **SMALL)  # type: ignore[arg-type]
+
+    @given(_finite_kv(dtype))
+    def check(x: np.ndarray) -> None:
+        data, x = typed(x, dtype)
+        ident, out = _through_the_format(shape, data)
+        if ident == 0:
+            assert out.tobytes() == data.tobytes()
+        else:
+            assert_within_a_step(x, floats(out, shape), shape, codec)
+
+    check()
+
+
+@pytest.mark.parametrize(
+    ("dtype", "scale"),
+    [("bfloat16", np.inf), ("bfloat16", np.nan), ("float16", np.inf), ("float16", 600.0)],
+)
+def test_scales_that_decode_beyond_the_dtype_are_refused(dtype: str, scale: float) -> None:
+    """Such as a copy written from KV beyond float16 before such KV was
+    stored exact (inf and NaN scales), or one whose finite scale takes the
+    top code past float16's largest value (255 * 600 for float16 KV)."""
+    shape = layout(dtype, "int8")
+    data, _ = kv(shape)
+    codes = Int8().encode(data, shape)
+    assert codes is not None
+    bad = codes.copy()
+    scales_at = 2 * Int8()._code_bytes(shape)  # the key scales follow the codes
+    bad[scales_at : scales_at + 2] = np.array([scale], np.float16).view(np.uint8)
+    header = encode_header(
+        make_key(1), shape.digest(), bad, codec=Int8.ident, decoded_len=data.nbytes
+    )
+    reader = PayloadCodec("int8", {shape.digest(): shape})
+    assert _refused(header + bad.tobytes(), reader, shape, data.nbytes) is Corruption.CODEC
 
 
 def test_a_lossy_codec_is_used_only_where_the_layout_asks_for_it() -> None:
@@ -229,6 +360,80 @@ def test_impossible_sizes_are_refused() -> None:
     assert _refused(bad, lreader, lossy, ldata.nbytes) is Corruption.CODEC
 
 
+def _zstd_copy(frame: bytes, decoded_len: int) -> bytes:
+    """A stored object (header checks out) whose payload is ``frame`` as
+    whole bytes (one plane), promising ``decoded_len`` bytes."""
+    stored = np.frombuffer(bytes([1]) + frame, np.uint8)
+    header = encode_header(make_key(1), "", stored, codec=Zstd.ident, decoded_len=decoded_len)
+    return header + stored.tobytes()
+
+
+def _zstd_refusal(value: bytes, size: int) -> str:
+    out = np.full(size, 7, np.uint8)
+    with pytest.raises(CorruptObject) as info:
+        decode_object(value, make_key(1), "", out, PayloadCodec("zstd", {}))
+    assert info.value.reason is Corruption.CODEC
+    assert (out == 7).all()
+    return str(info.value)
+
+
+def test_a_zstd_frame_must_declare_the_objects_size() -> None:
+    """The size a frame declares is what the decompressor allocates: one that
+    declares more, or nothing, is refused before decompressing; so is a
+    payload with bytes after its frame."""
+    data = payload(4096, seed=1).tobytes()
+    compress = zstandard.ZstdCompressor(level=1).compress
+    assert "declares 8192 bytes" in _zstd_refusal(_zstd_copy(compress(data * 2), 4096), 4096)
+    undeclared = zstandard.ZstdCompressor(level=1, write_content_size=False).compress(data)
+    assert "declares no size" in _zstd_refusal(_zstd_copy(undeclared, 4096), 4096)
+    assert "unused data" in _zstd_refusal(_zstd_copy(compress(data) + b"\0", 4096), 4096)
+    short = bytearray(compress(data[:2048]))  # a frame that declares 4096 bytes and holds 2048
+    assert short[4] == 0x60  # its descriptor: a 2-byte size (less 256) follows, no window size
+    short[5:7] = (4096 - 256).to_bytes(2, "little")
+    assert "decompression error" in _zstd_refusal(_zstd_copy(bytes(short), 4096), 4096)
+    out = np.zeros(4096, np.uint8)  # the frame the writer makes
+    decode_object(_zstd_copy(compress(data), 4096), make_key(1), "", out, PayloadCodec("zstd", {}))
+    assert out.tobytes() == data
+
+
+_BOMB = """
+import resource
+import numpy as np, zstandard
+from kvtier.keys import ObjectKey
+from kvtier.l2.codecs import PayloadCodec
+from kvtier.l2.format import CorruptObject, decode_object, encode_header
+
+declared, size = 256 << 20, 64 << 10
+compressor = zstandard.ZstdCompressor(level=1).compressobj(size=declared)
+zeros = bytes(1 << 20)
+frame = b"".join([compressor.compress(zeros) for _ in range(256)] + [compressor.flush()])
+stored = np.frombuffer(bytes([1]) + frame, np.uint8)
+key = ObjectKey(bytes(32), "m", 0)
+value = encode_header(key, "", stored, codec=1, decoded_len=size) + stored.tobytes()
+before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+try:
+    decode_object(value, key, "", np.zeros(size, np.uint8), PayloadCodec("zstd", {}))
+except CorruptObject as exc:
+    print(exc.reason.value)
+grown = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before
+print(len(frame), grown)
+"""
+
+
+def test_a_zstd_frame_declaring_256_mib_is_refused_in_bounded_memory() -> None:
+    """An 8 KB frame of zeros that declares 256 MiB, for a 64 KiB object,
+    under a header that checks out (as another node writing a shared store
+    could make): refused, and the reader's peak RSS does not grow by what
+    the frame declares (measured in a process of its own)."""
+    child = [sys.executable, "-c", textwrap.dedent(_BOMB)]
+    run = subprocess.run(child, capture_output=True, text=True, check=True)
+    reason, sizes = run.stdout.split("\n")[:2]
+    frame_bytes, grown_kib = map(int, sizes.split())
+    assert reason == "codec"
+    assert frame_bytes < 16 << 10
+    assert grown_kib < 32 << 10  # the frame declares 256 MiB
+
+
 def test_a_codec_missing_on_the_reading_node_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
     _, shape, data, _, value = _coded()
     import kvtier.l2.codecs as codecs
@@ -265,6 +470,26 @@ def test_a_bad_compressed_copy_is_a_counted_miss_and_removed() -> None:
         assert h.store([key], [data], shape.digest()).ok == (True,)  # and it keeps serving
         assert h.load([key], [out], shape.digest()).ok == (True,)
         assert out.tobytes() == data.tobytes()
+    finally:
+        adapter.close()
+
+
+def test_a_coded_copy_in_a_store_of_plain_payloads_is_a_counted_miss(tmp_path: Path) -> None:
+    """An fs store takes payloads as they are: a coded copy there (written by
+    another node, the payload's length and checksum right) is not its KV."""
+    queue = CompletionQueue()
+    adapter = make_adapter({"type": "fs", "path": str(tmp_path)}, queue.put)
+    h = Harness(adapter, queue)
+    try:
+        key, data, other = make_key(1), payload(4096, seed=1), payload(4096, seed=2)
+        assert h.store([key], [data], "").ok == (True,)
+        assert isinstance(adapter, FSAdapter)
+        header = encode_header(key, "", other, align=4096, codec=Zstd.ident, decoded_len=4096)
+        adapter.path_of(key).write_bytes(header + other.tobytes())
+        out = np.zeros_like(data)
+        assert h.load([key], [out], "").ok == (False,)
+        assert h.failures() == Counter({"corrupt_codec": 1})
+        assert h.lookup([key]).ok == (False,)  # the copy was removed
     finally:
         adapter.close()
 

@@ -219,6 +219,32 @@ def test_wrong_length(stored: Stored) -> None:
     )
 
 
+def test_a_coded_copy_is_refused_by_a_reader_of_payloads_as_stored(stored: Stored) -> None:
+    """fs and mooncake read the payload straight into the reader's buffer:
+    a coded copy of the same length, checksum right, is not that KV."""
+    key, data = stored.key, stored.data
+    coded = encode_header(key, LAYOUT_A, data, codec=1, decoded_len=data.nbytes)
+    header = parse_header(coded, key, LAYOUT_A)
+    with pytest.raises(CorruptObject) as info:
+        verify_payload(header, data)
+    assert info.value.reason is Corruption.CODEC
+    obj = coded + data.tobytes()
+    assert _corrupt_reason(obj, key, LAYOUT_A, np.zeros(3000, np.uint8)) is Corruption.CODEC
+
+
+def test_a_version_2_header_without_a_codec_is_refused(stored: Stored) -> None:
+    """Its decoded length could differ from the stored one: a payload of 100
+    bytes promising 200 is a corrupt copy, not a reader's crash."""
+    key, data = stored.key, stored.data[:100]
+    coded = bytearray(encode_header(key, LAYOUT_A, data, codec=1, decoded_len=200))
+    coded[FIXED] = 0  # the codec field
+    obj = bytes(coded) + data.tobytes()
+    with pytest.raises(CorruptObject) as info:
+        parse_header(obj, key, LAYOUT_A)
+    assert info.value.reason is Corruption.CODEC
+    assert _corrupt_reason(obj, key, LAYOUT_A, np.zeros(200, np.uint8)) is Corruption.CODEC
+
+
 @pytest.mark.parametrize("keep", [0, 1, 4, 41, FIXED, FIXED + 40])
 def test_truncated_header(stored: Stored, keep: int) -> None:
     key, obj = stored.key, stored.obj

@@ -6,6 +6,7 @@ import errno
 import mmap
 import os
 import stat
+import tempfile
 from collections import Counter
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -13,6 +14,8 @@ from typing import Any
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from kvtier.keys import ObjectKey
 from kvtier.l2 import ADAPTER_TYPES, CompletionQueue, make_adapter
@@ -246,6 +249,138 @@ def test_capacity_within_one_batch(open_fs: Callable[..., FSHarness]) -> None:
 def test_capacity_as_text(open_fs: Callable[..., FSHarness]) -> None:
     fs = open_fs(capacity_bytes="4KiB")
     assert fs.status("capacity_bytes") == 4096
+
+
+# ------------------------------------------------------------ tenant caps
+
+
+def _tenant(salt: str) -> str:
+    return salt
+
+
+def test_a_store_past_its_tenants_cap_evicts_that_tenants_own_files(
+    open_fs: Callable[..., FSHarness],
+) -> None:
+    """Issue 41 #7: capacity 6, acme's cap 2; globex writes 3, then acme 6.
+    acme's store evicts acme's own files as they land; globex loses none."""
+    n = 1000
+    size = _file_size(make_key(0, salt="globex"), n)
+    fs = open_fs(capacity_bytes=6 * size)
+    assert fs.adapter.set_owners(_tenant, {"acme": 2 * size})
+    theirs = [make_key(i, salt="globex") for i in range(3)]
+    mine = [make_key(i, salt="acme") for i in range(6)]
+    assert fs.store(theirs, [payload(n, seed=i) for i in range(3)]).ok == (True,) * 3
+    for i, key in enumerate(mine):  # one at a time: the order is known
+        assert fs.store([key], [payload(n, seed=10 + i)]).ok == (True,)
+        assert fs.lookup(theirs).ok == (True,) * 3
+    assert fs.lookup(mine).ok == (False,) * 4 + (True,) * 2
+    assert fs.status("quota_evictions") == 4
+    assert fs.adapter.status().get("evictions", 0) == 0
+    assert sorted(fs.files()) == sorted(fs.adapter.path_of(k) for k in [*theirs, *mine[4:]])
+
+
+def test_a_loaded_file_is_its_tenants_most_recent(open_fs: Callable[..., FSHarness]) -> None:
+    n = 1000
+    size = _file_size(make_key(0, salt="acme"), n)
+    fs = open_fs()
+    fs.adapter.set_owners(_tenant, {"acme": 2 * size})
+    mine = [make_key(i, salt="acme") for i in range(3)]
+    fs.store(mine[:2], [payload(n, seed=0), payload(n, seed=1)])
+    assert fs.load([mine[0]], _blank(n)).ok == (True,)
+    fs.store([mine[2]], [payload(n, seed=2)])
+    assert fs.lookup(mine).ok == (True, False, True)
+
+
+def test_an_object_larger_than_its_tenants_cap_is_not_written(
+    open_fs: Callable[..., FSHarness],
+) -> None:
+    fs = open_fs()
+    fs.adapter.set_owners(_tenant, {"acme": 3000})
+    small = make_key(1, salt="acme")
+    assert fs.store([small], [payload(1000, seed=1)]).ok == (True,)
+    big = make_key(2, salt="acme")
+    assert fs.store([big], [payload(4000, seed=2)]).ok == (False,)
+    assert fs.failures() == Counter({"over_quota": 1})
+    assert fs.lookup([small, big]).ok == (True, False)  # the small one is not evicted for it
+    assert fs.files() == [fs.adapter.path_of(small)]
+
+
+def test_caps_set_after_a_restart_trim_each_tenant_to_its_own(
+    open_fs: Callable[..., FSHarness],
+) -> None:
+    n = 1000
+    size = _file_size(make_key(0, salt="acme"), n)
+    first = open_fs()
+    keys = [make_key(i, salt="acme" if i % 2 else "globex") for i in range(8)]
+    for i, key in enumerate(keys):
+        first.store([key], [payload(n, seed=i)])
+        os.utime(first.adapter.path_of(key), (1_000_000 + i, 1_000_000 + i))  # restart order
+    first.adapter.close()
+    fs = open_fs()
+    removed: list[ObjectKey] = []
+    fs.adapter.on_removed = removed.extend
+    fs.adapter.set_owners(_tenant, {"acme": 2 * size})
+    assert removed == [keys[1], keys[3]]  # acme's two oldest; globex has no cap
+    assert fs.lookup(keys).ok == (True, False, True, False, True, True, True, True)
+    assert fs.status("quota_evictions") == 2
+
+
+@st.composite
+def _tenant_stores(draw: st.DrawFn) -> tuple[int, list[int], list[tuple[int, list[int]]]]:
+    """A capacity, caps that fit in it together, and stores (tenant, payload sizes)."""
+    capacity = draw(st.integers(8_000, 40_000), label="capacity")
+    tenants = draw(st.integers(2, 4), label="tenants")
+    caps: list[int] = []
+    for left in range(tenants, 0, -1):
+        caps.append(draw(st.integers(1, capacity - sum(caps) - (left - 1)), label="cap"))
+    sizes = st.lists(st.integers(1, 6_000), min_size=1, max_size=6)
+    stores = draw(
+        st.lists(st.tuples(st.integers(0, tenants - 1), sizes), min_size=1, max_size=12),
+        label="stores",
+    )
+    return capacity, caps, stores
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.sampled_from(["fs", "mock"]), _tenant_stores())
+def test_a_tenant_within_its_cap_never_loses_an_object_to_another_tenants_store(
+    adapter_type: str, scenario: tuple[int, list[int], list[tuple[int, list[int]]]]
+) -> None:
+    """Issue 41, in every node-local L2: several tenants, random caps within
+    the capacity, random store sizes and orders; whoever stores, a tenant
+    within its cap keeps its objects."""
+    capacity, caps, stores = scenario
+    with tempfile.TemporaryDirectory() as root:
+        queue = CompletionQueue()
+        spec = {"type": adapter_type, "capacity_bytes": capacity}
+        adapter = make_adapter({**spec, "path": root} if adapter_type == "fs" else spec, queue.put)
+        fs = Harness(adapter, queue)
+        try:
+            adapter.set_owners(_tenant, {str(t): cap for t, cap in enumerate(caps)})
+            serial = 0
+            for tenant, sizes in stores:
+                before = _by_tenant(adapter.held_sizes())
+                keys = [make_key(serial + i, salt=str(tenant)) for i in range(len(sizes))]
+                serial += len(sizes)
+                fs.store(keys, [payload(n, seed=n) for n in sizes])
+                after = _by_tenant(adapter.held_sizes())
+                for other, (held, used) in before.items():
+                    if other != str(tenant) and used <= caps[int(other)]:
+                        assert held <= after.get(other, (set(), 0))[0], (tenant, other)
+                for other, (_, used) in after.items():
+                    assert used <= caps[int(other)], other
+            assert adapter.status()["used_bytes"] <= capacity
+            assert adapter.status().get("evictions", 0) == 0  # tenants within caps fit
+        finally:
+            adapter.close()
+
+
+def _by_tenant(held: list[tuple[ObjectKey, int]]) -> dict[str, tuple[set[ObjectKey], int]]:
+    out: dict[str, tuple[set[ObjectKey], int]] = {}
+    for key, size in held:
+        keys, used = out.get(key.salt, (set(), 0))
+        out[key.salt] = ({*keys, key}, used + size)
+    return out
 
 
 # ------------------------------------------------------------ I/O errors

@@ -30,7 +30,10 @@ class StandIn:
     fail_status: int = 0  # answer every generation with this status
     stall_s: float = 0.0  # wait this long before the first byte
     die_after: int = -1  # stream this many chunks, then drop the connection
+    stream_chunks: int = 4  # a stream's chunks before [DONE] (10 ms apart)
     seen: list[dict[str, Any]] = field(default_factory=list)
+    tokenized: int = 0  # /tokenize calls answered
+    streams_cut: int = 0  # streams whose reader went away before [DONE]
     runner: web.AppRunner | None = None
     url: str = ""
 
@@ -56,6 +59,7 @@ class StandIn:
 
     async def _tokenize(self, request: web.Request) -> web.Response:
         body = await request.json()
+        self.tokenized += 1
         if "messages" in body:
             text = "".join(f"<{m['role']}>{m['content']}" for m in body["messages"]) + "<assistant>"
         else:
@@ -78,13 +82,17 @@ class StandIn:
             return web.json_response({"choices": [{"text": json.dumps(answer)}]})
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await response.prepare(request)
-        for i in range(4):
+        for i in range(self.stream_chunks):
             if i == self.die_after:
                 assert request.transport is not None
                 request.transport.close()  # the engine process died
                 return response
             chunk = {"choices": [{"text": json.dumps(answer) if i == 0 else f" {i}"}]}
-            await response.write(b"data: " + json.dumps(chunk).encode() + b"\n\n")
+            try:
+                await response.write(b"data: " + json.dumps(chunk).encode() + b"\n\n")
+            except ConnectionResetError:  # the router closed the stream
+                self.streams_cut += 1
+                return response
             await asyncio.sleep(0.01)
         await response.write(b"data: [DONE]\n\n")
         await response.write_eof()

@@ -112,3 +112,28 @@ def test_the_cache_servers_tenants_file_gives_the_gateway_its_tenants(tmp_path: 
     assert gateway.authenticate("Bearer nobody") is None
     with pytest.raises(ValueError, match="SHA-256"):
         TenantSpec(name="x", api_key_sha256=("not-a-digest",))
+
+
+def test_the_tokens_come_from_files_or_the_environment_never_shown(tmp_path: Path) -> None:
+    """cache_token (for the cache servers) and operator_token (for /status and
+    /metrics): from a file the config names, or KVTIER_ROUTE_*; not in repr."""
+    from kvtier.router.gateway import Gateway
+
+    (tmp_path / "cache.token").write_text("cache-secret\n")
+    (tmp_path / "operator.token").write_text("operator-secret\n")
+    files = (
+        f'cache_token_file = "{tmp_path / "cache.token"}"\n'
+        f'operator_token_file = "{tmp_path / "operator.token"}"\n'
+    )
+    config = load_router_config({}, write(tmp_path, files + CONFIG), environ={})
+    assert config.cache_token == "cache-secret" and config.operator_token == "operator-secret"
+    assert "secret" not in repr(config)
+    environ = {"KVTIER_ROUTE_CACHE_TOKEN": "c", "KVTIER_ROUTE_OPERATOR_TOKEN": "o"}
+    config = load_router_config({}, write(tmp_path, CONFIG), environ=environ)
+    assert (config.cache_token, config.operator_token) == ("c", "o")
+    gateway = Gateway(config.tenant_specs(), operator_token=config.operator_token)
+    assert gateway.operator("Bearer o") and not gateway.operator("Bearer k1")
+    with pytest.raises(ValueError, match="cache_token_file"):
+        load_router_config({}, write(tmp_path, 'cache_token_file = "/nonexistent"\n' + CONFIG))
+    with pytest.raises(ValueError, match="operator_token is also a tenant's API key"):
+        Gateway(config.tenant_specs(), operator_token="k1")

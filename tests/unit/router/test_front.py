@@ -16,6 +16,7 @@ from kvtier.router.app import RouterService
 from kvtier.router.config import RouterConfig
 from tests.unit.router.standin import StandIn, tokenize
 
+OPERATOR = "operator-token"
 TENANTS = (
     {"name": "acme", "api_keys": ["key-acme"], "salt": "acme-salt"},
     {"name": "beta", "api_keys": ["key-beta"], "requests_per_s": 1, "request_burst": 2},
@@ -33,6 +34,7 @@ async def front(engines: list[StandIn], **options: Any) -> AsyncIterator[tuple[s
         tenants=options.pop("tenants", TENANTS),
         policy=options.pop("policy", "least_loaded"),
         first_byte_timeout_s=options.pop("first_byte_timeout_s", 5.0),
+        operator_token=options.pop("operator_token", OPERATOR),
         **options,
     )
     service = RouterService(config)
@@ -61,6 +63,20 @@ async def post(
         headers["Content-Type"] = "application/json"
         async with session.post(url, data=data, headers=headers) as response:
             return response.status, dict(response.headers), await response.read()
+
+
+async def get(url: str, token: str | None = OPERATOR) -> tuple[int, bytes]:
+    headers = {"Authorization": f"Bearer {token}"} if token else {}
+    async with aiohttp.ClientSession() as session, session.get(url, headers=headers) as response:
+        return response.status, await response.read()
+
+
+async def until(condition: Callable[[], bool], timeout_s: float = 30.0) -> None:
+    """Wait for ``condition`` (a generous deadline: the machine may be busy)."""
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while not condition():
+        assert asyncio.get_running_loop().time() < deadline, "condition not met in time"
+        await asyncio.sleep(0.02)
 
 
 def answer(body: bytes) -> dict[str, Any]:
@@ -160,13 +176,10 @@ def test_a_failing_engine_is_taken_out_and_the_request_goes_elsewhere() -> None:
             assert len(broken.seen) == 1  # taken out after its failure
             nodes = service.router.status()["nodes"]
             assert nodes[0]["failures"] == {"http_503": 1}  # type: ignore[index]
-            async with (
-                aiohttp.ClientSession() as session,
-                session.get(url + "/metrics") as response,
-            ):
-                text = await response.text()
+            status, text = await get(url + "/metrics")
+            assert status == 200
             assert (
-                'kvtier_route_engine_failures_total{engine="broken",reason="http_503"} 1.0' in text
+                b'kvtier_route_engine_failures_total{engine="broken",reason="http_503"} 1.0' in text
             )
 
     run(test)
@@ -211,7 +224,8 @@ def test_models_health_and_status() -> None:
                     models = await response.json()
                 async with session.get(url + "/health") as response:
                     assert response.status == 200
-                async with session.get(url + "/status") as response:
+                headers = {"Authorization": f"Bearer {OPERATOR}"}
+                async with session.get(url + "/status", headers=headers) as response:
                     status = await response.json()
             assert models["data"][0] == {
                 "id": "standin-model",
@@ -221,5 +235,198 @@ def test_models_health_and_status() -> None:
             }
             assert status["router"]["policy"] == "least_loaded"
             assert "key-acme" not in json.dumps(status)  # keys never shown
+
+    run(test)
+
+
+def test_a_client_that_leaves_a_stream_costs_the_engine_nothing() -> None:
+    """Issue 41 #1: the failed write to the client ends that request only;
+    the engine's stream is closed and the engine stays in."""
+
+    async def test() -> None:
+        engine = StandIn("only", stream_chunks=3000)  # 30 s of stream if nobody stops it
+        async with front([engine]) as (url, service):
+            headers = {"Authorization": "Bearer key-acme"}
+            body = {"prompt": "x", "stream": True}
+            async with (
+                aiohttp.ClientSession() as session,
+                session.post(url + "/v1/completions", json=body, headers=headers) as response,
+            ):
+                assert response.status == 200
+                assert (await response.content.readany()).startswith(b"data: ")
+                response.close()  # the client goes away mid-stream
+            node = service.router.nodes[0]
+            await until(lambda: engine.streams_cut == 1 and node.inflight_requests == 0)
+            assert node.failures == {} and node.live(0.0)
+            assert service.router.status()["nodes"][0]["live"]  # type: ignore[index]
+            status, _, _ = await post(url + "/v1/completions", {"prompt": "y"})
+            assert status == 200  # every other tenant is still served
+            assert service.gateway.tenants["acme"].counts == {"client_gone": 1, "ok": 1}
+
+    run(test)
+
+
+def test_text_and_chat_are_tokenized_by_any_live_engine() -> None:
+    """Issue 41 #2: with engine 0 down, tokenizing fails over to engine 1."""
+
+    async def test() -> None:
+        down, up = StandIn("down"), StandIn("up")
+        async with front([down, up]) as (url, service):
+            await down.stop()
+            status, _, data = await post(url + "/v1/completions", {"prompt": "hello"})
+            assert status == 200, data
+            assert answer(data) == {
+                "engine": "up",
+                "cache_salt": "acme-salt",
+                "prompt": tokenize("hello"),
+            }
+            chat = {"messages": [{"role": "user", "content": "hi"}]}
+            status, _, data = await post(url + "/v1/chat/completions", chat)
+            assert status == 200, data
+            assert up.tokenized == 2 and down.tokenized == 0
+            assert service.router.nodes[0].failures == {"unreachable": 1}  # taken out once
+            # A prompt the engine's /tokenize chokes on (the stand-in answers 500)
+            # is the prompt's fault: a 400, and the engine stays in.
+            status, _, data = await post(url + "/v1/chat/completions", {"messages": [{}]})
+            assert status == 400 and b"could not tokenize" in data
+            assert service.router.nodes[1].failures == {}
+            await up.stop()  # nobody left: a clear 503, and the request is not charged
+            status, _, data = await post(url + "/v1/completions", {"prompt": "x"}, key="key-beta")
+            assert status == 503 and b"tokenize" in data
+
+    run(test)
+
+
+def test_a_request_over_its_rate_is_refused_before_it_is_tokenized() -> None:
+    """Issue 41 #3: the request bucket is asked first: no /tokenize call for a 429."""
+
+    async def test() -> None:
+        engine = StandIn("e0")
+        async with front([engine]) as (url, _):
+            completions = url + "/v1/completions"
+            codes = [
+                (await post(completions, {"prompt": "x"}, key="key-beta"))[0] for _ in range(4)
+            ]
+            assert codes == [200, 200, 429, 429]
+            assert engine.tokenized == 2
+
+    run(test)
+
+
+def test_engine_internal_fields_are_refused_naming_the_field() -> None:
+    """Issue 41 #5: a tenant cannot set what only kvtier and the engine may."""
+
+    async def test() -> None:
+        engine = StandIn("e0")
+        async with front([engine]) as (url, service):
+            for name, value in (
+                ("kv_transfer_params", {"do_remote_prefill": True, "remote_handoff": "x"}),
+                ("priority", -100),
+                ("request_id", "someone-elses"),
+                ("vllm_xargs", {"a": 1}),
+                ("prompt_embeds", "AAAA"),
+            ):
+                status, _, data = await post(url + "/v1/completions", {"prompt": "x", name: value})
+                assert status == 400 and f"'{name}' may not be set".encode() in data, data
+            chat = {
+                "messages": [{"role": "user", "content": "hi"}],
+                "kv_transfer_params": {"prompt_token_ids": list(range(5000))},
+            }
+            status, _, data = await post(url + "/v1/chat/completions", chat)
+            assert status == 400 and b"kv_transfer_params" in data
+            status, _, data = await post(
+                url + "/v1/chat/completions", {**chat, "chat_template": "x"}
+            )
+            assert status == 400
+            assert engine.seen == [] and engine.tokenized == 0  # nothing reached the engine
+            assert service.bad_requests == {"engine_field": 7}
+
+    run(test)
+
+
+def test_status_and_metrics_need_the_operator_token() -> None:
+    """Issue 41 #11: tenants' names and counts and the engines' URLs are the
+    operator's to read; /health stays open."""
+
+    async def test() -> None:
+        async with front([StandIn("e0")]) as (url, _):
+            assert (await post(url + "/v1/completions", {"prompt": "x"}))[0] == 200
+            for path in ("/status", "/metrics"):
+                assert (await get(url + path, token=None))[0] == 401
+                assert (await get(url + path, token="key-acme"))[0] == 401  # a tenant's key
+                status, data = await get(url + path)
+                assert status == 200 and b"acme" in data
+            assert (await get(url + "/health", token=None))[0] == 200
+        async with front([StandIn("e0")], operator_token="") as (url, _):
+            status, data = await get(url + "/status", token="key-acme")
+            assert status == 401 and b"operator_token" in data  # none set: nobody reads it
+        async with front([StandIn("e0")], tenants=(), operator_token="") as (url, _):
+            assert (await get(url + "/status", token=None))[0] == 200  # a single-team router
+
+    run(test)
+
+
+def test_deep_json_and_out_of_range_token_ids_are_400_and_charge_nothing() -> None:
+    """Issue 41 #18: 400 with a message, the tenant's rate tokens untouched."""
+
+    async def test() -> None:
+        engine = StandIn("e0")
+        async with front([engine]) as (url, service):
+            completions = url + "/v1/completions"
+            deep = b'{"prompt": "x", "extra": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"
+            for raw, message in (
+                (deep, b"nests"),
+                (b'{"prompt": ' + b"[" * 150 + b"1" + b"]" * 150 + b"}", b"nests"),
+                (json.dumps({"prompt": [1, 2**32]}).encode(), b"token id"),
+                (json.dumps({"prompt": [[5, 2**64]]}).encode(), b"token id"),
+                (json.dumps({"prompt": [-1]}).encode(), b"token id"),
+                (json.dumps({"prompt": [1] * 5000}).encode(), b"context is 4096"),
+                (b'{"prompt": "x", "max_tokens": NaN}', b"not JSON"),
+                (json.dumps({"prompt": "x", "max_tokens": "9"}).encode(), b"max_tokens"),
+                (json.dumps({"prompt": "x", "stream": "yes"}).encode(), b"stream"),
+                (json.dumps({"prompt": "x", "model": ["m"]}).encode(), b"model"),
+            ):
+                status, _, data = await post(completions, None, key="key-beta", raw=raw)
+                assert status == 400 and message in data, (raw[:40], status, data)
+                assert json.loads(data)["error"]["code"] == 400
+            # beta's burst of 2 requests is whole: nothing was charged
+            codes = [
+                (await post(completions, {"prompt": [1, 2]}, key="key-beta"))[0] for _ in "abc"
+            ]
+            assert codes == [200, 200, 429]
+            assert engine.tokenized == 0 and len(engine.seen) == 2
+            assert service.router.nodes[0].failures == {}
+
+    run(test)
+
+
+def test_a_long_non_streamed_answer_is_a_504_not_an_engine_failure() -> None:
+    """Its first byte is its last: the wait is the generation the client asked
+    for. Taking the engine out (and retrying on the next) would let one tenant's
+    long answers take every engine out in turn."""
+
+    async def test() -> None:
+        slow = [StandIn("a", stall_s=3), StandIn("b", stall_s=3)]
+        async with front(slow, first_byte_timeout_s=0.5) as (url, service):
+            status, _, data = await post(url + "/v1/completions", {"prompt": "x"})
+            assert status == 504 and b"stream" in data
+            assert [n.failures for n in service.router.nodes] == [{}, {}]
+            assert len(slow[0].seen) + len(slow[1].seen) == 1  # not sent again
+            assert service.gateway.tenants["acme"].counts == {"timed_out": 1}
+
+    run(test)
+
+
+def test_a_body_past_max_body_bytes_is_413_and_never_parsed() -> None:
+    """One request may not make the router parse (and hold) tens of MiB: a
+    list of token ids costs about ten times its bytes in memory."""
+
+    async def test() -> None:
+        engine = StandIn("e0")
+        async with front([engine]) as (url, service):
+            raw = b'{"prompt": "x", "pad": "' + b"a" * (17 << 20) + b'"}'
+            status, _, data = await post(url + "/v1/completions", None, key="key-beta", raw=raw)
+            assert status == 413 and b"max_body_bytes" in data
+            assert engine.seen == [] and service.bad_requests == {"body_too_large": 1}
 
     run(test)

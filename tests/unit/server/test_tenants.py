@@ -5,18 +5,21 @@ granted salt whatever the client sends."""
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-from kvtier.keys import Namespace, TokenHasher
-from kvtier.l1 import L1Config
+from kvtier.keys import KeySelector, Namespace, ObjectKey, TokenHasher, salt_label
+from kvtier.l1 import L1Config, L1Result, WriterTag
 from kvtier.server import protocol as p
 from kvtier.server.core import CacheServer
+from kvtier.server.purge import PurgeConfig, Purger
 from kvtier.server.tenants import ANY_SALT, Quota, Tenant, TenantTable, token_digest
 from kvtier.storage import StorageConfig, StorageManager
+from tests.integration.harness import wait_for
 
 GOOD = """
 [[tenant]]
@@ -90,6 +93,10 @@ def test_the_single_token_is_one_admin_tenant_with_any_salt() -> None:
          r"salt 'acme' belongs to both 'acme' and 'ops'"),
         (lambda t: t.replace('salts = ["public"]', "salts = []"), r"tenant 2 salts: a tenant owns"),
         (lambda t: t.replace("admin = true", 'admin = "yes"'), r"line 17: tenant 2 admin:"),
+        (lambda t: t.replace("admin = true", "admin = true\nretention_s = nan"),
+         r"line 18: tenant 2 retention_s: must be a number of seconds > 0, got nan"),
+        (lambda t: t.replace('l1_bytes = "1MiB"', f'l1_bytes = "1{"0" * 400}"'),
+         r"line 8: tenant 1 quota.l1_bytes:"),
         (lambda t: "[extra]\nx = 1\n" + t, r"unknown top-level key 'extra'"),
         (lambda t: t + "\n[[tenant\n", r"tenants file .*: .*line"),
     ],
@@ -164,3 +171,57 @@ def test_a_readable_namespace_is_read_only(server: CacheServer) -> None:
     server.handle(b"A2", p.Lookup("r", hashes), [])
     found, _ = server.handle(b"A2", p.Query("r"), [])
     assert isinstance(found, p.QueryResult) and found.hit_chunks == 0
+
+
+def test_a_saved_purge_of_a_salt_that_is_not_a_label_resumes(
+    storage: StorageManager, tmp_path: Path
+) -> None:
+    """A tenant's salt such as an e-mail address is keyed by its hashed label
+    (``s-`` and hex, not its own label): a job saved for it loads and runs."""
+    label = salt_label("alice@example.com")
+    key = ObjectKey(bytes(32), "m", 0, 0, label)
+    assert storage.store([key], [np.zeros(64, np.uint8)]) == [L1Result.SUCCESS]
+    state = tmp_path / "purges.json"
+    job = {"id": "j1", "model": None, "salt": label, "state": "running", "tiers": {}}
+    state.write_text(json.dumps([job]))
+    purger = Purger(storage, state, PurgeConfig(settle_s=0.0))
+    try:
+        done = wait_for(lambda: purger.job("j1"), lambda j: j is not None and j["state"] == "done")
+    finally:
+        purger.close()
+    assert done is not None and done["tiers"]["L1"]["deleted"] == 1, done
+    assert not storage.l1.contains(key)
+
+
+def test_only_the_last_finished_purges_are_kept(storage: StorageManager) -> None:
+    """Purges of many namespaces (a script, a fuzzer) cost bounded memory:
+    the last 100 finished jobs are kept (``purge.KEPT_FINISHED_JOBS``)."""
+    purger = Purger(storage, None, PurgeConfig(settle_s=0.0, pause_s=0.0))
+    try:
+        started = [purger.start(KeySelector(salt=f"t{i}")).id for i in range(105)]
+        wait_for(purger.jobs, lambda jobs: all(j["state"] == "done" for j in jobs))
+        kept = [j["id"] for j in purger.jobs()]
+    finally:
+        purger.close()
+    assert kept == started[5:]
+
+
+def test_a_purge_is_done_only_after_the_loads_in_flight_landed(storage: StorageManager) -> None:
+    """A load from L2 that began before the purge publishes into L1 after
+    its passes: the last pass waits for it and purges it too."""
+    key = ObjectKey(bytes(32), "m", 0, 0, "acme")
+    l1 = storage.l1
+    (placement,) = l1.reserve_write([key], [64], WriterTag("load"))
+    assert placement.result is L1Result.SUCCESS
+    purger = Purger(storage, None, PurgeConfig(settle_s=0.0))
+    try:
+        job = purger.start(KeySelector(salt="acme"))
+        wait_for(lambda: purger.job(job.id), lambda j: j is not None and bool(j["tiers"]))
+        assert l1.finish_write([key], WriterTag("load")) == [L1Result.SUCCESS]  # it lands
+        done = wait_for(
+            lambda: purger.job(job.id), lambda j: j is not None and j["state"] != "running"
+        )
+    finally:
+        purger.close()
+    assert done is not None and done["state"] == "done", done
+    assert not l1.contains(key)

@@ -1,6 +1,7 @@
-"""Per-tenant L2 quotas (``L2Usage``): on the local disk a tenant over its
-cap loses its own oldest objects there, never another's; on a shared store
-the write-back stops at the cap, counted; usage per tenant and tier."""
+"""Per-tenant L2 quotas (``L2Usage``): on the local disk a store past a
+tenant's cap evicts its own oldest objects there as it lands, never
+another's; on a shared store the write-back stops at the cap, counted;
+usage per tenant and tier."""
 
 from __future__ import annotations
 
@@ -50,9 +51,10 @@ def test_local_caps_evict_the_tenants_own_oldest_and_shared_caps_stop_write_back
             # the shared store took acme's first two, then the cap held
             assert set(_keys(shared)) == {*mine[:2], *theirs}
             assert storage.store_controller.status()["over_quota.shared"] == 3
-            usage.refresh()  # the local disk: acme's two oldest go, globex's stay
+            # the local disk: acme's two oldest went as its stores landed, globex's stay
             assert set(fs.held_keys()) == {*mine[2:], *theirs}
-            assert usage.counters.snapshot()["quota_evictions.fs"] == 2
+            assert fs.status()["quota_evictions"] == 2
+            usage.refresh()
             by_tenant = usage.by_tenant()
             assert by_tenant["acme"]["fs"] == sum(s for k, s in fs.held_sizes() if k in mine)
             assert 2 * OBJECT < by_tenant["acme"]["shared"] <= CAP(2)  # what it wrote there
@@ -63,3 +65,36 @@ def test_local_caps_evict_the_tenants_own_oldest_and_shared_caps_stop_write_back
 
 def _keys(adapter: object) -> list[object]:
     return adapter.keys()  # type: ignore[attr-defined,no-any-return]  # the mock's own listing
+
+
+def test_a_tenant_past_its_local_cap_never_costs_another_tenant_a_file(tmp_path: Path) -> None:
+    """Issue 41 #7: the fs tier holds 6 units, acme's quota there is 2. globex
+    writes 3, then acme writes 6. acme's stores evict acme's own files as they
+    land; globex loses nothing, with no refresh in between."""
+    size = OBJECT + 512  # one object's file, header included, with room to spare
+    config = StorageConfig(
+        l1=L1Config(size_bytes=4 << 20, populate=False),
+        l2=({"type": "fs", "path": str(tmp_path / "fs"), "capacity_bytes": 6 * size},),
+    )
+    with StorageManager(config) as storage:
+        (fs,) = storage.adapters
+        tenants = TenantTable([
+            Tenant("acme", salts=("acme",), quota=Quota(l2_bytes={"fs": 2 * size})),
+            Tenant("globex", salts=("globex",)),
+        ])  # fmt: skip
+        usage = L2Usage(storage, tenants, refresh_s=3600)
+        storage.store_controller.gate = usage.gate
+        try:
+            theirs = [make_key(i, salt="globex") for i in range(3)]
+            mine = [make_key(i, salt="acme") for i in range(6)]
+            for batch in (theirs, mine):
+                storage.store(batch, [np.zeros(OBJECT, np.uint8)] * len(batch))
+                assert storage.flush(10)
+            held = set(fs.held_keys())
+            assert set(theirs) <= held
+            assert len(held & set(mine)) == 2
+            assert fs.status()["objects"] == 5
+            assert fs.status()["quota_evictions"] == 4
+            assert fs.status().get("evictions", 0) == 0
+        finally:
+            usage.close()

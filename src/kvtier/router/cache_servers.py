@@ -1,0 +1,132 @@
+"""The nodes' cache servers, as the router reads them.
+
+``read_status(node)`` fetches a cache server's ``/status`` (its hash
+namespace and boot id) and ``prefetch(node, payload)`` posts a routing-time
+``/prefetch``, both with the configured token (``cache_token``: an admin
+tenant's, when the servers have tokens). A server the router was told to use
+and cannot read (unreachable, silent, 401/403, not a JSON object) leaves the
+router routing without its chunk hashes, so it is never silent:
+
+- every failed poll is counted (``kvtier_route_cache_server_errors_total``,
+  by engine and reason);
+- each change of state is logged once: a warning when a server becomes
+  unreadable or fails another way, naming what to change; a line when it is
+  read again;
+- ``status()`` (in the router's ``/status``) shows each server's state.
+
+Owned by the event loop's thread (no lock).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import aiohttp
+
+from kvtier.router.core import Node
+from kvtier.router.metrics import Metrics
+from kvtier.router.relay import failure_reason
+
+log = logging.getLogger(__name__)
+HINTS = {
+    "http_401": "set cache_token (KVTIER_ROUTE_CACHE_TOKEN) to an admin tenant's token",
+    "http_403": "cache_token's tenant has no admin role on that server",
+}
+
+
+@dataclass
+class CacheServerState:
+    """What the last poll of one cache server found ("" error: read)."""
+
+    engine: str
+    url: str
+    error: str = ""
+    polls: int = 0
+    errors: dict[str, int] = field(default_factory=dict)
+
+
+class CacheServers:
+    """See the module docstring."""
+
+    def __init__(self, nodes: Sequence[Node], token: str, metrics: Metrics) -> None:
+        self._headers = {"Authorization": f"Bearer {token}"} if token else {}
+        self._metrics = metrics
+        self.states = {n.index: CacheServerState(n.name, n.cache_url) for n in nodes if n.cache_url}
+
+    async def read_status(
+        self, session: aiohttp.ClientSession, node: Node
+    ) -> dict[str, Any] | None:
+        """The server's ``/status`` object; None (counted, logged on a change) if unreadable."""
+        error, detail, body = await self._fetch_status(session, node)
+        self._note(node, error, detail)
+        return None if error else body
+
+    async def _fetch_status(
+        self, session: aiohttp.ClientSession, node: Node
+    ) -> tuple[str, str, dict[str, Any] | None]:
+        """(error, detail, the status object); error "" when read."""
+        try:
+            async with session.get(node.cache_url + "/status", headers=self._headers) as response:
+                status, data = response.status, await response.read()
+        except (TimeoutError, aiohttp.ClientError) as exc:
+            return failure_reason(exc), str(exc), None
+        if status != 200:
+            return f"http_{status}", data.decode(errors="replace")[:200], None
+        try:
+            body = json.loads(data)
+        except (ValueError, RecursionError):
+            body = None
+        if not isinstance(body, dict):
+            return "bad_answer", "/status is not a JSON object", None
+        return "", "", body
+
+    async def prefetch(
+        self, session: aiohttp.ClientSession, node: Node, payload: dict[str, Any]
+    ) -> None:
+        """Ask the server to start its L2 -> L1 loads (the outcome counted)."""
+        try:
+            async with session.post(
+                node.cache_url + "/prefetch", json=payload, headers=self._headers
+            ) as response:
+                outcome = "started" if response.status == 200 else f"http_{response.status}"
+        except (TimeoutError, aiohttp.ClientError):
+            outcome = "unreachable"
+        self._metrics.prefetches.labels(outcome).inc()
+
+    def status(self) -> dict[str, object]:
+        return {
+            s.engine: {
+                "url": s.url,
+                "readable": s.polls > 0 and not s.error,
+                "error": s.error,
+                "polls": s.polls,
+                "errors": dict(s.errors),
+            }
+            for s in self.states.values()
+        }
+
+    def _note(self, node: Node, error: str, detail: str) -> None:
+        state = self.states[node.index]
+        state.polls += 1
+        if error:
+            state.errors[error] = state.errors.get(error, 0) + 1
+            self._metrics.cache_server_errors.labels(node.name, error).inc()
+        if error == state.error and state.polls > 1:
+            return
+        if error:
+            hint = HINTS.get(error, "the router routes without its chunk hashes until it answers")
+            log.warning(
+                "route: cannot read cache server %s of engine %s (%s: %s); %s",
+                state.url,
+                node.name,
+                error,
+                detail,
+                hint,
+            )
+        elif state.error:
+            log.warning("route: cache server %s of engine %s is read again", state.url, node.name)
+        state.error = error
