@@ -56,6 +56,20 @@ _FIXED = struct.Struct(
 _CODED = struct.Struct("<BQ")  # version 2: codec, decoded length
 HEADER_ALIGN = 64
 MAX_HEADER_BYTES = 4096
+# A stored copy of n payload bytes is at most this factor of n, plus a header
+# and slack. zstd grows incompressible bytes by under 1 % and a lossy copy is
+# smaller than the plain bytes for any real chunk: four times over, no honest
+# copy is ever refused, and a planted one costs a reader a bounded read.
+STORED_BOUND_FACTOR = 4
+STORED_BOUND_SLACK = 64 << 10
+
+
+def stored_bound(payload_bytes: int) -> int:
+    """The most bytes an honest stored copy of ``payload_bytes`` can take. A
+    reader of a store other nodes write (Redis, S3) reads no more than this
+    (plus one byte, to see that a copy is longer): a copy made of whatever
+    another writer chose never costs more memory than the object's size."""
+    return STORED_BOUND_FACTOR * payload_bytes + MAX_HEADER_BYTES + STORED_BOUND_SLACK
 
 
 class Corruption(enum.Enum):

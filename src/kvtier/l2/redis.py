@@ -30,7 +30,13 @@ from kvtier.config import redacted
 from kvtier.keys import KeySelector, ObjectKey
 from kvtier.l2.base import AdapterConfig, Buffer, CompletionCallback, PurgeStep
 from kvtier.l2.blocking import BackendUnavailable, BlockingAdapter
-from kvtier.l2.format import CorruptObject, decode_object, encode_object
+from kvtier.l2.format import (
+    Corruption,
+    CorruptObject,
+    decode_object,
+    encode_object,
+    stored_bound,
+)
 
 log = logging.getLogger(__name__)
 
@@ -126,8 +132,8 @@ class RedisAdapter(BlockingAdapter):
         loaded: list[bool] = []
         for part in self._parts([b.nbytes for b in buffers]):
             pipe = self._client.pipeline(transaction=False)
-            for i in part:
-                pipe.get(self.name_of(keys[i]))
+            for i in part:  # at most one byte past the bound: a longer copy is refused
+                pipe.getrange(self.name_of(keys[i]), 0, stored_bound(buffers[i].nbytes))
             for i, value in zip(part, self._execute(pipe), strict=True):
                 loaded.append(self._check(keys[i], value, buffers[i], layout))
         return loaded
@@ -186,7 +192,7 @@ class RedisAdapter(BlockingAdapter):
         return replies
 
     def _check(self, key: ObjectKey, value: Any, buffer: Buffer, layout: str) -> bool:
-        if value is None:
+        if not value:  # GETRANGE of a missing key is empty; no copy ever is
             self._count_failure("not_found")
             return False
         if isinstance(value, Exception):
@@ -194,6 +200,8 @@ class RedisAdapter(BlockingAdapter):
             self._count_failure("error")
             return False
         try:
+            if len(value) > stored_bound(buffer.nbytes):
+                raise CorruptObject(Corruption.LENGTH, "longer than any copy of this object")
             decode_object(value, key, layout, buffer, self.codec)
         except CorruptObject as error:
             self._corrupt(key, error)

@@ -27,7 +27,13 @@ from typing import Any
 from kvtier.keys import KeySelector, ObjectKey
 from kvtier.l2.base import AdapterConfig, Buffer, CompletionCallback, PurgeStep
 from kvtier.l2.blocking import BackendUnavailable, BlockingAdapter
-from kvtier.l2.format import CorruptObject, decode_object, encode_object
+from kvtier.l2.format import (
+    Corruption,
+    CorruptObject,
+    decode_object,
+    encode_object,
+    stored_bound,
+)
 
 log = logging.getLogger(__name__)
 
@@ -132,8 +138,14 @@ class S3Adapter(BlockingAdapter):
             if reply is None:
                 loaded.append(False)
                 continue
+            body, bound = reply["Body"], stored_bound(buffer.nbytes)
             try:
-                decode_object(reply["Body"].read(), key, layout, buffer, self.codec)
+                # Read no more than any copy of this object can take, whatever
+                # another writer of the bucket stored under its name.
+                if int(reply.get("ContentLength", 0)) > bound:
+                    body.close()
+                    raise CorruptObject(Corruption.LENGTH, "longer than any copy of this object")
+                decode_object(body.read(bound + 1), key, layout, buffer, self.codec)
             except CorruptObject as error:
                 self._corrupt(key, error)
                 self._call(
