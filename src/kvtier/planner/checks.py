@@ -57,14 +57,14 @@ def plan_warnings(plan: Plan) -> tuple[str, ...]:
             "costs (a directory look-up, an RPC, a lease, an IOP) rival moving the bytes, so "
             "metadata rather than bandwidth limits throughput as traffic grows "
             f"({plan.metadata_objects_per_s:,.0f} object look-ups per second here); a larger "
-            "--chunk-size makes fewer, bigger objects (seed Q43)"
+            "--chunk-size makes fewer, bigger objects"
         )
     recompute = plan.recompute_seconds_per_prefix
     if plan.verdict == "recompute" and recompute is not None:
         warnings.append(
             f"loading a prefix takes {plan.load_seconds_per_prefix * 1e3:,.1f} ms over the "
             f"NIC, recomputing it {recompute * 1e3:,.1f} ms: remote reads do not pay for "
-            "this prefix length; keep it in L1 or recompute (seed Q42)"
+            "this prefix length; keep it in L1 or recompute"
         )
     return tuple(warnings)
 
@@ -86,13 +86,13 @@ def plan_notes(plan: Plan) -> tuple[str, ...]:
             else f"TP {deployment.tp} over {shape.kv_heads} KV heads keeps each head on "
             f"{plan.tp_replication} ranks"
         )
-        notes.append(f"{held}: the pool stores {plan.tp_replication}x the logical bytes (seed Q5)")
+        notes.append(f"{held}: the pool stores {plan.tp_replication}x the logical bytes")
     if plan.verdict is None:
         notes.append("pass --gpu-tflops and --model-params for the read-or-recompute verdict")
     else:
         notes.append(
             "load time counts the NIC transfer only; look-up, host-to-device copy and "
-            "queueing add to it, overlap takes from it (seed Q42)"
+            "queueing add to it, overlap takes from it"
         )
         if shape.attention_heads is None:
             notes.append(

@@ -23,7 +23,7 @@
 - ``load_async`` (false): ``true`` loads a hit on the worker's own thread
   while the request waits for remote KV and the engine runs the others
   (vLLM's async-load path); ``false`` copies it before the step's forward,
-  which measures faster on CPU (BENCHMARKS.md, "Asynchronous loads").
+  which measures faster on CPU (docs/bench-log/codecs.md, "Asynchronous loads").
 - ``shadow_fraction`` (0.0): the share of requests with a hit whose last hit
   chunk vLLM computes anyway, to compare with kvtier's copy
   (``kvtier.engine.shadow``); ``shadow_tolerance`` (0.02): the relative error
