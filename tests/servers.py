@@ -10,6 +10,7 @@ tests that need it (``.ci/run`` installs both).
 
 from __future__ import annotations
 
+import os
 import signal
 import socket
 import subprocess
@@ -60,6 +61,9 @@ def free_port_pair() -> int:
     raise RuntimeError("no free port pair")
 
 
+SOCKETS = Path("/tmp")  # where weed puts its local sockets
+
+
 @dataclass(eq=False)
 class SeaweedProcess:
     """``weed server`` with its S3 gateway on 127.0.0.1, and one bucket."""
@@ -70,6 +74,7 @@ class SeaweedProcess:
     s3_port: int = 0
     bucket: str = "kvtier-test"
     proc: subprocess.Popen[bytes] | None = None
+    ports: tuple[int, ...] = ()  # its HTTP ports: each gRPC port is 10000 above
 
     @property
     def endpoint(self) -> str:
@@ -92,14 +97,16 @@ class SeaweedProcess:
         server = cls(binary, directory, directory / "weed.log")
         master, volume, filer = free_port_pair(), free_port_pair(), free_port_pair()
         server.s3_port = free_port_pair()
+        server.ports = (master, volume, filer, server.s3_port)
         args = [binary, "server", f"-dir={directory}", "-ip=127.0.0.1", "-ip.bind=127.0.0.1"]
         args += [f"-master.port={master}", f"-volume.port={volume}", "-filer"]
         args += [f"-filer.port={filer}", "-s3", f"-s3.port={server.s3_port}"]
         args += ["-s3.port.iceberg=0", "-s3.port.lance=0", "-master.volumeSizeLimitMB=1024"]
         args += ["-volume.max=16"]
         args += ["-volume.preStopSeconds=0", "-metricsPort=0"]
+        env = {**os.environ, "TMPDIR": str(directory)}  # its logs: here, not in /tmp
         with server.log.open("w") as out:
-            server.proc = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT)
+            server.proc = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT, env=env)
         try:
             server._create_bucket(timeout_s)
         except BaseException:
@@ -142,6 +149,10 @@ class SeaweedProcess:
         ~15 s (once it hung), which every test run would wait for."""
         if self.proc is not None:
             stop_process(self.proc, signal.SIGKILL)
+        # Its local sockets, which it names by port in /tmp (TMPDIR or not).
+        for port in (*self.ports, *(port + 10000 for port in self.ports)):
+            for path in SOCKETS.glob(f"seaweedfs-*-{port}.sock"):
+                path.unlink(missing_ok=True)
 
 
 __all__ = [

@@ -23,6 +23,7 @@ import functools
 import itertools
 import logging
 import threading
+import time
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -81,12 +82,16 @@ class StorageManager:
     """Store, look up and read chunk objects across tiers; see the module docstring."""
 
     def __init__(
-        self, config: StorageConfig | None = None, residency: Residency | None = None
+        self,
+        config: StorageConfig | None = None,
+        residency: Residency | None = None,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
+        """``clock``: L1's (leases, and the ages that retention reads)."""
         self.config = config or StorageConfig()
         self.residency = residency
         self._tiers: dict[str, Tier] = {}  # adapter name -> its tier in KV events
-        self.l1 = L1Manager(self.config.l1)
+        self.l1 = L1Manager(self.config.l1, clock=clock)
         self.adapters: list[L2Adapter] = []
         try:
             for spec in self.config.l2:

@@ -14,6 +14,8 @@ client process) and ``PeerFactory.read(proc)`` takes the JSON line it prints.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
 import os
 import signal
@@ -93,6 +95,50 @@ def running(pid: int) -> bool:
     return state not in ("Z", "X")
 
 
+def process_tree(pid: int) -> set[int]:
+    """``pid`` and every process under it."""
+    parents: dict[int, int] = {}
+    for entry in Path("/proc").glob("[0-9]*"):
+        try:
+            parents[int(entry.name)] = int(
+                (entry / "stat").read_text().rpartition(")")[2].split()[1]
+            )
+        except OSError:  # it ended meanwhile
+            continue
+    tree, grown = {pid}, True
+    while grown:
+        below = {child for child, parent in parents.items() if parent in tree}
+        grown = not below <= tree
+        tree |= below
+    return tree
+
+
+def engine_segments(pid: int) -> list[Path]:
+    """The shared-memory files that multiprocessing made (``psm_*`` segments,
+    ``sem.*`` semaphores) which ``pid`` and the processes under it map or
+    hold open: vLLM's engine core and workers remove theirs only as they shut
+    down, so a test that SIGKILLs an engine removes them itself. A kvtier
+    server's arena, which a connector maps too, is not among them."""
+    found: set[Path] = set()
+    for member in process_tree(pid):
+        for path in map(Path, _mapped_or_open(member)):
+            if path.parent == SHM_DIR and path.name.startswith(("psm_", "sem.")):
+                found.add(path)
+    return sorted(found)
+
+
+def _mapped_or_open(pid: int) -> list[str]:
+    """The paths of the files a process maps or holds open (what it could read)."""
+    paths = []
+    with contextlib.suppress(OSError):  # it ended meanwhile
+        maps = Path(f"/proc/{pid}/maps").read_text().splitlines()
+        paths += [line.split(maxsplit=5)[-1] for line in maps if "/" in line]
+        for fd in Path(f"/proc/{pid}/fd").iterdir():
+            with contextlib.suppress(OSError):  # closed meanwhile
+                paths.append(os.readlink(fd))
+    return [path.removesuffix(" (deleted)") for path in paths]
+
+
 def wait_for(
     probe: Callable[[], T],
     done: Callable[[T], bool],
@@ -107,6 +153,15 @@ def wait_for(
         time.sleep(every_s)
         value = probe()
     return value
+
+
+async def settled(done: Callable[[], bool], timeout_s: float = 15.0, every_s: float = 0.05) -> bool:
+    """``wait_for`` inside an event loop (its other tasks run meanwhile):
+    await until ``done()`` holds or ``timeout_s`` passes; its last value."""
+    deadline = time.monotonic() + timeout_s
+    while not done() and time.monotonic() < deadline:
+        await asyncio.sleep(every_s)
+    return done()
 
 
 @dataclass(eq=False)

@@ -29,7 +29,7 @@ pytestmark = pytest.mark.skipif(
 
 
 @pytest.fixture
-def browser() -> Iterator[Any]:
+def browser(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
     from selenium.webdriver.chrome.options import Options
     from selenium.webdriver.chrome.service import Service
 
@@ -40,7 +40,10 @@ def browser() -> Iterator[Any]:
                  "--disable-sync", "--no-first-run", "--disable-quic"):  # fmt: skip
         options.add_argument(flag)
     options.set_capability("goog:loggingPrefs", {"browser": "ALL"})
-    driver = webdriver.Chrome(service=Service(str(DRIVER)), options=options)
+    # Chromium's temporary files (its profile's lock socket) go there, not to /tmp;
+    # a short path: a socket's path has at most 107 bytes.
+    env = {**os.environ, "TMPDIR": str(tmp_path_factory.mktemp("chromium"))}
+    driver = webdriver.Chrome(service=Service(str(DRIVER), env=env), options=options)
     try:
         yield driver
     finally:
@@ -117,12 +120,24 @@ def test_the_dashboard_shows_live_numbers_in_a_real_browser(
         timeout_s=30,
     )
     assert drawn["l1"] > 2 and drawn["errors"] >= 1
-    time.sleep(2.5)  # one more poll, after the snapshot has every number
-    shown = {
-        cell.get_attribute("data-metric"): float(cell.get_attribute("data-value"))
-        for cell in browser.find_elements(By.CSS_SELECTOR, "#totals td[data-metric]")
-    }
-    reported = metrics(server)
+
+    def totals() -> tuple[dict[str, float], dict[str, float]]:
+        """The page's totals table, and what ``/metrics`` reports after it."""
+        shown = browser.execute_script(  # in one go: the page redraws the table as it polls
+            """return Object.fromEntries(Array.from(
+                 document.querySelectorAll('#totals td[data-metric]'),
+                 (cell) => [cell.dataset.metric, parseFloat(cell.dataset.value)]));"""
+        )
+        return {name: float(value) for name, value in shown.items()}, metrics(server)
+
+    # The page polls every few seconds: wait for a poll after the server's
+    # snapshot has every number of the traffic.
+    shown, reported = wait_for(
+        totals,
+        lambda seen: bool(seen[0]) and all(seen[1].get(k) == v for k, v in seen[0].items()),
+        timeout_s=60,
+        every_s=0.5,
+    )
     assert shown, "the totals table is empty"
     assert 'kvtier_server_hit_tokens{key="L1"}' in shown
     for name, value in shown.items():

@@ -410,14 +410,15 @@ def test_a_message_nested_past_the_recursion_limit_is_an_error(fuzz_server: Serv
     assert fuzz_server.proc.poll() is None
 
 
-def test_a_stolen_routing_id_does_not_inherit_a_registration(fuzz_server: Server) -> None:
+def test_a_stolen_routing_id_does_not_inherit_a_registration(server: Server) -> None:
     """The finding: with ROUTER_HANDOVER a peer with no token that presented an
-    authenticated client's routing id inherited its registration."""
+    authenticated client's routing id inherited its registration. Its own
+    server: the owner's session stays there until its client's time-to-live."""
     context = zmq.Context.instance()
     owner = context.socket(zmq.DEALER)
     owner.setsockopt(zmq.ROUTING_ID, b"victim-id")
     owner.setsockopt(zmq.LINGER, 0)
-    owner.connect(fuzz_server.rpc)
+    owner.connect(server.rpc)
     try:
         assert isinstance(w.call(owner, w.hello(client_id="victim"))[0], p.Welcome)
         assert w.call(owner, p.Lookup("mine", HASHES))[0] == p.Ack()
@@ -431,7 +432,7 @@ def test_a_stolen_routing_id_does_not_inherit_a_registration(fuzz_server: Server
         thief = context.socket(zmq.DEALER)
         thief.setsockopt(zmq.ROUTING_ID, b"victim-id")
         thief.setsockopt(zmq.LINGER, 0)
-        thief.connect(fuzz_server.rpc)
+        thief.connect(server.rpc)
         try:
             return w.call(thief, p.Query("mine"), timeout_s=2.0)[0]
         except AssertionError:

@@ -26,6 +26,7 @@ from tests.integration import workload as w
 from tests.integration.harness import (
     Server,
     ServerFactory,
+    settled,
     tenants_toml,
     wait_for,
     wait_written_back,
@@ -96,10 +97,9 @@ def test_events_steer_requests_and_a_disk_hit_is_prefetched(kvtier_server: Serve
             url = f"http://127.0.0.1:{runner.addresses[0][1]}"
             router = service.router
             try:
-                for _ in range(200):  # the subscribers catch up by replay
-                    if router.chunks.holds(1, hashes[-1], "L1") and router.namespace:
-                        break
-                    await asyncio.sleep(0.05)
+                # the subscribers catch up by replay
+                assert await settled(lambda: bool(router.chunks.holds(1, hashes[-1], "L1")))
+                assert await settled(lambda: router.namespace is not None)
                 assert router.chunks.holds(1, hashes[0], "L1")
                 assert router.chunks.holds(1, hashes[0], "fs")
                 assert await ask(url, tokens.tolist()) == "e1"
@@ -108,18 +108,10 @@ def test_events_steer_requests_and_a_disk_hit_is_prefetched(kvtier_server: Serve
 
                 # L1 wiped: the claim goes, the disk copy stays and still wins.
                 assert server1.http_get("/clear", method="POST")[0] == 200
-                for _ in range(200):
-                    if not router.chunks.holds(1, hashes[0], "L1"):
-                        break
-                    await asyncio.sleep(0.05)
-                assert not router.chunks.holds(1, hashes[0], "L1")
+                assert await settled(lambda: not router.chunks.holds(1, hashes[0], "L1"))
                 assert await ask(url, tokens.tolist()) == "e1"
                 # ... and the router told node 1 to bring it back to L1 now.
-                for _ in range(200):
-                    if router.chunks.holds(1, hashes[-1], "L1"):
-                        break
-                    await asyncio.sleep(0.05)
-                    assert router.chunks.holds(1, hashes[-1], "L1")
+                assert await settled(lambda: bool(router.chunks.holds(1, hashes[-1], "L1")))
                 return router.status()
             finally:
                 await runner.cleanup()
@@ -167,13 +159,12 @@ def test_two_routers_side_by_side_agree(kvtier_server: ServerFactory) -> None:
                     await web.TCPSite(runner, "127.0.0.1", 0).start()
                     runners.append(runner)
                     services.append(service)
-                for _ in range(200):
-                    views = [s.router.chunks.view(hashes) for s in services]
-                    if all(len(v) == CHUNKS for v in views) and all(
-                        s.router.namespace for s in services
-                    ):
-                        break
-                    await asyncio.sleep(0.05)
+                assert await settled(
+                    lambda: all(
+                        len(s.router.chunks.view(hashes)) == CHUNKS and s.router.namespace
+                        for s in services
+                    )
+                )
                 first, second = (s.router for s in services)
                 assert first.chunks.view(hashes) == second.chunks.view(hashes)
                 assert len(first.chunks) == len(second.chunks)
@@ -222,10 +213,11 @@ def test_the_router_reads_cache_servers_that_enforce_tenants(
             node = service.router.nodes[0]
             payload = {"model": "m", "salt": "acme", "hashes": []}
             try:
-                for _ in range(600):  # several polls, and the namespace if readable
-                    if state.polls >= 5 and (state.error or service.router.namespace):
-                        break
-                    await asyncio.sleep(0.05)
+                # several polls, and the namespace if readable
+                assert await settled(
+                    lambda: state.polls >= 5 and bool(state.error or service.router.namespace),
+                    timeout_s=30.0,
+                )
                 assert service.session is not None
                 await service.cache_servers.prefetch(service.session, node, payload)
                 metrics = service.metrics.registry

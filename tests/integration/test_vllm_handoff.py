@@ -393,6 +393,42 @@ def test_the_cache_server_killed_mid_hand_off(kvtier_server: ServerFactory) -> N
         consumer.close()
 
 
+def test_a_consumer_that_has_not_heard_of_the_restart_finds_the_hand_off_on_disk(
+    kvtier_server: ServerFactory,
+) -> None:
+    """The cache server is killed after the offer and its chunks' write-back
+    to its disk tier, and restarted on both. The consumer's client learns of
+    the restart only when it next hears from the server (its heartbeat is
+    10 s away): its first take goes out as if nothing happened, is answered
+    ``pending`` (the new server never heard of the hand-off), and the next
+    take asks the new server to find the chunks on disk. It gets them, well
+    within its wait."""
+    first = kvtier_server.start()
+    producer = side_for(first.rpc)
+    try:
+        tokens, params = handed_off(producer, seed=54)
+        stored = wait_for(
+            partial(status, producer),
+            lambda s: s["storage"]["store"].get("stored_objects.fs", 0) >= 3,
+        )
+        assert stored["storage"]["store"]["stored_objects.fs"] == 3  # two chunks and the tail
+    finally:
+        producer.close()
+    consumer = side_for(first.rpc)  # registered with the producer's server
+    try:
+        second = kvtier_server.restart(first)
+        req = consumer_request(tokens, params)
+        take_and_load(consumer, req, [30, 31, 32, 33, 34])
+        consumer.update_connector_output(SimpleNamespace(finished_recving={"d"}))
+        _, outcome = consumer.request_finished(req, [30, 31, 32, 33, 34])
+        assert outcome == {HANDOFF_ID: params[HANDOFF_ID], OUTCOME: "loaded"}
+        seen = wait_for(second.status, lambda s: s["server"].get("handoffs.consumed", 0) == 1)
+        assert seen["server"]["handoffs.found"] == seen["server"]["handoffs.consumed"] == 1
+        assert seen["handoffs"]["held"] == 0
+    finally:
+        consumer.close()
+
+
 def test_a_preempted_consumer_reloads_its_prompt_without_taking_again(server: Server) -> None:
     producer = side_for(server.rpc)
     consumer = side_for(server.rpc, handoff_failure="error")

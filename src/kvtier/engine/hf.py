@@ -174,6 +174,9 @@ class KVTierModel:
         self._lossy_codec = lossy_codec
         self._shift: RopeShift | None = None
         self._segment_store: SegmentStore | None = None
+        # The savings ledger prices what a report loaded at the rate it carries,
+        # so a prefill too short to measure one reports the latest measured.
+        self._prefill_rate = 0.0  # seconds per prompt token (0: not measured yet)
         self.link: CacheLink | None = None
         if server is not None:
             self.link = ServerLink(
@@ -330,8 +333,8 @@ class KVTierModel:
         error = self._shadow(link, ids, cache, last, layout) if sampled else None
         now = time.perf_counter()
         timings.shadow_s, timings.ttft_s = now - mark, now - started
-        rate = prefill_rate(timings.prefill_s, len(ids) - use)
-        link.report_usage(rate, timings.load_s if use else 0.0, use)
+        self._prefill_rate = prefill_rate(timings.prefill_s, len(ids) - use) or self._prefill_rate
+        link.report_usage(self._prefill_rate, timings.load_s if use else 0.0, use)
         tiers = hit.chunks_by_tier if hit is not None and loaded else {}
         return Prefill(
             logits,
@@ -399,14 +402,18 @@ class KVTierModel:
         started = time.perf_counter()
         if self._shift is None:
             self._shift = RopeShift.of(self.model)
-        blended = blend_prefill(self.model, ids, spans, config, self._segments(), self._shift)
+        segments = self._segments()
+        blended = blend_prefill(self.model, ids, spans, config, segments, self._shift)
         t, stats = blended.timings, blended.stats
-        object_bytes = self._segments().layout.object_bytes()
+        loaded = sum(blended.tiers.values())
+        if segments.link is not None:  # an upper bound: a blend recomputes a share of it
+            segments.link.report_usage(self._prefill_rate, t.load_s, loaded)
+        object_bytes = segments.layout.object_bytes()
         return Prefill(
             blended.logits,
             blended.cache,
             len(ids),
-            hit_tokens=sum(blended.tiers.values()),
+            hit_tokens=loaded,
             computed_tokens=stats.layer_tokens[-1],
             stored_tokens=stats.computed_alone_tokens if blended.stored_pieces else 0,
             tokens_by_tier=blended.tiers,

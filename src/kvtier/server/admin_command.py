@@ -167,6 +167,7 @@ def _render(command: str, answer: Any) -> list[str]:
         return [
             f"{r['tenant']} {r['namespace']}: served "
             + ", ".join(f"{tier} {n} tokens" for tier, n in r["served_tokens"].items())
+            + f"; loaded {r['loaded_tokens']} tokens"
             + (
                 f"; saved {r['saved_s']:.3f} s, loads {r['load_s']:.3f} s, net {r['net_s']:.3f} s"
                 if r["saved_s"] is not None
@@ -193,7 +194,7 @@ def add_parser(commands: Any) -> None:
         ("tenants", "each tenant: salts, role, quotas, usage per tier"),
         ("namespaces", "each model@salt: objects and bytes per tier"),
         ("purges", "purge jobs and their progress"),
-        ("ledger", "the savings ledger: tokens served, seconds saved and spent"),
+        ("ledger", "the savings ledger: tokens served and loaded, seconds saved and spent"),
         ("token-digest", "print the SHA-256 digest of a token read from standard input"),
     ):
         sub.add_parser(name, help=text)

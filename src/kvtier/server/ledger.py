@@ -3,15 +3,28 @@
 For each (tenant, namespace ``model@salt``):
 
 - **tokens served** from each tier: the server's own lookup answers (hit
-  chunks x chunk size, by the tier each chunk came from);
-- **prefill seconds saved**: tokens served x the namespace's prefill time per
-  token, as its engines measure and report it (``UsageReport``: the
-  transformers integration after each prefill, the vLLM connector after
-  each step that loads or stores; an exponentially weighted mean); without
-  any report, ``default_prefill_s_per_token`` if set, else unknown (``None``:
-  the ledger does not invent a rate);
+  chunks x chunk size, by the tier each chunk came from). This is what
+  kvtier *offered*, not what it saved: vLLM loads only the part of a hit
+  past its own prefix cache, and its scheduler and worker each look the
+  same chunks up;
+- **tokens loaded**: what the engines report copying from kvtier into
+  their KV cache (``UsageReport.loaded_tokens``: the transformers
+  integration after each prefill or blend, the vLLM connector after each
+  step that loads, blends or stores), tokens the engine would otherwise
+  have computed (a blend recomputes a share of them: for it, an upper bound);
+- **prefill seconds saved**: each report's loaded tokens x the prefill time
+  per token that the same report carries (the reporting engine's latest
+  measurement). A report whose engine has not measured one yet is priced
+  at the namespace's rate (an exponentially weighted mean of its engines'
+  reports), else at ``default_prefill_s_per_token`` if set; failing both,
+  its tokens wait, unpriced, for the namespace's first rate. While any
+  wait and none is known, saved is unknown (``None``: the ledger does not
+  invent a rate);
 - **load seconds spent**: what the engines report spending to load KV;
 - **net seconds**: saved minus spent — the time the cache bought.
+
+Loads are counted per namespace, not per tier: a report does not say
+which tier its tokens came from (``served`` does, per lookup).
 
 ``served`` and ``reported`` run on the server loop; ``report`` and
 ``status`` on any thread; one lock guards the table.
@@ -20,7 +33,7 @@ For each (tenant, namespace ``model@salt``):
 from __future__ import annotations
 
 import threading
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 EWMA = 0.2
@@ -28,7 +41,7 @@ MIN_RATE_TOKENS = 32  # a forward computing at least this many tokens samples th
 
 
 def prefill_rate(seconds: float, computed_tokens: int) -> float:
-    """What an engine reports as its prefill seconds per token for a forward
+    """What an engine measures as its prefill seconds per token for a forward
     that computed ``computed_tokens`` in ``seconds``: 0.0 (no sample) when
     too few tokens ran for the time to mean a rate."""
     return seconds / computed_tokens if computed_tokens >= MIN_RATE_TOKENS else 0.0
@@ -39,6 +52,8 @@ class _Entry:
     served: dict[str, int] = field(default_factory=dict)  # tier -> tokens
     load_s: float = 0.0
     loaded_tokens: int = 0
+    saved_s: float = 0.0  # loaded tokens priced when they were reported
+    unpriced_tokens: int = 0  # loaded before any rate was known
     rate: float | None = None  # reported prefill seconds per token (EWMA)
     reports: int = 0
 
@@ -52,6 +67,7 @@ class SavingsLedger:
         self._entries: dict[tuple[str, str], _Entry] = {}
 
     def served(self, tenant: str, namespace: str, tier: str, tokens: int) -> None:
+        """A lookup answered ``tokens`` from ``tier`` (offered, not saved)."""
         with self._lock:
             entry = self._entries.setdefault((tenant, namespace), _Entry())
             entry.served[tier] = entry.served.get(tier, 0) + tokens
@@ -64,6 +80,8 @@ class SavingsLedger:
         load_s: float,
         loaded_tokens: int,
     ) -> None:
+        """An engine's ``UsageReport``: its loaded tokens are credited as saved
+        at its own rate (see the module docstring for a report without one)."""
         with self._lock:
             entry = self._entries.setdefault((tenant, namespace), _Entry())
             entry.load_s += load_s
@@ -75,6 +93,11 @@ class SavingsLedger:
                     if old is None
                     else (1 - EWMA) * old + EWMA * prefill_s_per_token
                 )
+            price = prefill_s_per_token or entry.rate or self.default_rate
+            if price is None:
+                entry.unpriced_tokens += loaded_tokens
+            else:
+                entry.saved_s += loaded_tokens * price
             entry.reports += 1
 
     def measured_rate(self, tenant: str, namespace: str) -> float | None:
@@ -84,21 +107,23 @@ class SavingsLedger:
             return None if entry is None else entry.rate
 
     def report(self) -> dict[str, Any]:
-        """Every (tenant, namespace): tokens by tier, the rate used, saved,
-        spent and net seconds; and the totals per tenant."""
+        """Every (tenant, namespace): tokens served by tier, tokens loaded,
+        the namespace's rate, saved, spent and net seconds; and the totals
+        per tenant."""
         rows: list[dict[str, Any]] = []
         tenants: dict[str, dict[str, float]] = {}
         with self._lock:
             items = [(k, _copy(e)) for k, e in self._entries.items()]
         for (tenant, namespace), entry in sorted(items):
             rate = entry.rate if entry.rate is not None else self.default_rate
+            saved = _saved(entry, rate)
             served = sum(entry.served.values())
-            saved = None if rate is None else served * rate
             rows.append(
                 {
                     "tenant": tenant,
                     "namespace": namespace,
                     "served_tokens": dict(entry.served),
+                    "loaded_tokens": entry.loaded_tokens,
                     "prefill_s_per_token": rate,
                     "rate_reported": entry.rate is not None,
                     "saved_s": saved,
@@ -106,8 +131,11 @@ class SavingsLedger:
                     "net_s": None if saved is None else saved - entry.load_s,
                 }
             )
-            total = tenants.setdefault(tenant, {"served_tokens": 0, "saved_s": 0.0, "load_s": 0.0})
+            total = tenants.setdefault(
+                tenant, {"served_tokens": 0, "loaded_tokens": 0, "saved_s": 0.0, "load_s": 0.0}
+            )
             total["served_tokens"] += served
+            total["loaded_tokens"] += entry.loaded_tokens
             total["saved_s"] += saved or 0.0
             total["load_s"] += entry.load_s
         for total in tenants.values():
@@ -121,6 +149,7 @@ class SavingsLedger:
             where = f"{row['tenant']}/{row['namespace']}"
             for tier, tokens in row["served_tokens"].items():
                 out[f"served_tokens.{where}/{tier}"] = tokens
+            out[f"loaded_tokens.{where}"] = row["loaded_tokens"]
             out[f"load_seconds.{where}"] = row["load_s"]
             if row["saved_s"] is not None:
                 out[f"saved_seconds.{where}"] = row["saved_s"]
@@ -128,8 +157,16 @@ class SavingsLedger:
         return out
 
 
+def _saved(entry: _Entry, rate: float | None) -> float | None:
+    """Seconds saved: the priced loads, plus those that waited for a rate
+    priced at ``rate`` (None while they still wait)."""
+    if not entry.unpriced_tokens:
+        return entry.saved_s
+    return None if rate is None else entry.saved_s + entry.unpriced_tokens * rate
+
+
 def _copy(entry: _Entry) -> _Entry:
-    return _Entry(dict(entry.served), entry.load_s, entry.loaded_tokens, entry.rate, entry.reports)
+    return replace(entry, served=dict(entry.served))
 
 
 __all__ = ["SavingsLedger", "prefill_rate"]

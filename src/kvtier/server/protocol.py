@@ -167,9 +167,10 @@ class Pin(Message, tag="pin"):
 
 
 class UsageReport(Message, tag="usage_report"):
-    """An engine's measurements for the savings ledger: its prefill seconds
-    per token (0: not measured) and the seconds and tokens it spent loading
-    KV since its last report."""
+    """An engine's measurements for the savings ledger: its latest measured
+    prefill seconds per token (0: none yet), at which the ledger prices this
+    report's loads, and the seconds and tokens it spent loading KV into its
+    cache since its last report (not tokens its own prefix cache held)."""
 
     prefill_s_per_token: float
     load_s: float

@@ -135,9 +135,13 @@ class _ScriptedServer:
     def __init__(self, *replies: p.Reply | None) -> None:
         self.replies = list(replies)
         self.takes = 0
+        self.boot_id: str | None = "boot-1"  # the server registered with, as the client knows it
+        self.sent: list[p.HandoffTake] = []
 
     def handoff(self, message: p.Message) -> PendingReply:
         self.takes += 1
+        assert isinstance(message, p.HandoffTake)
+        self.sent.append(message)
         call = PendingReply(message, (), 0.0)
         call.reply = self.replies.pop(0)
         call.done.set()
@@ -168,3 +172,17 @@ def test_an_unanswered_take_is_asked_again_until_the_wait_ends(
         assert consume.settled == (step == len(replies) - 1 and outcome == "granted")
     poll_take(consume, server, [], 11.0)  # past the deadline, no TAKE in flight
     assert (consume.outcome, server.takes) == (outcome, min(len(replies), 3))
+
+
+def test_a_take_asks_for_a_find_once_its_client_knows_the_server_restarted() -> None:
+    """The producer offered on server boot-1, which then restarted: a client
+    learns the new boot id only when it next hears from the server, so the
+    first take goes out as if nothing happened (the new server knows no such
+    hand-off: pending); the next take asks the new server to find it."""
+    consume = Consume("h", 700, "recompute", deadline=10.0, consumer="", producer_server="boot-1")
+    server = _ScriptedServer(p.HandoffState("pending"), p.HandoffState("granted"))
+    poll_take(consume, server, [], 1.0)  # type: ignore[arg-type]
+    server.boot_id = "boot-2"  # the no_hello answer made the client register again
+    poll_take(consume, server, [], 2.0)  # type: ignore[arg-type]
+    assert [take.find for take in server.sent] == [False, True]
+    assert consume.outcome == "granted"

@@ -157,6 +157,21 @@ def wait_for(predicate, timeout: float = 10.0) -> bool:  # type: ignore[no-untyp
     return predicate()
 
 
+def caught_up(pub: EventPublisher, sub: EventSubscriber) -> bool:
+    """Wait until the publisher has sent every report and ``sub`` has applied
+    the batch that carried the last of them (or a later one); whether it did."""
+    if not wait_for(lambda: pub.residency.pending() == 0):
+        return False
+    sent = pub.status()["next_seq"]  # that batch's number, or a later one
+    assert isinstance(sent, int)
+
+    def expected() -> int:  # the number of the next batch the subscriber will apply
+        seq = sub.status()["next_seq"]
+        return seq if isinstance(seq, int) else -1
+
+    return wait_for(lambda: expected() > sent)
+
+
 def publisher(buffer_batches: int = 10_000) -> EventPublisher:
     config = EventsConfig(
         endpoint="tcp://127.0.0.1:*",
@@ -209,7 +224,7 @@ def test_a_late_subscriber_converges_even_past_the_buffer() -> None:
         try:
             churn(pub.residency, 100, start=300)
             assert wait_for(lambda: pub.residency.pending() == 0 and sub.synced)
-            time.sleep(0.2)  # a heartbeat or two: the subscriber has seen the last batch
+            assert caught_up(pub, sub)
             assert wait_for(lambda: mirror.view() == truth(pub.residency))
             assert pub.counters.snapshot().get("snapshots", 0) >= 1
         finally:
@@ -236,8 +251,7 @@ def test_a_gap_is_filled_by_replay() -> None:
 
         sub._on_live = lossy  # type: ignore[method-assign]
         churn(pub.residency, 200)
-        assert wait_for(lambda: pub.residency.pending() == 0)
-        time.sleep(0.2)
+        assert caught_up(pub, sub)
         assert wait_for(lambda: mirror.view() == truth(pub.residency))
         status = sub.status()
         assert status["gaps"] >= 1 and status.get("lost_batches", 0) == 0
@@ -257,8 +271,9 @@ def test_a_restarted_publisher_clears_what_its_predecessor_announced() -> None:
         pub.close()
         pub = restarted(pub, [key(1000)])
         assert wait_for(lambda: mirror.view() == {"kvtier:L1": {chunk(1000)}})
+        replays = sub.status().get("replays", 0)
         sub.resync()  # what a router does when the boot id changes: same outcome
-        time.sleep(0.2)
+        assert wait_for(lambda: sub.status().get("replays", 0) != replays and sub.synced)
         assert wait_for(lambda: mirror.view() == {"kvtier:L1": {chunk(1000)}})
     finally:
         sub.close()

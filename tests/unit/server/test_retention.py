@@ -1,5 +1,7 @@
 """Retention: a tenant's objects older than its ``retention_s`` leave L1 and
-the fs L2; another tenant's, and younger ones, stay; a held object waits."""
+the fs L2; another tenant's, and younger ones, stay; a held object waits.
+Ages are set, never waited for: L1 runs on a clock the test moves, and the fs
+L2's ages are its files' times, set by hand."""
 
 from __future__ import annotations
 
@@ -9,38 +11,45 @@ from pathlib import Path
 
 import numpy as np
 
+from kvtier.keys import ObjectKey
 from kvtier.l1 import L1Config
 from kvtier.l2.fs import FSAdapter
 from kvtier.server.retention import Retention
 from kvtier.server.tenants import Tenant, TenantTable
 from kvtier.storage import StorageConfig, StorageManager
-from tests.conftest import make_key
+from tests.conftest import FakeClock, make_key
 
 
-def test_old_objects_of_a_tenant_with_retention_go(tmp_path: Path) -> None:
+def age_file(fs: FSAdapter, key: ObjectKey, age_s: float) -> None:
+    """Make ``key``'s file look written ``age_s`` seconds ago."""
+    os.utime(fs.path_of(key), (time.time() - age_s,) * 2)
+
+
+def test_old_objects_of_a_tenant_with_retention_go(tmp_path: Path, clock: FakeClock) -> None:
     config = StorageConfig(
         l1=L1Config(size_bytes=1 << 20, populate=False),
         l2=({"type": "fs", "path": str(tmp_path / "fs")},),
     )
     tenants = TenantTable([
-        Tenant("acme", salts=("acme",), retention_s=0.2),
+        Tenant("acme", salts=("acme",), retention_s=60),
         Tenant("globex", salts=("globex",)),
     ])  # fmt: skip
-    with StorageManager(config) as storage:
+    with StorageManager(config, clock=clock) as storage:
         old = [make_key(i, salt="acme") for i in range(3)]
         theirs = [make_key(i, salt="globex") for i in range(3)]
         storage.store(old + theirs, [np.zeros(4096, np.uint8)] * 6)
         assert storage.flush(10)
         fs = storage.adapters[0]
         assert isinstance(fs, FSAdapter)
-        for key in old[1:]:  # two of acme's files are a day old
-            os.utime(fs.path_of(key), (time.time() - 86400,) * 2)
+        for key in old[1:] + theirs:  # two of acme's files are a day old, and all of globex's
+            age_file(fs, key, 86400)
         retention = Retention(storage, tenants, check_s=3600)
         try:
             assert retention.sweep() == 2  # young in L1 still; the old files go
             assert set(fs.held_keys()) == {old[0], *theirs}
             storage.l1.reserve_read(old[:1])  # a reader holds one
-            time.sleep(0.25)
+            clock.advance(61)  # every L1 object is past acme's retention
+            age_file(fs, old[0], 61)
             assert retention.sweep() == 2 + 1  # L1: two (one is held); fs: the last acme file
             assert [storage.l1.contains(k) for k in old] == [True, False, False]
             storage.l1.finish_read(old[:1])

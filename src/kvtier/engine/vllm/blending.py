@@ -39,7 +39,7 @@ import torch
 from kvtier.blend import BlendConfig, RopeShift
 from kvtier.engine.identity import ModelIdentity
 from kvtier.engine.link import ServerLink
-from kvtier.engine.segments import SegmentStore, Span, blend_prefill, check_segments
+from kvtier.engine.segments import Blended, SegmentStore, Span, blend_prefill, check_segments
 from kvtier.engine.tensors import cache_layers
 from kvtier.engine.vllm.blend_model import BlendModel
 from kvtier.engine.vllm.capture import ENABLE, captured_model
@@ -99,9 +99,11 @@ class Blender:
         self._stores: dict[tuple[str, int], SegmentStore] = {}
         self.stats = {"blends": 0, "failed_blends": 0, "reused_tokens": 0, "recomputed_tokens": 0}
 
-    def blend(self, spec: BlendSpec, layers: Sequence[torch.Tensor], block_size: int) -> None:
+    def blend(self, spec: BlendSpec, layers: Sequence[torch.Tensor], block_size: int) -> Blended:
         """Blend ``spec`` into its blocks of ``layers`` (vLLM's paged KV, one
-        tensor per layer in order); raises for a blend that could not run."""
+        tensor per layer in order); raises for a blend that could not run.
+        The blend (its segments' tokens by tier, its load time) is returned
+        for the savings ledger."""
         model, shift = self._prepared()
         store = self._store(spec.salt)
         blended = blend_prefill(model, spec.tokens, spec.spans, spec.config, store, shift)
@@ -112,6 +114,7 @@ class Blender:
         self.stats["blends"] += 1
         self.stats["reused_tokens"] += blended.stats.reused_tokens
         self.stats["recomputed_tokens"] += blended.stats.recomputed_tokens
+        return blended
 
     def close(self) -> None:
         for link in self._links.values():

@@ -90,7 +90,6 @@ class Consume:
     producer_ranks: int = 0  # the producer's TP size (0: this engine's)
     producer_server: str = ""  # the boot id of the producer's cache server ("": unknown)
     producer_format: str = ""  # the producer's page format ("": not given, this engine's)
-    find: bool = False  # offered on another cache server: found in this one's tiers
     source_hashes: list[bytes] = field(default_factory=list)  # the prompt under its layout
     kv_heads: int = 0  # the model's KV heads, for the server's re-sharding
     # Its takes' token: a take sent again over a new connection is still this request's.
@@ -200,7 +199,7 @@ def poll_take(
             consume.consumer,
             source_hashes=consume.source_hashes,
             kv_heads=consume.kv_heads,
-            find=consume.find,
+            find=offered_elsewhere(consume, client),
             taker=consume.taker,
         )
         consume.call = client.handoff(take)
@@ -217,6 +216,15 @@ def poll_take(
             consume.outcome, consume.cause = reply.outcome, reply.message
     elif isinstance(reply, p.Error):
         consume.outcome, consume.cause = REFUSED, f"{reply.code}: {reply.message}"
+
+
+def offered_elsewhere(consume: Consume, client: CacheClient) -> bool:
+    """Whether the hand-off was offered on another cache server than the one
+    ``client`` is registered with now (its take then asks this one to find
+    the chunks in its tiers). Decided for each take, not once per request:
+    a client learns that its server restarted (the new boot id) only when it
+    next hears from it, so the first take may go out under the old one."""
+    return bool(consume.producer_server) and client.boot_id != consume.producer_server
 
 
 def handoff_params(

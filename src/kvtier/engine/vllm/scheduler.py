@@ -370,11 +370,6 @@ class SchedulerSide:
                 hashes.append(tail)  # a consumer loads the producer's tail too
             if isinstance(role, Consume) and not role.settled:
                 self.handoffs.name_source_chunks(role, prompt, salt, chunk_size)
-                role.find = (
-                    bool(role.producer_server)
-                    and client is not None
-                    and (client.boot_id != role.producer_server)
-                )
         if client is None:
             self.outcomes.add("no_server")
         tracked = Tracked(

@@ -25,8 +25,11 @@ costs: the step's forward is the time from ``bind_connector_metadata`` to
 ``wait_for_save`` less the time ``start_load_kv`` took (which vLLM calls
 before the forward when the step has synchronous loads, after it otherwise;
 exact on CPU, where the forward is synchronous), over the tokens the step
-computed; with the seconds and tokens each tenant's loads took, one
-``UsageReport`` per salt loaded or stored for.
+computed (a step that computed too few to measure reports the latest rate
+measured); with the seconds and tokens each tenant's loads took (only the
+tokens copied into vLLM's blocks, never those its own prefix cache held; a
+blend's, the tokens its segments loaded), one ``UsageReport`` per salt
+loaded, blended or stored for.
 """
 
 from __future__ import annotations
@@ -74,6 +77,9 @@ class WorkerSide:
         self.blender = Blender(vllm_config, settings, self.clients.identity)
         self._step_began = time.perf_counter()  # when this step's metadata was bound
         self._load_s = 0.0  # what this step's start_load_kv took
+        # The savings ledger prices what a report loaded at the rate it carries,
+        # so a step too short to measure one reports the latest measured.
+        self._prefill_rate = 0.0  # seconds per computed token (0: not measured yet)
         # Shared with the load thread (under _lock):
         self._lock = threading.Lock()
         self._load_errors: set[int] = set()
@@ -165,7 +171,8 @@ class WorkerSide:
         try:
             page_block(self.clients.layout(self.block_size))  # pages kvtier can write
             layers = self._paged_kv(self.block_size).layers
-            self.blender.blend(spec, layers, self.block_size)
+            blended = self.blender.blend(spec, layers, self.block_size)
+            self._count_load(spec.salt, blended.timings.load_s, sum(blended.tiers.values()))
         except Exception:
             log.exception(
                 "kvtier: %s: the blend failed; vLLM recomputes the prompt", spec.request_id
@@ -176,9 +183,13 @@ class WorkerSide:
     def _timed_load(self, spec: LoadSpec) -> None:
         started = time.perf_counter()
         tokens = self._load(spec)
+        self._count_load(spec.salt, time.perf_counter() - started, tokens)
+
+    def _count_load(self, salt: str, seconds: float, tokens: int) -> None:
+        """Add a load to the next usage report of ``salt``'s tenant."""
         with self._lock:
-            seconds, before = self._loaded.get(spec.salt, (0.0, 0))
-            self._loaded[spec.salt] = (seconds + time.perf_counter() - started, before + tokens)
+            before_s, before = self._loaded.get(salt, (0.0, 0))
+            self._loaded[salt] = (before_s + seconds, before + tokens)
 
     def _failed(self, blocks: list[dict[int, int]]) -> None:
         with self._lock:
@@ -192,13 +203,13 @@ class WorkerSide:
         return self._paged[chunk_size]
 
     def _report_usage(self, meta: KVTierMetadata, forward_s: float) -> None:
-        rate = prefill_rate(forward_s, meta.computed_tokens)
+        self._prefill_rate = prefill_rate(forward_s, meta.computed_tokens) or self._prefill_rate
         with self._lock:
             loaded, self._loaded = self._loaded, {}
         for salt in loaded.keys() | {spec.salt for spec in meta.stores}:
             client = self.clients.client(salt)
             if client is not None:
-                client.report_usage(rate, *loaded.get(salt, (0.0, 0)))
+                client.report_usage(self._prefill_rate, *loaded.get(salt, (0.0, 0)))
 
     def _load(self, spec: LoadSpec) -> int:
         """Tokens copied into engine blocks (not the engine's own leading blocks)."""
