@@ -33,8 +33,8 @@ from kvtier.l2.base import (
     TaskKind,
     TaskResult,
 )
-from kvtier.l2.codecs import PayloadCodec
 from kvtier.l2.format import CorruptObject
+from kvtier.l2.payload_codec import PayloadCodec
 from kvtier.layout import KVLayout
 
 log = logging.getLogger(__name__)

@@ -45,7 +45,7 @@ import xxhash
 from kvtier.keys import ObjectKey
 
 if TYPE_CHECKING:
-    from kvtier.l2.codecs import PayloadCodec
+    from kvtier.l2.payload_codec import PayloadCodec
 
 MAGIC = b"KVTO"
 VERSION = 1

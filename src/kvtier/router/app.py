@@ -52,7 +52,7 @@ from kvtier.router.core import Node, NoEngine, Routed, Router
 from kvtier.router.cost import ENGINE, CostModel
 from kvtier.router.gateway import Admission, Gateway, Tenant, retry_after
 from kvtier.router.metrics import Metrics
-from kvtier.router.relay import EngineFailed, Relay, error, error_body
+from kvtier.router.relay import EngineFailed, Relay, error
 from kvtier.router.tokens import (
     EnginesUnavailable,
     EngineTokenizer,
@@ -437,4 +437,4 @@ class RouterService:
 
 
 # pd-proxy answers errors in the same shape.
-__all__ = ["RouterService", "error", "error_body"]
+__all__ = ["RouterService"]

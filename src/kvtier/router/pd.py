@@ -49,9 +49,9 @@ import aiohttp
 from aiohttp import web
 
 from kvtier.engine.vllm.handoff import CAUSE, HANDOFF_ID, ON_FAILURE, OUTCOME, POLICIES
-from kvtier.router.app import error, error_body
 from kvtier.router.body import BadRequest, read_body
 from kvtier.router.pd_api import API_PATHS, Api, streamed_usage, usage
+from kvtier.router.relay import error, stream_error
 from kvtier.router.serving import serve_app
 
 log = logging.getLogger(__name__)
@@ -243,8 +243,7 @@ class PDProxy:
                     failure = await _relay(upstream, response, first, instance.url)
                     if failure:
                         self._count("decode_failed.mid_stream")
-                        await response.write(_event(error_body(failure, "engine_error", 502)))
-                        await response.write(DONE)
+                        await response.write(stream_error(failure))
                     else:
                         self._count("streamed")
                     await response.write_eof()

@@ -58,6 +58,13 @@ def error_body(message: str, kind: str, code: int) -> dict[str, Any]:
     return {"error": {"message": message, "type": kind, "code": code}}
 
 
+def stream_error(message: str) -> bytes:
+    """The end of a stream an engine broke: an error event in OpenAI's shape,
+    then ``[DONE]``, so a client never waits on a stream that will not end."""
+    event = json.dumps(error_body(message, "engine_error", 502)).encode()
+    return b"data: " + event + b"\n\ndata: [DONE]\n\n"
+
+
 def error(status: int, message: str, kind: str, **headers: str) -> web.Response:
     return web.json_response(error_body(message, kind, status), status=status, headers=headers)
 
@@ -170,8 +177,7 @@ class Relay:
                         f"engine {node.name} failed mid-stream ({failure.reason}); "
                         "retry the request"
                     )
-                    event = json.dumps(error_body(message, "engine_error", 502)).encode()
-                    data, outcome = b"data: " + event + b"\n\ndata: [DONE]\n\n", ENGINE_BROKE
+                    data, outcome = stream_error(message), ENGINE_BROKE
                     await response.write(data)
                     break
             await response.write_eof()
@@ -199,4 +205,5 @@ __all__ = [
     "error",
     "error_body",
     "failure_reason",
+    "stream_error",
 ]

@@ -357,14 +357,20 @@ def stored_batch(i: int) -> bytes:
     return encode_batch(EventBatch(1.0, [BlockStored([chunk(i)], ownership="kvtier:L1")]))
 
 
-def test_a_garbage_batch_does_not_take_its_sequence_number() -> None:
+def joined_subscriber() -> tuple[zmq.Socket[bytes], EventSubscriber, Mirror]:
+    """A started subscriber (no replay endpoint) that has joined a bound XPUB."""
     pub = zmq.Context.instance().socket(zmq.XPUB)
     port = pub.bind_to_random_port("tcp://127.0.0.1")
     mirror = Mirror()
     sub = EventSubscriber(f"tcp://127.0.0.1:{port}", "", mirror.apply)
     sub.start()
+    joined(pub)
+    return pub, sub, mirror
+
+
+def test_a_garbage_batch_does_not_take_its_sequence_number() -> None:
+    pub, sub, mirror = joined_subscriber()
     try:
-        joined(pub)
         pub.send_multipart((b"", seq_bytes(0), stored_batch(1)))
         pub.send_multipart((b"", seq_bytes(1), b"\x93garbage"))
         pub.send_multipart((b"", seq_bytes(1), stored_batch(2)))  # the publisher's own batch 1
@@ -380,13 +386,8 @@ def test_a_batch_nested_too_deep_is_malformed_and_the_stream_goes_on() -> None:
     deep = b"\x92" + msgspec.msgpack.encode(1.0) + b"\x91" * 200_000 + b"\xc0"
     with pytest.raises(msgspec.DecodeError, match="nested too deeply"):
         decode_batch(deep)
-    pub = zmq.Context.instance().socket(zmq.XPUB)
-    port = pub.bind_to_random_port("tcp://127.0.0.1")
-    mirror = Mirror()
-    sub = EventSubscriber(f"tcp://127.0.0.1:{port}", "", mirror.apply)
-    sub.start()
+    pub, sub, mirror = joined_subscriber()
     try:
-        joined(pub)
         pub.send_multipart((b"", seq_bytes(0), deep))
         pub.send_multipart((b"", seq_bytes(0), stored_batch(1)))
         assert wait_for(lambda: mirror.view() == {"kvtier:L1": {chunk(1)}})

@@ -21,7 +21,7 @@ from hypothesis import strategies as st
 
 from kvtier.keys import ObjectKey
 from kvtier.l2 import CompletionQueue, L2Adapter, make_adapter
-from kvtier.l2.codecs import CODECS, Int4, Int8, PayloadCodec, Zstd, codec_named
+from kvtier.l2.codecs import CODECS, Int4, Int8, Zstd, codec_named
 from kvtier.l2.format import (
     Corruption,
     CorruptObject,
@@ -33,6 +33,7 @@ from kvtier.l2.format import (
 )
 from kvtier.l2.fs import FSAdapter
 from kvtier.l2.mock import MockAdapter
+from kvtier.l2.payload_codec import PayloadCodec
 from kvtier.layout import KVLayout
 from tests.conftest import make_key
 from tests.unit.l2.harness import Change, Harness, payload
@@ -400,7 +401,7 @@ _BOMB = """
 import resource
 import numpy as np, zstandard
 from kvtier.keys import ObjectKey
-from kvtier.l2.codecs import PayloadCodec
+from kvtier.l2.payload_codec import PayloadCodec
 from kvtier.l2.format import CorruptObject, decode_object, encode_header
 
 declared, size = 256 << 20, 64 << 10
@@ -534,7 +535,7 @@ def test_a_codec_switches_itself_off_where_reading_plain_is_faster(
 ) -> None:
     """In memory, decoding zstd is slower than copying: new stores are plain,
     and the adapter's log says so once, with the rates behind it."""
-    with caplog.at_level(logging.INFO, logger="kvtier.l2.codecs"):
+    with caplog.at_level(logging.INFO, logger="kvtier.l2.payload_codec"):
         status = _loaded_often({"name": "in-memory"})
     (line,) = [r.getMessage() for r in caplog.records if "does not pay" in r.getMessage()]
     assert line.startswith("L2 in-memory: codec zstd does not pay, storing plain: a coded read")
@@ -559,7 +560,7 @@ def test_measured_whole_loads_overrule_the_model(caplog: pytest.LogCaptureFixtur
     # 1 GB/s link, decode 0.7 GB/s, ratio 1.47: the model says a coded read is slower
     codec.learn_part(0.068, 68_000_000, 0.143, 100_000_000, 68_000_000)
     assert codec.status()["codec_pays"] == 0.0
-    with caplog.at_level(logging.INFO, logger="kvtier.l2.codecs"):
+    with caplog.at_level(logging.INFO, logger="kvtier.l2.payload_codec"):
         codec.load_done(0.20, 130_000_000, 130_000_000)  # a load of coded payloads
         codec.load_done(0.10, 130_000_000, 60_000_000)  # mixed: teaches nothing
         assert codec.status()["codec_pays"] == 0.0

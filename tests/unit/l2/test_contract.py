@@ -34,11 +34,11 @@ from kvtier.l2 import (
     make_adapter,
 )
 from kvtier.l2.base import Buffer, CompletionCallback
-from kvtier.l2.codecs import PayloadCodec
 from kvtier.l2.format import decode_object, encode_object
 from kvtier.l2.fs import FSAdapter
 from kvtier.l2.mock import MockAdapter
 from kvtier.l2.mooncake import MooncakeAdapter
+from kvtier.l2.payload_codec import PayloadCodec
 from kvtier.l2.redis import RedisAdapter
 from kvtier.l2.s3 import S3Adapter
 from tests.conftest import make_key
