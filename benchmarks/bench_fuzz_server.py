@@ -27,7 +27,7 @@ from tests.integration import hostile
 
 from common import report
 from kvtier.process import ServerProcess
-from kvtier.server import protocol as p
+from kvtier.protocol import messages as p
 
 MiB = 1 << 20
 

@@ -122,7 +122,7 @@ def run_trace(url: str, args: argparse.Namespace) -> dict[str, Any]:
 
 
 def pd_proxy(prefill: str, decode: str, log: Path) -> tuple[subprocess.Popen[str], str]:
-    command = [sys.executable, "-m", "kvtier.cli", "pd-proxy", "--port", "0"]
+    command = [sys.executable, "-m", "kvtier", "pd-proxy", "--port", "0"]
     command += ["--prefill", prefill, "--decode", decode]
     with log.open("w") as err:
         proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=err, text=True)

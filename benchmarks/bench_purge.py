@@ -25,13 +25,13 @@ import numpy as np
 
 from common import percentile, report
 from kvtier.bench.stores import RedisProcess, redis_binary
+from kvtier.commands.admin import call
 from kvtier.keys import Namespace, TokenHasher
 from kvtier.layout import KVLayout
 from kvtier.process import ServerProcess
-from kvtier.server import protocol as p
-from kvtier.server.admin_command import call
-from kvtier.server.client import CacheClient, ClientConfig
-from kvtier.server.tenants import token_digest
+from kvtier.protocol import messages as p
+from kvtier.protocol.client import CacheClient, ClientConfig
+from kvtier.tenancy.tenants import token_digest
 
 CHUNK = 64
 SPEC = p.LayoutSpec(0, num_layers=1, kv_heads=1, head_dim=8, dtype="float16")

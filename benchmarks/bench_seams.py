@@ -70,8 +70,8 @@ def pin(server: int, this_process: int) -> None:
 
 
 def make_client(address: str, name: str) -> Any:
-    from kvtier.server.client import CacheClient, ClientConfig
-    from kvtier.server.protocol import LayoutSpec
+    from kvtier.protocol.client import CacheClient, ClientConfig
+    from kvtier.protocol.messages import LayoutSpec
 
     layout = LayoutSpec(0, num_layers=1, kv_heads=1, head_dim=8, dtype="uint8")  # 4 KiB
     config = ClientConfig(

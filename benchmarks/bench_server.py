@@ -32,8 +32,8 @@ import zmq
 from common import percentile, report, timed
 from kvtier.keys import Namespace, TokenHasher
 from kvtier.process import ServerProcess
-from kvtier.server.client import CacheClient, ClientConfig
-from kvtier.server.protocol import LayoutSpec
+from kvtier.protocol.client import CacheClient, ClientConfig
+from kvtier.protocol.messages import LayoutSpec
 
 RAW_ROUTER = """
 import sys, zmq

@@ -19,8 +19,8 @@ from common import percentile, report
 from kvtier.keys import Namespace, TokenHasher
 from kvtier.layout import KVLayout
 from kvtier.process import ServerProcess
-from kvtier.server.client import CacheClient, ClientConfig
-from kvtier.server.protocol import LayoutSpec
+from kvtier.protocol.client import CacheClient, ClientConfig
+from kvtier.protocol.messages import LayoutSpec
 
 MiB = 1 << 20
 # 8 layers, 2 KV heads of 128, bf16: 8 KiB per token, 2 MiB per 256-token chunk.

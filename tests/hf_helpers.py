@@ -27,7 +27,7 @@ from transformers import (
 )
 
 from kvtier.engine.link import CacheLink, Hit
-from kvtier.server.client import Consume, Fill
+from kvtier.protocol.client import Consume, Fill
 
 TOLERANCE = 1e-4  # max |Δlogit| against the no-cache reference
 VOCAB = 512

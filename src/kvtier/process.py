@@ -1,7 +1,7 @@
 """Run ``kvtier serve`` as a child process: start it, read its ready line,
 stop it by PID.
 
-``ServerProcess.start(args)`` launches ``python -m kvtier.cli serve ARGS
+``ServerProcess.start(args)`` launches ``python -m kvtier serve ARGS
 --stop-with-stdin``, waits for the ready line ``serve()`` prints and parses
 the addresses from it. ``stop()`` sends SIGTERM (or the signal given), waits
 until a deadline, then SIGKILLs; a shared-memory arena left by a killed
@@ -137,7 +137,7 @@ class ServerProcess:
     ) -> ServerProcess:
         """Start ``kvtier serve ARGS`` (stderr to ``log_path``) and wait for its
         ready line; RuntimeError with the log if it does not come."""
-        command = [sys.executable, "-m", "kvtier.cli", "serve", *args, "--stop-with-stdin"]
+        command = [sys.executable, "-m", "kvtier", "serve", *args, "--stop-with-stdin"]
         with log_path.open("w") as log_file:
             proc = subprocess.Popen(
                 command,

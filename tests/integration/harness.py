@@ -1,7 +1,7 @@
 """Helpers that run real ``kvtier serve`` processes and peer client processes.
 
 ``ServerFactory.start(...)`` launches
-``python -m kvtier.cli serve`` on 127.0.0.1 with ``--port 0 --http-port 0``, a
+``python -m kvtier serve`` on 127.0.0.1 with ``--port 0 --http-port 0``, a
 64 MiB L1 and an fs L2 under ``tmp_path``, waits for its ready line and parses
 the addresses from it. ``ServerFactory.restart(server)`` starts another on the
 same cache directory and RPC port. Every server is stopped by PID at teardown
@@ -368,7 +368,7 @@ def tenants_toml(
     own salts), ``ops`` (admin), each known by the token ``<name>-token``;
     ``quotas``: a tenant's ``[tenant.quota]`` lines; ``acme_reads``: a salt
     acme may read."""
-    from kvtier.server.tenants import token_digest
+    from kvtier.tenancy.tenants import token_digest
 
     quotas = quotas or {}
     blocks = []

@@ -28,7 +28,7 @@ from typing import Any
 import msgspec
 import zmq
 
-from kvtier.server import protocol as p
+from kvtier.protocol import messages as p
 from tests.integration import workload as w
 
 ENCODE = msgspec.msgpack.encode

@@ -16,8 +16,8 @@ import time
 import numpy as np
 import zmq
 
-from kvtier.server import protocol as p
-from kvtier.server.client import CacheClient
+from kvtier.protocol import messages as p
+from kvtier.protocol.client import CacheClient
 from tests.integration import workload as w
 
 

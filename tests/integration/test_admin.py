@@ -15,10 +15,10 @@ from typing import Any
 import pytest
 import redis
 
+from kvtier.commands.admin import AdminError, call
 from kvtier.keys import model_label
-from kvtier.server.admin_command import AdminError, call
-from kvtier.server.client import CacheClient
-from kvtier.server.tenants import token_digest
+from kvtier.protocol.client import CacheClient
+from kvtier.tenancy.tenants import token_digest
 from tests.integration import workload as w
 from tests.integration.harness import Server, ServerFactory, paused, tenants_toml, wait_for
 from tests.servers import RedisProcess
@@ -225,7 +225,7 @@ def test_the_admin_command_line(admin_server: tuple[Server, list[str]], tmp_path
     server, _ = admin_server
     token = tmp_path / "ops.token"
     token.write_text("ops-token\n")
-    base = [sys.executable, "-m", "kvtier.cli", "admin", "--url", server.http]
+    base = [sys.executable, "-m", "kvtier", "admin", "--url", server.http]
     done = subprocess.run(
         [*base, "--token-file", str(token), "--json", "-", "tenants"],
         capture_output=True, text=True, timeout=60, check=True,
@@ -248,7 +248,7 @@ def test_purge_wait_fails_unless_every_job_is_done(
     server, _ = admin_server
     token = tmp_path / "ops.token"
     token.write_text("ops-token\n")
-    purge = [sys.executable, "-m", "kvtier.cli", "admin", "--url", server.http]
+    purge = [sys.executable, "-m", "kvtier", "admin", "--url", server.http]
     purge += ["--token-file", str(token), "purge", "--tenant", "acme", "--wait"]
     with paused([redis_server.proc.pid]):  # the purge cannot end before Redis answers
         late = subprocess.run([*purge, "--timeout-s", "0"], capture_output=True, text=True)
@@ -292,7 +292,7 @@ def test_the_savings_ledger_counts_what_engines_were_served(
 def test_the_admin_api_says_what_became_of_a_hand_off(
     admin_server: tuple[Server, list[str]],
 ) -> None:
-    from kvtier.server import protocol as p
+    from kvtier.protocol import messages as p
 
     server, _ = admin_server
     producer = client(server, "acme-token")

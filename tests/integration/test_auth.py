@@ -7,8 +7,8 @@ import json
 
 import pytest
 
-from kvtier.server import protocol as p
-from kvtier.server.client import CacheClient
+from kvtier.protocol import messages as p
+from kvtier.protocol.client import CacheClient
 from tests.integration import workload as w
 from tests.integration.harness import Server, ServerFactory, wait_written_back
 

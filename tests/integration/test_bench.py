@@ -32,7 +32,16 @@ def quick_bench(tmp_path: Path, *args: str) -> dict[str, Any]:
     if redis_binary() is None:
         pytest.skip("needs redis-server (.ci/run installs it)")
     out = tmp_path / "bench"
-    command = [sys.executable, "-m", "kvtier.cli", "bench", "--quick", "--out", str(out), *args]
+    command = [
+        sys.executable,
+        "-m",
+        "kvtier",
+        "bench",
+        "--quick",
+        "--out",
+        str(out),
+        *args,
+    ]
     command += ["--requests", str(REQUESTS)]
     command += ["--json", str(tmp_path / "results.json")]
     run = subprocess.run(command, capture_output=True, text=True, timeout=1800)

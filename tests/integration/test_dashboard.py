@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from kvtier.server.client import CacheClient
+from kvtier.protocol.client import CacheClient
 from tests.integration import workload as w
 from tests.integration.harness import Server, ServerFactory, tenants_toml, wait_for
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from kvtier.cli import main
+from kvtier.commands.cli import main
 from kvtier.process import clean_env
 from tests.integration.harness import ROOT
 
@@ -21,9 +21,9 @@ SHORT_TRACE = [
 
 
 def run_demo(*args: str) -> subprocess.CompletedProcess[str]:
-    """``python -m kvtier.cli demo ARGS`` in a child process."""
+    """``python -m kvtier demo ARGS`` in a child process."""
     return subprocess.run(
-        [sys.executable, "-m", "kvtier.cli", "demo", *args],
+        [sys.executable, "-m", "kvtier", "demo", *args],
         capture_output=True,
         text=True,
         cwd=ROOT,

@@ -15,12 +15,12 @@ import pytest
 import zmq
 
 from kvtier.bench.stores import free_port
+from kvtier.commands.admin import call
 from kvtier.events.subscriber import EventSubscriber
 from kvtier.events.wire import BlockStored as KvtierStored
 from kvtier.events.wire import EventBatch, encode_batch
 from kvtier.keys import Namespace, TokenHasher
-from kvtier.server.admin_command import call
-from kvtier.server.client import CacheClient
+from kvtier.protocol.client import CacheClient
 from tests.integration import workload as w
 from tests.integration.harness import ServerFactory, tenants_toml, wait_for, wait_written_back
 from tests.integration.test_tenants import client, finished_purges, hits

@@ -20,8 +20,8 @@ import zmq
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvtier.server import protocol as p
-from kvtier.server.client import CacheClient
+from kvtier.protocol import messages as p
+from kvtier.protocol.client import CacheClient
 from tests.integration import hostile
 from tests.integration import workload as w
 from tests.integration.harness import Server, ServerFactory, wait_for

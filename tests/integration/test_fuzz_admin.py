@@ -22,9 +22,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from kvtier.commands.admin import call
 from kvtier.keys import salt_label
-from kvtier.server.admin_command import call
-from kvtier.server.client import CacheClient
+from kvtier.protocol.client import CacheClient
 from tests.integration import workload as w
 from tests.integration.harness import Server, ServerFactory, tenants_toml
 from tests.integration.test_fuzz import rss_anon_bytes

@@ -321,7 +321,7 @@ async def test_ten_thousand_hostile_requests_against_the_proxy_process(tmp_path:
             runner, engine_url = await serve(engine_app(engine))
             runners.append((runner, engine_url))
         (_, prefill_url), (_, decode_url) = runners
-        command = [sys.executable, "-m", "kvtier.cli", "pd-proxy", "--port", "0"]
+        command = [sys.executable, "-m", "kvtier", "pd-proxy", "--port", "0"]
         command += ["--prefill", prefill_url, "--decode", decode_url]
         with log.open("w") as stderr:
             proc = subprocess.Popen(

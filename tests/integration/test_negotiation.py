@@ -7,10 +7,10 @@ from collections.abc import Callable, Iterator
 import pytest
 
 from kvtier.l1 import L1Config
-from kvtier.server import protocol as p
-from kvtier.server.client import CacheClient
+from kvtier.protocol import messages as p
+from kvtier.protocol.client import CacheClient
+from kvtier.protocol.negotiation import round_up
 from kvtier.server.core import CacheServer
-from kvtier.server.negotiation import round_up
 from kvtier.storage import StorageConfig, StorageManager
 from tests.integration import workload as w
 from tests.integration.harness import Server, ServerFactory, wait_for

@@ -9,9 +9,9 @@ import resource
 import numpy as np
 import pytest
 
-from kvtier.server import client as client_module
-from kvtier.server import protocol as p
-from kvtier.server.client import CacheClient
+from kvtier.protocol import client as client_module
+from kvtier.protocol import messages as p
+from kvtier.protocol.client import CacheClient
 from tests.integration import workload as w
 from tests.integration.harness import Server, wait_for
 

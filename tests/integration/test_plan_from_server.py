@@ -7,10 +7,10 @@ import json
 
 import pytest
 
-from kvtier.cli import main
+from kvtier.commands.cli import main
 from kvtier.keys import model_label
 from kvtier.planner.observed import observe, read_counters
-from kvtier.server.client import CacheClient
+from kvtier.protocol.client import CacheClient
 from tests.integration import workload as w
 from tests.integration.harness import Server, ServerFactory, wait_for, wait_written_back
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvtier.server.client import CacheClient
+from kvtier.protocol.client import CacheClient
 from tests.integration import workload as w
 from tests.integration.harness import Server
 

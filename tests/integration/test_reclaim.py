@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from kvtier.server.client import CacheClient
+from kvtier.protocol.client import CacheClient
 from tests.integration import workload as w
 from tests.integration.harness import (
     PeerFactory,

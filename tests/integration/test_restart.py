@@ -10,8 +10,8 @@ from typing import Any
 
 import numpy as np
 
-from kvtier.server import protocol as p
-from kvtier.server.client import CacheClient
+from kvtier.protocol import messages as p
+from kvtier.protocol.client import CacheClient
 from tests.integration import workload as w
 from tests.integration.harness import (
     SHM_DIR,

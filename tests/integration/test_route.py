@@ -19,9 +19,9 @@ from aiohttp import web
 
 from kvtier.bench.stores import free_port
 from kvtier.keys import Namespace, TokenHasher
+from kvtier.protocol.client import CacheClient
 from kvtier.router.app import RouterService
 from kvtier.router.config import RouterConfig
-from kvtier.server.client import CacheClient
 from tests.integration import workload as w
 from tests.integration.harness import (
     Server,

@@ -15,8 +15,8 @@ import pytest
 import zmq
 
 from kvtier.controllers import PrefetchHandle
-from kvtier.server import protocol as p
-from kvtier.server.client import CacheClient
+from kvtier.protocol import messages as p
+from kvtier.protocol.client import CacheClient
 from tests.integration import workload as w
 from tests.integration.conftest import Gated
 from tests.integration.harness import Server

@@ -17,7 +17,7 @@ from kvtier.keys import ObjectKey
 from kvtier.l1 import L1Config
 from kvtier.l2 import CompletionQueue, TaskResult, make_adapter
 from kvtier.layout import KVLayout
-from kvtier.server.client import CacheClient
+from kvtier.protocol.client import CacheClient
 from kvtier.storage import StorageConfig, StorageManager
 from tests.conftest import make_key
 from tests.integration import workload as w

@@ -10,8 +10,8 @@ import pytest
 
 from kvtier.keys import ObjectKey, model_label
 from kvtier.l1 import L1Config
-from kvtier.server import protocol as p
-from kvtier.server.client import CacheClient
+from kvtier.protocol import messages as p
+from kvtier.protocol.client import CacheClient
 from kvtier.server.core import CacheServer
 from kvtier.storage import StorageConfig, StorageManager
 from tests.integration import workload as w

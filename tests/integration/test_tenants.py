@@ -11,10 +11,10 @@ from typing import Any
 
 import pytest
 
+from kvtier.commands.admin import call
 from kvtier.keys import salt_label
-from kvtier.server import protocol as p
-from kvtier.server.admin_command import call
-from kvtier.server.client import CacheClient
+from kvtier.protocol import messages as p
+from kvtier.protocol.client import CacheClient
 from tests.integration import workload as w
 from tests.integration.harness import (
     Server,

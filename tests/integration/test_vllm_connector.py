@@ -24,11 +24,11 @@ import numpy as np
 import pytest
 
 from kvtier.bench.engines import EngineOptions, kvtier_transfer, vllm_server
+from kvtier.commands.admin import call
 from kvtier.keys import ObjectKey
 from kvtier.l2.format import encode_object, unpack_header
 from kvtier.l2.fs import SUFFIX
 from kvtier.process import clean_env, read_line, stop_process
-from kvtier.server.admin_command import call
 from tests.integration.harness import (
     ROOT,
     Server,

@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 import torch
 
-from kvtier.server import protocol as p
-from kvtier.server.client import CacheClient, ClientConfig
+from kvtier.protocol import messages as p
+from kvtier.protocol.client import CacheClient, ClientConfig
 from tests.integration.conftest import Gated
 from tests.integration.harness import Server, wait_for
 

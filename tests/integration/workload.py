@@ -17,8 +17,8 @@ import zmq
 
 from kvtier.keys import Namespace, TokenHasher
 from kvtier.layout import DTYPE_BYTES, KVLayout
-from kvtier.server import protocol as p
-from kvtier.server.client import ClientConfig
+from kvtier.protocol import messages as p
+from kvtier.protocol.client import ClientConfig
 
 MODEL = "test-org/tiny-model"
 LAYOUT = p.LayoutSpec(group=0, num_layers=2, kv_heads=2, head_dim=16, dtype="float16")

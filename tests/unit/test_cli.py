@@ -5,7 +5,7 @@ import json
 import pytest
 
 from kvtier import __version__
-from kvtier.cli import main
+from kvtier.commands.cli import main
 from kvtier.units import format_size, parse_size
 
 

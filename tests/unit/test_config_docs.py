@@ -1,4 +1,4 @@
-"""docs/configuration.md is what kvtier.config_docs generates from the configuration model."""
+"""docs/configuration.md is what kvtier.commands.config_docs makes of the configuration model."""
 
 from __future__ import annotations
 
@@ -7,11 +7,11 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from kvtier.config_docs import Section, _table, render
+from kvtier.commands.config_docs import Section, _table, render
 from kvtier.server.config import ServerConfig, default_l1_bytes, load_config
 
 PAGE = Path(__file__).resolve().parents[2] / "docs" / "configuration.md"
-REGENERATE = "python -m kvtier.config_docs > docs/configuration.md"
+REGENERATE = "python -m kvtier.commands.config_docs > docs/configuration.md"
 
 
 def test_the_committed_page_is_what_the_configuration_model_generates() -> None:

@@ -50,9 +50,9 @@ from kvtier.engine.shadow import ShadowCheck
 from kvtier.engine.tensors import cache_layers, dynamic_cache, object_tensor, read_chunks
 from kvtier.keys import SegmentHasher, TokenHasher
 from kvtier.layout import KVLayout
-from kvtier.server.client import Fill
-from kvtier.server.ledger import prefill_rate
+from kvtier.protocol.client import Fill
 from kvtier.storage import StorageManager
+from kvtier.tenancy.ledger import prefill_rate
 
 ATTENTION_LAYERS = frozenset({"full_attention", "sliding_attention"})
 

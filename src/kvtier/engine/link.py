@@ -22,8 +22,8 @@ from kvtier.engine.identity import ModelIdentity
 from kvtier.keys import ObjectKey, chunk_keys, model_label, salt_label
 from kvtier.l1 import L1Result
 from kvtier.layout import KVLayout
-from kvtier.server import protocol as p
-from kvtier.server.client import CacheClient, ClientConfig, Consume, Fill
+from kvtier.protocol import messages as p
+from kvtier.protocol.client import CacheClient, ClientConfig, Consume, Fill
 from kvtier.storage import StorageManager
 
 log = logging.getLogger(__name__)

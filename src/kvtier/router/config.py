@@ -44,7 +44,7 @@ from kvtier.router.chunks import MAX_NODES
 from kvtier.router.cost import CostConfig
 from kvtier.router.gateway import TenantSpec
 from kvtier.router.scoring import POLICIES
-from kvtier.server.tenants import ANY_SALT, TenantTable
+from kvtier.tenancy.tenants import ANY_SALT, TenantTable
 
 ENV_PREFIX = "KVTIER_ROUTE_"
 
@@ -92,7 +92,7 @@ class RouterConfig:
     max_body_bytes: int = 16 << 20
     engines: tuple[Any, ...] = ()  # EngineSpec tables
     tenants: tuple[Any, ...] = ()  # TenantSpec tables
-    # The cache servers' tenants file (kvtier.server.tenants): its tenants become
+    # The cache servers' tenants file (kvtier.tenancy.tenants): its tenants become
     # the gateway's (token digests as API keys, first salt as cache_salt); a
     # [[tenants]] table of the same name adds its limits.
     tenants_file: str = ""

@@ -31,7 +31,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from kvtier.server.tenants import is_token_digest, token_digest
+from kvtier.tenancy.tenants import is_token_digest, token_digest
 
 DEFAULT_TENANT = "default"
 

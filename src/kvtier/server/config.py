@@ -30,7 +30,7 @@ from kvtier.l1 import L1Config
 from kvtier.l2.registry import parse_spec
 from kvtier.paths import cache_home
 from kvtier.server.limits import ServerLimits
-from kvtier.server.purge import PurgeConfig
+from kvtier.tenancy.purge import PurgeConfig
 
 GiB = 1 << 30
 ENV_PREFIX = "KVTIER_"
@@ -65,7 +65,7 @@ class ServerConfig:
     chunk_size: int = 256
     auth_token: str = ""  # secret: from KVTIER_AUTH_TOKEN, auth_token_file or the file
     auth_token_file: str = ""
-    # Tenants the server enforces (kvtier.server.tenants): token digests, salts,
+    # Tenants the server enforces (kvtier.tenancy.tenants): token digests, salts,
     # quotas, roles. Without it the auth token (if any) is one admin tenant.
     tenants_file: str = ""
     # The savings ledger's prefill seconds per token for namespaces whose engines

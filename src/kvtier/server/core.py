@@ -40,14 +40,12 @@ from pathlib import Path
 from kvtier.counters import Counters
 from kvtier.keys import HASH_BYTES, ObjectKey, model_label
 from kvtier.l1 import L1Result
-from kvtier.server import protocol as p
+from kvtier.protocol import messages as p
+from kvtier.protocol.negotiation import ChunkSizeNegotiator
 from kvtier.server.handoff_requests import HandoffRequests
 from kvtier.server.handoffs import HandoffTable
-from kvtier.server.ledger import SavingsLedger
 from kvtier.server.limits import RequestError, ServerLimits, check_hello, check_layouts
 from kvtier.server.metrics import ServerMetrics
-from kvtier.server.negotiation import ChunkSizeNegotiator
-from kvtier.server.purge import PurgeConfig, Purger
 from kvtier.server.registrations import Registrations
 from kvtier.server.requests import (
     Answer,
@@ -61,12 +59,14 @@ from kvtier.server.requests import (
     hello_layout,
     request_keys,
 )
-from kvtier.server.retention import Retention
 from kvtier.server.sessions import Client, Reservation, SessionTable, shown
-from kvtier.server.tenants import TenantTable
-from kvtier.server.usage import L2Usage
 from kvtier.server.warmup import Warmup
 from kvtier.storage import StorageManager
+from kvtier.tenancy.ledger import SavingsLedger
+from kvtier.tenancy.purge import PurgeConfig, Purger
+from kvtier.tenancy.retention import Retention
+from kvtier.tenancy.tenants import TenantTable
+from kvtier.tenancy.usage import L2Usage
 
 log = logging.getLogger(__name__)
 

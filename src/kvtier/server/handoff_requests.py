@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 
 from kvtier.keys import ObjectKey
-from kvtier.server import protocol as p
+from kvtier.protocol import messages as p
 from kvtier.server.handoffs import HandoffOutcome, HandoffTable
 from kvtier.server.requests import (
     Answer,

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 from kvtier.keys.object_key import MAX_GROUP
 from kvtier.layout import DTYPE_BYTES, KVLayout
-from kvtier.server import protocol as p
+from kvtier.protocol import messages as p
 
 MAX_TEXT_CHARS = 256  # client id, revision, LoRA id, layout format, request ids
 MAX_MODEL_NAME_CHARS = 4096  # a hub id or a local path (PATH_MAX)

@@ -14,7 +14,7 @@ import json
 from collections import OrderedDict
 
 from kvtier.layout import KVLayout
-from kvtier.server import protocol as p
+from kvtier.protocol import messages as p
 from kvtier.server.sessions import Client
 
 REMEMBERED = 64  # namespaces whose layouts (and hash namespaces) /status shows

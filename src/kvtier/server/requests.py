@@ -20,7 +20,7 @@ import numpy.typing as npt
 from kvtier.controllers import PrefetchHandle
 from kvtier.keys import HASH_BYTES, ObjectKey, chunk_keys
 from kvtier.layout import KVLayout
-from kvtier.server import protocol as p
+from kvtier.protocol import messages as p
 from kvtier.server.limits import RequestError
 from kvtier.server.sessions import Client, Session
 

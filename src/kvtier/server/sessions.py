@@ -72,7 +72,7 @@ class Client:
     num_ranks: int
     shm: bool
     rank: int = -1  # -1: every rank's objects; r: rank r's only
-    tenant: str = ""  # whose token said hello (kvtier.server.tenants)
+    tenant: str = ""  # whose token said hello (kvtier.tenancy.tenants)
     writable: bool = True  # False: a namespace the tenant may only read
     sessions: dict[str, Session] = field(default_factory=dict)
     objects: int = 0  # objects named by its sessions

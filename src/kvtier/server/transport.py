@@ -50,7 +50,7 @@ import msgspec
 import zmq
 
 from kvtier.failures import FailureLog
-from kvtier.server import protocol as p
+from kvtier.protocol import messages as p
 from kvtier.server.connections import DOMAIN, ConnectionIds, connection_of
 from kvtier.server.core import CacheServer
 from kvtier.server.requests import Awaiting, Deferred

@@ -221,7 +221,7 @@ def test_the_blends_compared_are_chosen_by_name() -> None:
 def test_empty_lists_mean_none_and_nothing_at_all_is_refused(
     capsys: pytest.CaptureFixture[str], tmp_path: Path
 ) -> None:
-    from kvtier.cli import main
+    from kvtier.commands.cli import main
 
     assert list(configurations((0.5,), (), ())) == ["blend 0.5"]
     out = tmp_path / "out"

@@ -9,7 +9,7 @@ import pytest
 
 from kvtier.bench.command import resolve, trace_options
 from kvtier.bench.session import BenchRequest, build_trace, working_set_chunks
-from kvtier.cli import build_parser, main
+from kvtier.commands.cli import build_parser, main
 from kvtier.traces import TraceRequest, write_trace
 
 

@@ -22,7 +22,7 @@ from kvtier.engine.identity import config_fingerprint
 from kvtier.engine.link import LocalLink
 from kvtier.keys import TokenHasher
 from kvtier.layout import KVLayout
-from kvtier.server.client import Consume
+from kvtier.protocol.client import Consume
 from kvtier.storage import StorageManager
 from tests.hf_helpers import (
     DelegatingLink,

@@ -19,7 +19,7 @@ from kvtier.blend import BlendConfig, RopeShift
 from kvtier.engine.hf import KVTierModel
 from kvtier.engine.link import LocalLink
 from kvtier.engine.tensors import dynamic_cache
-from kvtier.server.client import Consume
+from kvtier.protocol.client import Consume
 from kvtier.storage import StorageManager
 from tests.hf_helpers import TOLERANCE, DelegatingLink, assert_same_output, prompt, tiny_model
 from tests.ledger import assert_clean

@@ -14,8 +14,8 @@ from kvtier.engine.vllm.handoff import Consume, poll_take
 from kvtier.engine.vllm.pages import PagedKV, layer_index
 from kvtier.engine.vllm.settings import ConnectorSettings
 from kvtier.layout import KVLayout
-from kvtier.server import protocol as p
-from kvtier.server.client import PendingReply
+from kvtier.protocol import messages as p
+from kvtier.protocol.client import PendingReply
 
 
 def test_settings_read_kvtier_keys_and_ignore_others() -> None:

@@ -329,6 +329,9 @@ def test_a_restart_after_a_short_run_is_found_by_its_epoch() -> None:
 
     sub._on_live = reconnecting  # type: ignore[method-assign]
     try:
+        # joined: a batch (a heartbeat at least) of the old run has come live,
+        # not only through the replay a slow subscriber starts with
+        assert wait_for(lambda: bool(old_batch))
         pub.residency.added(L1_TIER, [key(1)])
         assert wait_for(lambda: mirror.view() == {"kvtier:L1": {chunk(1)}})
         pub.close()

@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from kvtier.cli import main
+from kvtier.commands.cli import main
 from tests.unit.planner.test_hf_config import DEEPSEEK_V3, GEMMA2_9B, LLAMA_31_8B
 
 GiB = 1 << 30
@@ -172,7 +172,7 @@ def test_unparseable_flags_exit_2(
 
 def test_the_installed_command() -> None:
     result = subprocess.run(
-        [sys.executable, "-m", "kvtier.cli", "plan", *SEED_FLAGS, "--json", "-"],
+        [sys.executable, "-m", "kvtier", "plan", *SEED_FLAGS, "--json", "-"],
         capture_output=True,
         text=True,
         check=True,

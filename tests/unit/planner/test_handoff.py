@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from kvtier.cli import main
+from kvtier.commands.cli import main
 from kvtier.planner import ModelShape
 from kvtier.planner.handoff import Handoff, plan_handoff
 from kvtier.planner.plan import Deployment, Network

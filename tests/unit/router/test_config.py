@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from kvtier.cli import main
+from kvtier.commands.cli import main
 from kvtier.router.config import EngineSpec, load_router_config
 from kvtier.router.gateway import TenantSpec
 
@@ -92,7 +92,7 @@ def test_the_cache_servers_tenants_file_gives_the_gateway_its_tenants(tmp_path: 
     """Its token digests become API keys, its first salt the cache_salt; a
     [[tenants]] table of the same name adds its limits."""
     from kvtier.router.gateway import Gateway
-    from kvtier.server.tenants import token_digest
+    from kvtier.tenancy.tenants import token_digest
 
     tenants = tmp_path / "tenants.toml"
     tenants.write_text(

@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from kvtier.cli import main
+from kvtier.commands.cli import main
 from kvtier.config import dump_toml
 from kvtier.server.config import ServerConfig, default_l1_bytes, flag_name, load_config
 

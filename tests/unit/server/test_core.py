@@ -8,12 +8,12 @@ import pytest
 
 from kvtier.keys import Namespace, TokenHasher
 from kvtier.l1 import L1Result
-from kvtier.server import protocol as p
+from kvtier.protocol import messages as p
 from kvtier.server.core import CacheServer
 from kvtier.server.limits import ServerLimits
 from kvtier.server.requests import Awaiting, Deferred
-from kvtier.server.tenants import TenantTable
 from kvtier.storage import StorageManager
+from kvtier.tenancy.tenants import TenantTable
 from tests.conftest import FakeClock
 from tests.ledger import assert_clean
 

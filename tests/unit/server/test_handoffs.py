@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from kvtier.l1 import L1Config
-from kvtier.server import protocol as p
+from kvtier.protocol import messages as p
 from kvtier.server.core import CacheServer
 from kvtier.server.handoffs import MAX_HELD, REMEMBERED
 from kvtier.server.limits import ServerLimits

@@ -5,7 +5,7 @@ two, so every product and sum below is exact."""
 
 from __future__ import annotations
 
-from kvtier.server.ledger import SavingsLedger, prefill_rate
+from kvtier.tenancy.ledger import SavingsLedger, prefill_rate
 
 NS = "llama@acme"
 

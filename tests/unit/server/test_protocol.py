@@ -3,7 +3,7 @@ from __future__ import annotations
 import msgspec
 import pytest
 
-from kvtier.server import protocol as p
+from kvtier.protocol import messages as p
 
 
 @pytest.mark.parametrize(

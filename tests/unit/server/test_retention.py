@@ -14,9 +14,9 @@ import numpy as np
 from kvtier.keys import ObjectKey
 from kvtier.l1 import L1Config
 from kvtier.l2.fs import FSAdapter
-from kvtier.server.retention import Retention
-from kvtier.server.tenants import Tenant, TenantTable
 from kvtier.storage import StorageConfig, StorageManager
+from kvtier.tenancy.retention import Retention
+from kvtier.tenancy.tenants import Tenant, TenantTable
 from tests.conftest import FakeClock, make_key
 
 

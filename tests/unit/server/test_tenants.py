@@ -14,11 +14,11 @@ import pytest
 
 from kvtier.keys import KeySelector, Namespace, ObjectKey, TokenHasher, salt_label
 from kvtier.l1 import L1Config, L1Result, WriterTag
-from kvtier.server import protocol as p
+from kvtier.protocol import messages as p
 from kvtier.server.core import CacheServer
-from kvtier.server.purge import PurgeConfig, Purger
-from kvtier.server.tenants import ANY_SALT, Quota, Tenant, TenantTable, token_digest
 from kvtier.storage import StorageConfig, StorageManager
+from kvtier.tenancy.purge import PurgeConfig, Purger
+from kvtier.tenancy.tenants import ANY_SALT, Quota, Tenant, TenantTable, token_digest
 from tests.integration.harness import wait_for
 
 GOOD = """

@@ -12,7 +12,7 @@ import pytest
 import zmq
 
 from kvtier.l1 import L1Config
-from kvtier.server import protocol as p
+from kvtier.protocol import messages as p
 from kvtier.server.core import CacheServer
 from kvtier.server.transport import ServerTransport
 from kvtier.storage import StorageConfig, StorageManager

@@ -10,9 +10,9 @@ from pathlib import Path
 import numpy as np
 
 from kvtier.l1 import L1Config
-from kvtier.server.tenants import Quota, Tenant, TenantTable
-from kvtier.server.usage import L2Usage
 from kvtier.storage import StorageConfig, StorageManager
+from kvtier.tenancy.tenants import Quota, Tenant, TenantTable
+from kvtier.tenancy.usage import L2Usage
 from tests.conftest import make_key
 
 OBJECT = 4096

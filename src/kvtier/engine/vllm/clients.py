@@ -19,8 +19,8 @@ from kvtier.engine.vllm.settings import ConnectorSettings
 from kvtier.keys import TokenHasher, model_label
 from kvtier.layout import KVLayout
 from kvtier.layout.reshard import tp_layout
-from kvtier.server.client import CacheClient, ClientConfig
-from kvtier.server.protocol import LayoutSpec
+from kvtier.protocol.client import CacheClient, ClientConfig
+from kvtier.protocol.messages import LayoutSpec
 
 
 def model_identity(vllm_config: Any, settings: ConnectorSettings) -> ModelIdentity:

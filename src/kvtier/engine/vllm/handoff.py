@@ -46,8 +46,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvtier.server import protocol as p
-from kvtier.server.client import CacheClient, PendingReply
+from kvtier.protocol import messages as p
+from kvtier.protocol.client import CacheClient, PendingReply
 from kvtier.server.handoffs import WAITING, HandoffOutcome
 
 log = logging.getLogger(__name__)

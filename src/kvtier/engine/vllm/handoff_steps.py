@@ -24,7 +24,7 @@ from kvtier.engine.vllm.handoff import (
 )
 from kvtier.engine.vllm.settings import ConnectorSettings
 from kvtier.engine.vllm.tracked import Tracked
-from kvtier.server import protocol as p
+from kvtier.protocol import messages as p
 from kvtier.server.handoffs import HandoffOutcome
 
 log = logging.getLogger(__name__)

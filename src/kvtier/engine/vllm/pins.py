@@ -13,7 +13,7 @@ import math
 import time
 from collections.abc import Sequence
 
-from kvtier.server.client import CacheClient
+from kvtier.protocol.client import CacheClient
 
 
 class PrefixPins:

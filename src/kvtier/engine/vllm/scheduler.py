@@ -79,8 +79,8 @@ from kvtier.engine.vllm.pins import PrefixPins
 from kvtier.engine.vllm.settings import ConnectorSettings
 from kvtier.engine.vllm.timing import StepTimer
 from kvtier.engine.vllm.tracked import Tracked
+from kvtier.protocol.client import LookupState
 from kvtier.read_or_recompute import ewma
-from kvtier.server.client import LookupState
 
 log = logging.getLogger(__name__)
 PROBE_EVERY = 16  # while lookups are slow, one new lookup in this many still waits

@@ -17,7 +17,7 @@ from typing import Any
 
 from kvtier.engine.vllm.handoff import Consume, Produce
 from kvtier.engine.vllm.metadata import BlendSpec, LoadSpec, ShadowSpec, StoreSpec
-from kvtier.server.client import CacheClient, LookupState
+from kvtier.protocol.client import CacheClient, LookupState
 
 
 @dataclass(slots=True)

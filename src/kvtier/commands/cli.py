@@ -11,11 +11,11 @@ from collections.abc import Sequence
 from kvtier import __version__
 from kvtier.bench.command import add_parser as add_bench_parser
 from kvtier.bench.retrieval import CODE_ANYWHERE_HELP
+from kvtier.commands.admin import add_parser as add_admin_parser
 from kvtier.extras import missing_extra
 from kvtier.output import JSON_HELP, report_stream, write_json
 from kvtier.planner.command import add_parser as add_plan_parser
 from kvtier.router.command import add_parser as add_route_parser
-from kvtier.server.admin_command import add_parser as add_admin_parser
 from kvtier.units import parse_size, parse_span
 
 
@@ -25,7 +25,7 @@ def _version(args: argparse.Namespace) -> int:
 
 
 def _selfcheck(args: argparse.Namespace) -> int:
-    from kvtier.selfcheck import format_report, run_selfcheck
+    from kvtier.commands.selfcheck import format_report, run_selfcheck
 
     report = run_selfcheck(l1_size=parse_size(args.l1_size, "--l1-size"))
     print(format_report(report), file=report_stream(args.json))
@@ -37,10 +37,10 @@ def _selfcheck(args: argparse.Namespace) -> int:
 def _serve(args: argparse.Namespace) -> int:
     import logging
 
+    from kvtier.commands.serve import serve
     from kvtier.config import dump_toml
     from kvtier.l2.registry import parse_spec
     from kvtier.server.config import load_config
-    from kvtier.server.main import serve
 
     flags: dict[str, object] = {
         "host": args.host,
@@ -83,7 +83,7 @@ def _assignment(text: str) -> tuple[str, object]:
 
 def _demo(args: argparse.Namespace) -> int:
     try:
-        from kvtier.demo import DemoOptions, format_report, run_demo
+        from kvtier.commands.demo import DemoOptions, format_report, run_demo
     except ImportError as exc:
         return missing_extra("demo", exc, '"torch==2.13.0" "kvtier[hf]"')
     from pathlib import Path

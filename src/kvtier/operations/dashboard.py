@@ -29,7 +29,7 @@ Snapshot = dict[str, Any]
 
 
 def page() -> bytes:
-    return resources.files("kvtier.server").joinpath("dashboard.html").read_bytes()
+    return resources.files("kvtier.operations").joinpath("dashboard.html").read_bytes()
 
 
 def _prefixed(counters: dict[str, Any], prefix: str) -> dict[str, float]:

@@ -17,7 +17,7 @@ single lookups in the hand-off table).
 ``GET  /admin/purges``  every purge job and its progress per tier
 ``POST /admin/drain``   ``{on: true|false}``: stop (or resume) taking stores
 ``POST /admin/quota``   ``{tenant, l1_bytes?, l1_hard_bytes?, pin_bytes?}``
-``GET  /admin/ledger``  the savings ledger (``kvtier.server.ledger``)
+``GET  /admin/ledger``  the savings ledger (``kvtier.tenancy.ledger``)
 ``POST /admin/handoff``  ``{id}``: what became of a prefill/decode hand-off
 ``GET  /admin/dashboard``  what the dashboard page draws
 ======================  ==================================================
@@ -34,8 +34,8 @@ from typing import TYPE_CHECKING, Any
 from kvtier.keys import KeySelector, given_salt_label, model_label
 from kvtier.l1 import L1Result
 from kvtier.l1.quotas import OwnerLimit
-from kvtier.server.dashboard import History, totals
-from kvtier.server.tenants import ANY_SALT
+from kvtier.operations.dashboard import History, totals
+from kvtier.tenancy.tenants import ANY_SALT
 from kvtier.units import parse_size
 
 if TYPE_CHECKING:
@@ -164,7 +164,7 @@ class AdminAPI:
         }
 
     def dashboard(self, body: dict[str, Any]) -> dict[str, Any]:
-        """Everything the dashboard page draws (``kvtier.server.dashboard``)."""
+        """Everything the dashboard page draws (``kvtier.operations.dashboard``)."""
         return {
             "status": self.status(body),
             "series": self.history.series() if self.history is not None else {},

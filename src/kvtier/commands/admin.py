@@ -1,5 +1,5 @@
 """``kvtier admin``: the operator's command line over the admin JSON API
-(``kvtier.server.admin_api``) of one ``kvtier serve``.
+(``kvtier.operations.admin_api``) of one ``kvtier serve``.
 
 The token of an admin tenant comes from ``--token-file`` or the environment
 (``KVTIER_ADMIN_TOKEN``, else ``KVTIER_AUTH_TOKEN``), never from a flag (a
@@ -24,7 +24,7 @@ from typing import Any
 
 from kvtier.config import secret
 from kvtier.output import JSON_HELP, report_stream, write_json
-from kvtier.server.tenants import token_digest
+from kvtier.tenancy.tenants import token_digest
 from kvtier.units import format_size
 
 DEFAULT_URL = "http://127.0.0.1:8765"

@@ -14,12 +14,12 @@ from types import FrameType
 from kvtier.events.publisher import EventPublisher
 from kvtier.events.residency import Residency
 from kvtier.l2.registry import parse_spec
-from kvtier.server.admin import AdminHTTP
+from kvtier.operations.admin import AdminHTTP
 from kvtier.server.config import ServerConfig
 from kvtier.server.core import CacheServer
-from kvtier.server.tenants import TenantTable
 from kvtier.server.transport import ServerTransport
 from kvtier.storage import StorageConfig, StorageManager
+from kvtier.tenancy.tenants import TenantTable
 from kvtier.units import format_size
 
 log = logging.getLogger(__name__)

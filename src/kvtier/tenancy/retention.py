@@ -14,8 +14,8 @@ import threading
 
 from kvtier.counters import Counters
 from kvtier.l1 import L1Result
-from kvtier.server.tenants import TenantTable
 from kvtier.storage import StorageManager
+from kvtier.tenancy.tenants import TenantTable
 
 log = logging.getLogger(__name__)
 

@@ -54,10 +54,10 @@ import zmq
 from kvtier.counters import Counters
 from kvtier.failures import FailureLog
 from kvtier.l1 import SharedRegion
-from kvtier.server import protocol as p
+from kvtier.protocol import messages as p
 
 if TYPE_CHECKING:
-    from kvtier.server.client import ClientConfig
+    from kvtier.protocol.client import ClientConfig
 
 log = logging.getLogger(__name__)
 

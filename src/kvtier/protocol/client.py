@@ -2,7 +2,7 @@
 
 Lookups (LOOKUP, then WAIT or QUERY until the answer), retrieves of hit
 chunks, stores and the management calls, over one ``Connection``
-(``kvtier.server.client_connection``): any number of calls can be on the wire at
+(``kvtier.protocol.connection``): any number of calls can be on the wire at
 once, a caller does its own socket I/O when the socket is free, and a
 background thread keeps the registration (heartbeat, reconnect, restarts).
 
@@ -28,8 +28,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import numpy.typing as npt
 
-from kvtier.server import protocol as p
-from kvtier.server.client_connection import Call, Connection
+from kvtier.protocol import messages as p
+from kvtier.protocol.connection import Call, Connection
 
 log = logging.getLogger(__name__)
 

@@ -31,8 +31,8 @@ from collections.abc import Callable
 from kvtier.counters import Counters
 from kvtier.keys import ObjectKey
 from kvtier.l2.base import TaskKind, TaskResult
-from kvtier.server.tenants import TenantTable
 from kvtier.storage import StorageManager
+from kvtier.tenancy.tenants import TenantTable
 
 log = logging.getLogger(__name__)
 IDLE_REFRESH_S = 60.0

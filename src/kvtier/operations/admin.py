@@ -4,9 +4,9 @@
 ``GET /metrics`` (Prometheus text), ``POST /clear`` (drops every unlocked
 object from L1), ``POST /prefetch`` (a router's routing-time prefetch,
 ``kvtier.server.warmup``), the admin JSON API under ``/admin/``
-(``kvtier.server.admin_api``: tenants, namespaces, pins, purges, drain,
+(``kvtier.operations.admin_api``: tenants, namespaces, pins, purges, drain,
 quotas, the savings ledger), and the dashboard at ``/``
-(``kvtier.server.dashboard``). When the server has tokens (an auth token, or a
+(``kvtier.operations.dashboard``). When the server has tokens (an auth token, or a
 tenants file), everything but ``/healthz`` needs ``Authorization: Bearer
 <token>`` of an admin tenant: 401 without a known token, 403 for a tenant
 without the admin role. Status and metrics come from the
@@ -26,9 +26,9 @@ from prometheus_client import generate_latest
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from kvtier.server.admin_api import AdminAPI
-from kvtier.server.dashboard import History
-from kvtier.server.dashboard import page as dashboard_page
+from kvtier.operations.admin_api import AdminAPI
+from kvtier.operations.dashboard import History
+from kvtier.operations.dashboard import page as dashboard_page
 from kvtier.server.transport import ServerTransport
 
 MAX_PREFETCH_BODY = 1 << 20
