@@ -50,7 +50,7 @@ import numpy as np
 import torch
 
 from common import median_time, report
-from kvtier.bench.blend_eval import END_OF_TURN, MarginHalves, margin, spelling
+from kvtier.bench.blend.evaluation import END_OF_TURN, MarginHalves, margin, spelling
 from kvtier.bench.retrieval import CODE_ANYWHERE_HELP, RetrievalSpec, retrieval_prompts
 from kvtier.bench.stores import RedisProcess, redis_binary
 from kvtier.engine.hf import KVTierModel, cache_argument, kv_layout

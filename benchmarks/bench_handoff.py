@@ -239,7 +239,7 @@ def main() -> None:
     results["servers"] = [
         {
             "handoffs": status["handoffs"],
-            "counters": {k: v for k, v in status["server"].items() if k.startswith("handoffs.")},
+            "counters": status["server"]["handoffs"],
         }
         for status in statuses
     ]

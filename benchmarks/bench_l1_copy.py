@@ -42,10 +42,10 @@ def main() -> None:
 
     config = StorageConfig(l1=L1Config(size_bytes=2 * total, high_watermark=0.9))
     with StorageManager(config) as storage:
-        assert storage.l1.wait_mapped(120)  # as a server would be a few seconds after start
+        assert storage.wait_mapped(120)  # as a server would be a few seconds after start
 
         def put() -> float:
-            storage.l1.clear()  # untimed: every put stores new objects
+            storage.clear_l1()  # untimed: every put stores new objects
             return timed(lambda: storage.store(keys, sources))
 
         def get() -> None:

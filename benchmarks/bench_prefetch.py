@@ -53,7 +53,7 @@ def measure(chunks: int, object_kib: int, rounds: int, root: Path) -> dict[str, 
         storage.store(keys, payloads, layout)
         assert storage.flush(60)
         for _ in range(rounds + 2):
-            storage.l1.clear()
+            storage.clear_l1()
             result = None
 
             def lookup() -> None:

@@ -80,7 +80,7 @@ def lookups(c: CacheClient, chunks: list[bytes], stop: threading.Event, out: lis
 
 def written(server: ServerProcess, adapter: str) -> int:
     store = server.status_json("ops")["storage"]["store"]
-    return int(store.get(f"stored_objects.{adapter}", 0))
+    return int(store["stored_objects"].get(adapter, 0))
 
 
 def main() -> None:

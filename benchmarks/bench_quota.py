@@ -29,7 +29,7 @@ from common import report, timed
 from kvtier.keys import ObjectKey
 from kvtier.l1 import L1Config
 from kvtier.l1.quotas import OwnerLimit
-from kvtier.storage import StorageConfig, StorageManager
+from kvtier.storage import Owners, StorageConfig, StorageManager
 
 OBJECT = 16 << 10
 BATCH = 64
@@ -40,10 +40,9 @@ def run(batches: int, owners: dict[str, OwnerLimit] | None, l1_bytes: int) -> tu
     """(stores/s, lookups/s) in objects per second."""
     config = StorageConfig(l1=L1Config(size_bytes=l1_bytes, populate=True, high_watermark=0.95))
     data = [np.full(OBJECT, 7, np.uint8)] * BATCH
-    with StorageManager(config) as storage:
-        storage.l1.wait_mapped(60)
-        if owners is not None:
-            storage.l1.set_owners(lambda salt: salt, owners)
+    tenants = None if owners is None else Owners(lambda salt: salt, owners)
+    with StorageManager(config, owners=tenants) as storage:
+        storage.wait_mapped(60)
         batches_keys = [
             [
                 ObjectKey((b * BATCH + i).to_bytes(32, "big"), "bench", 0, 0, TENANTS[b % 4])
@@ -52,7 +51,7 @@ def run(batches: int, owners: dict[str, OwnerLimit] | None, l1_bytes: int) -> tu
             for b in range(batches)
         ]
         stored = timed(lambda: [storage.store(keys, data) for keys in batches_keys])
-        survivors = [k for k in batches_keys if storage.l1.contains(k[0])]
+        survivors = [k for k in batches_keys if storage.in_l1(k[0])]
 
         def lookups() -> None:
             for keys in survivors:

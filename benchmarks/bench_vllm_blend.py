@@ -38,7 +38,7 @@ from typing import Any
 
 from bench_vllm_ttft import ttft
 from common import report
-from kvtier.bench.blend_eval import END_OF_TURN, latency_spec
+from kvtier.bench.blend.evaluation import END_OF_TURN, latency_spec
 from kvtier.bench.engines import EngineOptions, kvtier_transfer, vllm_server
 from kvtier.bench.retrieval import (
     CODE_ANYWHERE_HELP,

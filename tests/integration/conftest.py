@@ -18,6 +18,7 @@ from kvtier.l1 import L1Config
 from kvtier.server.core import CacheServer
 from kvtier.server.transport import ServerTransport
 from kvtier.storage import StorageConfig, StorageManager
+from tests import storage_parts
 from tests.integration.harness import PeerFactory, Server, ServerFactory
 
 
@@ -80,7 +81,7 @@ def gated(monkeypatch: pytest.MonkeyPatch) -> Iterator[Gated]:
         StorageConfig(l1=L1Config(size_bytes=8 << 20, populate=False), l2=({"type": "mock"},))
     )
     gate = threading.Event()
-    adapter: Any = storage.adapters[0]
+    adapter: Any = storage_parts.adapters(storage)[0]
     real_lookup = adapter._lookup
 
     def gated_lookup(keys: Sequence[ObjectKey]) -> list[bool]:

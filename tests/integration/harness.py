@@ -347,7 +347,7 @@ def wait_written_back(probe: Callable[[], dict[str, Any] | None], objects: int) 
     second wait sees a state later than the first."""
 
     def written(s: dict[str, Any] | None) -> int:
-        return 0 if s is None else int(s["storage"]["store"].get("stored_objects.fs", 0))
+        return 0 if s is None else int(s["storage"]["store"]["stored_objects"].get("fs", 0))
 
     status = wait_for(probe, lambda s: written(s) >= objects)
     assert written(status) == objects, status

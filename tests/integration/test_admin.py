@@ -157,7 +157,7 @@ def written(server: Server, adapter: str, objects: int) -> None:
 
     def count() -> int:
         store = server.status_json("ops-token")["storage"]["store"]
-        return int(store.get(f"stored_objects.{adapter}", 0))
+        return int(store["stored_objects"].get(adapter, 0))
 
     assert wait_for(count, lambda n: n >= objects) == objects
 

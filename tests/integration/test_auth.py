@@ -37,8 +37,8 @@ def test_client_without_the_token_is_refused_and_degraded(auth_server: Server, t
         finally:
             client.close()
         after = w.status_via(observer)
-    refused = after["server"]["errors.unauthorized"]
-    assert refused == before["server"].get("errors.unauthorized", 0) + 1
+    refused = after["server"]["errors"]["unauthorized"]
+    assert refused == before["server"]["errors"].get("unauthorized", 0) + 1
     assert after["clients"] == before["clients"]  # nobody registered
     resident = after["storage"]["l1"]["resident_objects"]
     assert resident == before["storage"]["l1"]["resident_objects"]  # nothing stored

@@ -84,13 +84,20 @@ def traffic(server: Server) -> None:
 
 
 def metrics(server: Server) -> dict[str, float]:
+    """Every sample, named as the page names it: ``name{label="value",...}``
+    (labels sorted)."""
     text = server.http_get("/metrics", token="ops-token")[1].decode()
     out = {}
     for family in text_string_to_metric_families(text):
         for s in family.samples:
-            key = s.labels.get("key", "")
-            out[f'{s.name}{{key="{key}"}}' if key else s.name] = s.value
+            labels = ",".join(f'{k}="{v}"' for k, v in sorted(s.labels.items()))
+            out[f"{s.name}{{{labels}}}" if labels else s.name] = s.value
     return out
+
+
+def types(server: Server) -> dict[str, str]:
+    text = server.http_get("/metrics", token="ops-token")[1].decode()
+    return {family.name: family.type for family in text_string_to_metric_families(text)}
 
 
 @pytest.mark.slow
@@ -139,12 +146,17 @@ def test_the_dashboard_shows_live_numbers_in_a_real_browser(
         every_s=0.5,
     )
     assert shown, "the totals table is empty"
-    assert 'kvtier_server_hit_tokens{key="L1"}' in shown
+    assert 'kvtier_server_hit_tokens_total{tier="L1"}' in shown
+    assert types(server)["kvtier_server_hit_tokens"] == "counter"
     for name, value in shown.items():
         assert reported.get(name) == value, (name, value, reported.get(name))
-    assert shown['kvtier_server_errors{key="forbidden"}'] >= 1
+    assert shown['kvtier_server_errors_total{reason="forbidden"}'] >= 1
+    loaded = [v for k, v in shown.items() if k.startswith("kvtier_ledger_loaded_tokens_total")]
+    assert loaded and max(loaded) > 0  # the engine reported what it loaded
     ledger = browser.find_element(By.ID, "ledger").text
     assert "acme /" in ledger and " s" in ledger  # seconds saved: the engine reported its rate
+    assert "loaded tokens" in ledger
+    assert "has no field" not in server.log  # every counter the server counted is typed
 
     painted = browser.execute_script(
         """return Array.from(document.querySelectorAll('canvas')).map((c) => {

@@ -102,7 +102,7 @@ class Backend:
         """No lookup lock, store reservation or request session is left."""
         if self.storage is not None:
             assert self.storage.held_locks() == 0
-            assert self.storage.l1.status()["locked_objects"] == 0
+            assert self.storage.l1_status()["locked_objects"] == 0
             return
         link = self.engines[-1].link
         assert isinstance(link, ServerLink)
@@ -334,7 +334,7 @@ def test_shadow_check_confirms_reuse_and_catches_wrong_kv(
     def reported() -> dict[str, int]:  # the server's counts (shared by the module's tests)
         assert isinstance(link, ServerLink)
         counters = (link.client.status() or {}).get("server", {})
-        return {k: v for k, v in counters.items() if k.startswith("shadow_chunks.")}
+        return {f"shadow_chunks.{k}": v for k, v in counters.get("shadow_chunks", {}).items()}
 
     before = reported() if isinstance(link, ServerLink) else {}
     ids = prompt(seed, 70)

@@ -63,12 +63,12 @@ def test_first_hello_fixes_the_chunk_size(
     make_core: MakeCore, minimum: int, alignment: int, expected: int
 ) -> None:
     core = make_core(minimum)
-    assert core.status()["chunk_size"] == minimum
-    assert core.status()["chunk_size_frozen"] is False
+    assert core.status().chunk_size == minimum
+    assert core.status().chunk_size_frozen is False
     reply = hello_reply(core, b"a", alignment)
     assert isinstance(reply, p.Welcome) and reply.chunk_size == expected
-    assert core.status()["chunk_size"] == expected
-    assert core.status()["chunk_size_frozen"] is True
+    assert core.status().chunk_size == expected
+    assert core.status().chunk_size_frozen is True
 
 
 def test_chunk_size_is_frozen_once_a_client_registered(make_core: MakeCore) -> None:
@@ -86,8 +86,8 @@ def test_chunk_size_is_frozen_once_a_client_registered(make_core: MakeCore) -> N
         assert reply.code == "bad_request"
         assert f"block alignment {alignment}" in reply.message
         assert "chunk size 640" in reply.message
-    assert core.status()["clients"] == 5
-    assert core.status()["chunk_size"] == 640
+    assert core.status().clients == 5
+    assert core.status().chunk_size == 640
 
 
 def test_a_refused_client_is_not_registered(make_core: MakeCore) -> None:
@@ -105,7 +105,7 @@ def test_a_refused_hello_does_not_freeze_the_chunk_size(make_core: MakeCore) -> 
     bad_layout = [p.LayoutSpec(0, 2, 2, 16, "not-a-dtype")]
     refused = hello_reply(core, b"a", 640, layouts=bad_layout)
     assert isinstance(refused, p.Error) and refused.code == "bad_request"
-    assert core.status()["clients"] == 0
+    assert core.status().clients == 0
     reply = hello_reply(core, b"b", 1)
     assert isinstance(reply, p.Welcome)
     assert reply.chunk_size == 256  # not 640, which only the refused hello asked for

@@ -1,5 +1,5 @@
 """``kvtier plan --from-server``: the layout, chunk size and traffic of a real
-running server, read from its /status and /metrics, become the plan's inputs."""
+running server, read from its /status, become the plan's inputs."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import pytest
 
 from kvtier.commands.cli import main
 from kvtier.keys import model_label
-from kvtier.planner.observed import observe, read_counters
+from kvtier.planner.observed import observe, read_status
 from kvtier.protocol.client import CacheClient
 from tests.integration import workload as w
 from tests.integration.harness import Server, ServerFactory, wait_for, wait_written_back
@@ -18,8 +18,8 @@ CHUNK = 256
 SIZE = w.object_bytes(CHUNK)
 
 
-def lookups(server: Server) -> float:
-    return sum(read_counters(server.http).get("kvtier_server_lookups", {}).values())
+def lookups(server: Server) -> int:
+    return read_status(server.http).server.lookups
 
 
 def test_observed_window_and_plan(server: Server, capsys: pytest.CaptureFixture[str]) -> None:
@@ -32,7 +32,7 @@ def test_observed_window_and_plan(server: Server, capsys: pytest.CaptureFixture[
         wait_for(lambda: server.status()["layouts"], bool)  # /status is refreshed each tick
 
         def traffic(seconds: float) -> None:
-            """Runs between the two /metrics readings instead of a sleep."""
+            """Runs between the two /status readings instead of a sleep."""
             for i in range(3):  # 5 chunks looked up, 4 hit: fs first, then L1
                 assert client.query(client.lookup(f"r{i}", hashes), timeout_s=10.0) == 4
                 client.end_session(f"r{i}")

@@ -72,12 +72,13 @@ def test_client_degrades_while_down_then_hits_after_restart(
         # The prefetcher counts a lookup's hits just after it answers it: wait for them.
         def fs_hits(status: dict[str, Any] | None) -> bool:
             return (
-                status is not None and status["storage"]["prefetch"].get("hit_objects.fs") == CHUNKS
+                status is not None
+                and status["storage"]["prefetch"]["hit_objects"].get("fs") == CHUNKS
             )
 
         status = wait_for(client.status, fs_hits)
         assert status is not None
-        assert status["storage"]["prefetch"].get("hit_objects.fs") == CHUNKS
+        assert status["storage"]["prefetch"]["hit_objects"].get("fs") == CHUNKS
         assert status["storage"]["held_lookup_locks"] == 0
 
         # Stores work again too (a chunk never stored before).
@@ -141,8 +142,8 @@ def test_an_offer_held_through_a_quiet_server_reaches_it_once(
             if taken.outcome == "granted":
                 consumer.handoff(p.HandoffDone(handoff, "")).wait(10.0)
         # The status is a snapshot taken each tick: wait for the last DONE in it.
-        seen = wait_for(server.status, lambda s: s["server"].get("handoffs.consumed") == 2)
-        assert seen["server"]["handoffs.offered"] == seen["server"]["handoffs.consumed"] == 2
+        seen = wait_for(server.status, lambda s: s["server"]["handoffs"]["consumed"] == 2)
+        assert seen["server"]["handoffs"]["offered"] == seen["server"]["handoffs"]["consumed"] == 2
         assert seen["handoffs"]["held"] == 0
     finally:
         producer.close()
@@ -181,8 +182,8 @@ def test_a_take_whose_answer_was_lost_with_its_connection_is_still_its_own(
         # Released by the DONE on the old connection, or by the one sent again.
         reply = done.wait(10.0)
         assert isinstance(reply, p.HandoffState) and reply.outcome in ("released", "consumed")
-        seen = wait_for(server.status, lambda s: s["server"].get("handoffs.consumed") == 1)
-        assert seen["server"]["handoffs.consumed"] == 1
+        seen = wait_for(server.status, lambda s: s["server"]["handoffs"]["consumed"] == 1)
+        assert seen["server"]["handoffs"]["consumed"] == 1
     finally:
         producer.close()
         consumer.close()

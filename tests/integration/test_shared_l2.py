@@ -48,7 +48,9 @@ def node(kvtier_server: ServerFactory, spec: dict[str, Any]) -> Any:
 
 def written_back(client: CacheClient) -> int:
     status = client.status()
-    return 0 if status is None else int(status["storage"]["store"].get("stored_objects.shared", 0))
+    if status is None:
+        return 0
+    return int(status["storage"]["store"]["stored_objects"].get("shared", 0))
 
 
 def test_node_b_hits_what_node_a_stored_and_other_tenants_miss(
@@ -216,7 +218,7 @@ def test_a_paused_backend_does_not_hold_a_lookup_past_its_deadline(
     with StorageManager(config) as storage:
         storage.store(keys, [np.full(1024, i, np.uint8) for i in range(4)], layout)
         assert storage.flush(30)
-        storage.l1.delete(keys)  # only Redis has them now
+        storage.delete_l1(keys)  # only Redis has them now
         redis_server.pause(8.0)
         started = time.monotonic()
         result = storage.lookup(keys, layout, deadline_s=0.5)
@@ -248,7 +250,7 @@ def test_a_stopped_store_does_not_hold_a_lookup_past_its_deadline(
     with StorageManager(config) as storage:
         storage.store(keys, [np.full(1024, i, np.uint8) for i in range(4)], layout)
         assert storage.flush(60)
-        storage.l1.delete(keys)  # only the shared store has them now
+        storage.delete_l1(keys)  # only the shared store has them now
         with paused(pids):
             started = time.monotonic()
             result = storage.lookup(keys, layout, deadline_s=0.5)

@@ -161,7 +161,7 @@ def test_hit_stops_at_first_chunk_missing_a_rank_in_process() -> None:
         assert core.handle(peer, p.Lookup("r", hashes), []) == (p.Ack(), [])
         assert core.handle(peer, p.Query("r"), [])[0].hit_chunks == 1
         assert storage.status()["held_lookup_locks"] == 2
-        assert storage.l1.status()["locked_objects"] == 2
+        assert storage.l1_status()["locked_objects"] == 2
 
         reply, frames = core.handle(peer, p.Retrieve("r", 0, 1), [])
         assert reply == p.Objects(reply.offsets, [size, size])  # type: ignore[union-attr]
@@ -171,7 +171,7 @@ def test_hit_stops_at_first_chunk_missing_a_rank_in_process() -> None:
 
         assert core.handle(peer, p.Release("r", 0, 1), []) == (p.Ack(), [])
         assert storage.status()["held_lookup_locks"] == 0
-        assert_clean(storage.l1)
+        assert_clean(storage)
     finally:
         core.close()
         storage.close()

@@ -26,8 +26,9 @@ import pytest
 from kvtier.bench.engines import EngineOptions, kvtier_transfer, vllm_server
 from kvtier.commands.admin import call
 from kvtier.keys import ObjectKey
-from kvtier.l2.format import encode_object, unpack_header
+from kvtier.l2.format import unpack_header
 from kvtier.l2.fs import SUFFIX
+from kvtier.l2.stored_value import encode_object
 from kvtier.process import clean_env, read_line, stop_process
 from tests.integration.harness import (
     ROOT,
@@ -123,6 +124,8 @@ class Engines:
 
     def start(self, *args: str) -> Engine:
         log = self.tmp / f"engine-{len(self.started)}.log"
+        scratch = self.tmp / f"engine-{len(self.started)}.tmp"  # vLLM's rendezvous files
+        scratch.mkdir()
         with log.open("w") as log_file:
             proc = subprocess.Popen(
                 [PYTHON, "-m", "tests.integration.vllm_engine", "--model", str(self.model), *args],
@@ -131,7 +134,7 @@ class Engines:
                 stderr=log_file,
                 text=True,
                 cwd=ROOT,
-                env=clean_env(),
+                env=clean_env({"TMPDIR": str(scratch)}),
             )
         engine = Engine(proc, log)
         self.started.append(engine)
@@ -287,8 +290,8 @@ def swap_payloads(first: Path, second: Path) -> None:
 
 
 def shadow_counts(server: Server) -> dict[str, int]:
-    counters = server.status()["server"]
-    return {k.split(".")[1]: v for k, v in counters.items() if k.startswith("shadow_chunks.")}
+    counts: dict[str, int] = server.status()["server"]["shadow_chunks"]
+    return counts
 
 
 def test_shadow_check_confirms_reuse_and_catches_kv_that_passes_its_checksums(
@@ -374,12 +377,12 @@ def test_tenants_through_the_connector_and_a_pinned_system_prompt(
             return server.status_json("ops-token")
 
         def settled(s: dict[str, Any]) -> bool:  # the pin and globex's HELLO are asynchronous
-            pinned = s["storage"]["l1"].get("tenant_pinned_bytes.acme", 0)
-            return pinned > 0 and s["server"].get("errors.forbidden", 0) >= 1
+            pinned = s["storage"]["l1"]["tenant_pinned_bytes"].get("acme", 0)
+            return pinned > 0 and s["server"]["errors"].get("forbidden", 0) >= 1
 
         seen = wait_for(status, settled)
-        assert seen["storage"]["l1"]["tenant_pinned_bytes.acme"] > 0
-        assert seen["server"]["errors.forbidden"] >= 1
+        assert seen["storage"]["l1"]["tenant_pinned_bytes"]["acme"] > 0
+        assert seen["server"]["errors"]["forbidden"] >= 1
         # the savings ledger: the engine reported its own prefill rate and load time
         (row,) = [r for r in call(server.http, "ops-token", "GET", "/admin/ledger")["namespaces"]
                   if r["tenant"] == "acme"]  # fmt: skip

@@ -16,7 +16,9 @@ from tests.integration.harness import Server, ServerFactory, wait_for
 from tests.servers import RedisProcess
 
 pytest.importorskip("vllm")
-from kvtier.engine.vllm.handoff import (
+from kvtier.engine.vllm.scheduler import SchedulerSide
+from kvtier.engine.vllm.settings import ConnectorSettings
+from kvtier.protocol.handoff import (
     CAUSE,
     HANDOFF_ID,
     OUTCOME,
@@ -25,8 +27,6 @@ from kvtier.engine.vllm.handoff import (
     RANKS,
     SERVER,
 )
-from kvtier.engine.vllm.scheduler import SchedulerSide
-from kvtier.engine.vllm.settings import ConnectorSettings
 from tests.integration.test_vllm_scheduler import (
     CHUNK,
     Blocks,
@@ -150,8 +150,8 @@ def test_a_hand_off_goes_from_producer_to_consumer_and_is_released(
         assert wait_for(lambda: status(consumer)["handoffs"]["held"], lambda n: n == 0) == 0
         _, outcome = consumer.request_finished(req, [30, 31, 32, 33, 34])
         assert outcome == {HANDOFF_ID: params[HANDOFF_ID], OUTCOME: "loaded"}
-        server_counts = status(consumer)["server"]
-        assert server_counts["handoffs.offered"] == server_counts["handoffs.consumed"] == 1
+        server_counts = status(consumer)["server"]["handoffs"]
+        assert server_counts["offered"] == server_counts["consumed"] == 1
         assert status(consumer)["storage"]["held_lookup_locks"] == 0
     finally:
         producer.close()
@@ -281,7 +281,7 @@ def test_an_expired_hand_off_is_recomputed_and_an_incomplete_one_never_offered(
         # applies the policy without asking a decode engine to wait.
         assert produce(producer, prompt(PROMPT, seed=45), store=False) is None
         assert producer.outcomes.snapshot()["handoff_not_offered"] == 1
-        assert status(producer)["server"]["handoffs.incomplete"] == 1
+        assert status(producer)["server"]["handoffs"]["incomplete"] == 1
         assert status(consumer)["storage"]["held_lookup_locks"] == 0
     finally:
         producer.close()
@@ -350,7 +350,7 @@ def test_a_consumer_that_dies_after_taking_is_reclaimed_by_the_lease(
         held = 3 * producer.clients.layout(CHUNK).object_bytes()  # two chunks and the tail
         assert status(producer)["handoffs"] == {"held": 1, "held_bytes": held, "taken": 1}
         assert wait_for(lambda: status(producer)["handoffs"]["held"], lambda n: n == 0) == 0
-        assert status(producer)["server"]["handoffs.expired"] == 1
+        assert status(producer)["server"]["handoffs"]["expired"] == 1
         assert (
             wait_for(lambda: status(producer)["storage"]["held_lookup_locks"], lambda n: n == 0)
             == 0
@@ -409,9 +409,9 @@ def test_a_consumer_that_has_not_heard_of_the_restart_finds_the_hand_off_on_disk
         tokens, params = handed_off(producer, seed=54)
         stored = wait_for(
             partial(status, producer),
-            lambda s: s["storage"]["store"].get("stored_objects.fs", 0) >= 3,
+            lambda s: s["storage"]["store"]["stored_objects"].get("fs", 0) >= 3,
         )
-        assert stored["storage"]["store"]["stored_objects.fs"] == 3  # two chunks and the tail
+        assert stored["storage"]["store"]["stored_objects"]["fs"] == 3  # two chunks and the tail
     finally:
         producer.close()
     consumer = side_for(first.rpc)  # registered with the producer's server
@@ -422,8 +422,8 @@ def test_a_consumer_that_has_not_heard_of_the_restart_finds_the_hand_off_on_disk
         consumer.update_connector_output(SimpleNamespace(finished_recving={"d"}))
         _, outcome = consumer.request_finished(req, [30, 31, 32, 33, 34])
         assert outcome == {HANDOFF_ID: params[HANDOFF_ID], OUTCOME: "loaded"}
-        seen = wait_for(second.status, lambda s: s["server"].get("handoffs.consumed", 0) == 1)
-        assert seen["server"]["handoffs.found"] == seen["server"]["handoffs.consumed"] == 1
+        seen = wait_for(second.status, lambda s: s["server"]["handoffs"]["consumed"] == 1)
+        assert seen["server"]["handoffs"]["found"] == seen["server"]["handoffs"]["consumed"] == 1
         assert seen["handoffs"]["held"] == 0
     finally:
         consumer.close()
@@ -448,8 +448,8 @@ def test_a_preempted_consumer_reloads_its_prompt_without_taking_again(server: Se
         assert not load.failed and len(load.hashes) == 3
         consumer.update_connector_output(SimpleNamespace(finished_recving={"d"}))
         consumer.request_finished(preempted, [])
-        counters = status(consumer)["server"]
-        assert counters["handoffs.taken"] == counters["handoffs.consumed"] == 1
+        counters = status(consumer)["server"]["handoffs"]
+        assert counters["taken"] == counters["consumed"] == 1
         assert (
             wait_for(lambda: status(consumer)["storage"]["held_lookup_locks"], lambda n: n == 0)
             == 0
@@ -540,7 +540,7 @@ def test_a_consumer_of_another_tp_size_is_given_its_own_rank_split(server: Serve
         assert params[PAGES] == producer.clients.layout(CHUNK).format  # e.g. vllm-cpu-vec-bs16
         req = consumer_request(tokens, params)
         take_and_load(consumer, req, [30, 31, 32, 33, 34])
-        assert status(consumer)["server"]["handoffs.resharded"] == 1
+        assert status(consumer)["server"]["handoffs"]["resharded"] == 1
         consumer.update_connector_output(SimpleNamespace(finished_recving={"d"}))
         _, outcome = consumer.request_finished(req, [30, 31, 32, 33, 34])
         assert outcome == {HANDOFF_ID: params[HANDOFF_ID], OUTCOME: "loaded"}
@@ -575,7 +575,7 @@ def test_a_hand_off_across_nodes_is_found_through_the_shared_l2(
         req = consumer_request(tokens, params)
         take_and_load(consumer, req, [30, 31, 32, 33, 34])
         found = status(consumer)
-        assert found["server"]["handoffs.found"] == 1
+        assert found["server"]["handoffs"]["found"] == 1
         assert found["handoffs"]["held"] == 1
         consumer.update_connector_output(SimpleNamespace(finished_recving={"d"}))
         _, outcome = consumer.request_finished(req, [30, 31, 32, 33, 34])

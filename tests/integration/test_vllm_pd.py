@@ -32,7 +32,7 @@ from tests.integration.harness import (
 )
 
 pytest.importorskip("vllm")
-from kvtier.router.pd import PDProxy, serve
+from kvtier.router.pd.proxy import PDProxy, serve
 from tests.integration.test_vllm_connector import TOLERANCE, tokens
 
 pytestmark = [pytest.mark.slow, pytest.mark.engine]
@@ -254,7 +254,7 @@ def test_a_chat_is_rendered_once_and_equals_colocated(
 
 
 def consumed(status: dict[str, Any]) -> int:
-    return int(status["server"].get("handoffs.consumed", 0))
+    return int(status["server"]["handoffs"]["consumed"])
 
 
 def test_a_stream_gives_the_prefill_token_then_the_decode_tokens(
@@ -341,7 +341,7 @@ def test_the_prefill_engine_killed_after_its_answer_leaves_its_hand_off_loadable
 
 def written_back(status: dict[str, Any]) -> int:
     store = status["storage"]["store"]
-    return sum(int(v) for k, v in store.items() if k.startswith("stored_objects."))
+    return sum(int(v) for v in store["stored_objects"].values())
 
 
 def test_a_hand_off_outlives_its_cache_server_through_its_disk_tier(
@@ -374,8 +374,8 @@ def test_a_hand_off_outlives_its_cache_server_through_its_disk_tier(
     # The server's status is a snapshot taken each tick: wait for the take in it.
     seen = wait_for(
         restarted.status,
-        lambda s: s["server"].get("handoffs.consumed", 0) == 1 and s["handoffs"]["held"] == 0,
+        lambda s: s["server"]["handoffs"]["consumed"] == 1 and s["handoffs"]["held"] == 0,
     )
-    assert seen["server"].get("handoffs.found") == seen["server"].get("handoffs.consumed") == 1
+    assert seen["server"]["handoffs"]["found"] == seen["server"]["handoffs"]["consumed"] == 1
     assert seen["handoffs"]["held"] == 0
     assert seen["storage"]["held_lookup_locks"] == 0

@@ -53,16 +53,16 @@ def test_hand_offs_between_block_sizes_are_repaged_and_equal_colocated(
 ) -> None:
     big, small = engines
     prefill, decode = (big, small) if direction == "128 to 32" else (small, big)
-    before = kv_server.status()["server"].get("handoffs.resharded", 0)
+    before = kv_server.status()["server"]["handoffs"]["resharded"]
     outcomes = hand_off_each(prefill, decode, PROMPTS, f"ref-{direction}")
     assert all(o["kvtier_handoff_outcome"] == "loaded" for o in outcomes), outcomes
     seen = wait_for(
         kv_server.status,
         lambda s: (
-            s["server"].get("handoffs.resharded", 0) - before == len(PROMPTS)
+            s["server"]["handoffs"]["resharded"] - before == len(PROMPTS)
             and s["handoffs"]["held"] == 0
         ),
     )
-    assert seen["server"]["handoffs.resharded"] - before == len(PROMPTS)
+    assert seen["server"]["handoffs"]["resharded"] - before == len(PROMPTS)
     assert seen["handoffs"]["held"] == 0
     assert seen["storage"]["held_lookup_locks"] == 0

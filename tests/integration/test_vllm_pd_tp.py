@@ -69,7 +69,7 @@ def test_hand_offs_between_tp_sizes_are_resharded_and_equal_colocated(
 ) -> None:
     tp1, tp2 = engines
     prefill, decode = (tp1, tp2) if direction == "tp1 to tp2" else (tp2, tp1)
-    before = kv_server.status()["server"].get("handoffs.resharded", 0)
+    before = kv_server.status()["server"]["handoffs"]["resharded"]
     outcomes = hand_off_each(prefill, decode, PROMPTS, f"ref-{direction}")
     loaded = sum(o["kvtier_handoff_outcome"] == "loaded" for o in outcomes)
     assert loaded >= len(PROMPTS) - 1, outcomes  # every output above is right either way
@@ -80,11 +80,10 @@ def test_hand_offs_between_tp_sizes_are_resharded_and_equal_colocated(
     seen = wait_for(
         kv_server.status,
         lambda s: (
-            s["server"].get("handoffs.resharded", 0) - before >= loaded
-            and s["handoffs"]["held"] == 0
+            s["server"]["handoffs"]["resharded"] - before >= loaded and s["handoffs"]["held"] == 0
         ),
         timeout_s=45,  # a hand-off not consumed is held until its 30 s lease
     )
-    assert seen["server"]["handoffs.resharded"] - before >= loaded
+    assert seen["server"]["handoffs"]["resharded"] - before >= loaded
     assert seen["handoffs"]["held"] == 0
     assert seen["storage"]["held_lookup_locks"] == 0

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import http.client
 import json
+import shutil
 import subprocess
 import sys
 import time
@@ -127,9 +128,10 @@ def vllm_servers(
     """Start several vLLM OpenAI servers at once (each ``(options, transfer,
     log)``), wait until every one is healthy, stop them all at exit."""
     started: list[tuple[GroupProcess, str, Path]] = []
+    scratch = [log.with_name(f"{log.name}.tmp") for _, _, log in configs]
     try:
-        for options, transfer, log in configs:
-            started.append(_launch(options, transfer, log, python))
+        for (options, transfer, log), tmp in zip(configs, scratch, strict=True):
+            started.append(_launch(options, transfer, log, python, tmp))
         deadline = time.monotonic() + START_TIMEOUT_S
         for server, address, log in started:
             while not healthy(address):
@@ -141,11 +143,20 @@ def vllm_servers(
     finally:
         for server, _, _ in started:
             server.stop(timeout_s=30)
+        for tmp in scratch:
+            shutil.rmtree(tmp, ignore_errors=True)
 
 
 def _launch(
-    options: EngineOptions, transfer: dict[str, Any] | None, log: Path, python: Path | str
+    options: EngineOptions,
+    transfer: dict[str, Any] | None,
+    log: Path,
+    python: Path | str,
+    tmp: Path,
 ) -> tuple[GroupProcess, str, Path]:
+    """Start one vLLM server. ``tmp`` becomes its temporary directory: vLLM
+    leaves files there (its ``vllm_dist_*`` rendezvous files), and the caller
+    removes it once the server has stopped."""
     port = free_port()
     command = [str(python), "-m", "vllm.entrypoints.openai.api_server"]
     command += ["--model", str(options.model), "--host", "127.0.0.1", "--port", str(port)]
@@ -174,6 +185,8 @@ def _launch(
         }
     )
     env.pop("VLLM_CPU_KVCACHE_SPACE", None)
+    tmp.mkdir(parents=True, exist_ok=True)
+    env["TMPDIR"] = str(tmp)
     if options.cpus:
         env["VLLM_CPU_OMP_THREADS_BIND"] = options.cpus
     if options.dev_mode:

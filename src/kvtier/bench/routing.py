@@ -34,6 +34,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+import msgspec
 from aiohttp import web
 
 from kvtier.bench.engines import EngineOptions, kvtier_transfer, vllm_server
@@ -42,6 +43,7 @@ from kvtier.bench.stores import RedisProcess, free_port, redis_binary
 from kvtier.bench.summary import mismatches, percentiles
 from kvtier.bench.tenants import TenancySpec, tenant_name, tenant_trace
 from kvtier.process import ServerProcess
+from kvtier.protocol.status import ServerStatus
 from kvtier.router.app import RouterService
 from kvtier.router.config import RouterConfig
 from kvtier.router.cost import CostConfig
@@ -201,8 +203,7 @@ def _post(url: str, body: dict[str, Any] | None) -> None:
 
 
 def _hits(status: dict[str, Any]) -> dict[str, int]:
-    server = status.get("server", {})
-    return {k.split(".", 1)[1]: int(v) for k, v in server.items() if k.startswith("hit_tokens.")}
+    return dict(msgspec.convert(status, ServerStatus).server.hit_tokens)
 
 
 def _run_policy(cluster: _Cluster, policy: str) -> dict[str, Any]:

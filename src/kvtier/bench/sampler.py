@@ -22,13 +22,14 @@ import psutil
 from prometheus_client.parser import text_string_to_metric_families
 
 Counters = dict[str, float]  # "name" or "name{key}" -> value
+KEY_LABELS = ("adapter", "tier", "reason")  # kvtier's labels that become the key
 
 # objects kvtier's lookups brought up from each L2 adapter into L1 (key: adapter)
-L2_LOADS = "kvtier_storage_prefetch_loaded_objects"
+L2_LOADS = "kvtier_storage_prefetch_loaded_objects_total"
 # re-seeds of an L2 adapter that came back (key: adapter), the objects written
 # by them, and the objects still to re-seed (all adapters)
-RESEEDS = "kvtier_storage_store_reseeds"
-RESEEDED = "kvtier_storage_store_reseeded_objects"
+RESEEDS = "kvtier_storage_store_reseeds_total"
+RESEEDED = "kvtier_storage_store_reseeded_objects_total"
 RESEED_PENDING = "kvtier_storage_store_reseed_objects"
 VLLM_COUNTERS = (
     "vllm:prefix_cache_hits_total",
@@ -48,13 +49,13 @@ class Sample:
 
 def parse_counters(text: str, prefix: str) -> Counters:
     """Samples whose name starts with ``prefix``, summed over label sets except
-    ``key`` (kvtier's tier/adapter label)."""
+    the key (kvtier's adapter, tier or reason label)."""
     counters: Counters = {}
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
             if not sample.name.startswith(prefix):
                 continue
-            key = sample.labels.get("key", "")
+            key = next((sample.labels[k] for k in KEY_LABELS if k in sample.labels), "")
             name = f"{sample.name}{{{key}}}" if key else sample.name
             counters[name] = counters.get(name, 0.0) + sample.value
     return counters
@@ -65,7 +66,7 @@ def delta(after: Counters, before: Counters, name: str) -> float:
 
 
 def by_key(counters: Counters, name: str) -> dict[str, float]:
-    """``{key: value}`` of a kvtier counter with a ``key`` label."""
+    """``{key: value}`` of a kvtier counter with a key label (``KEY_LABELS``)."""
     start = f"{name}{{"
     return {k[len(start) : -1]: v for k, v in counters.items() if k.startswith(start)}
 

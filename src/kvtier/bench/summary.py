@@ -22,7 +22,7 @@ import numpy as np
 from kvtier.bench.replay import RequestResult
 from kvtier.bench.sampler import L2_LOADS, Counters, Sample, by_key, delta
 
-_L2_BYTES = re.compile(r"kvtier_storage_l2_(?P<adapter>.+)_(?P<kind>load|store)_bytes$")
+_L2_BYTES = re.compile(r"kvtier_storage_l2_(?P<kind>load|store)_bytes_total\{(?P<adapter>.+)\}$")
 
 
 def percentiles(values: Sequence[float], prefix: str) -> dict[str, float | None]:

@@ -127,8 +127,8 @@ def _ratios(text: str) -> tuple[float, ...]:
 
 def _blend_eval(args: argparse.Namespace) -> int:
     try:
-        from kvtier.bench.blend_eval import BlendEvalRequest, run_blend_eval
-        from kvtier.bench.blend_report import (
+        from kvtier.bench.blend.evaluation import BlendEvalRequest, run_blend_eval
+        from kvtier.bench.blend.report import (
             answers_table,
             latency_table,
             quality_plot,

@@ -2,7 +2,7 @@
 
 from kvtier.controllers.lookups import L1_TIER, LookupResult, MissReason, PrefetchHandle
 from kvtier.controllers.prefetch import PrefetchConfig, PrefetchController
-from kvtier.controllers.store import StoreConfig, StoreController
+from kvtier.controllers.store import StoreConfig, StoreController, StoreGate
 
 __all__ = [
     "L1_TIER",
@@ -13,4 +13,5 @@ __all__ = [
     "PrefetchHandle",
     "StoreConfig",
     "StoreController",
+    "StoreGate",
 ]

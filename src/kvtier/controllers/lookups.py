@@ -100,8 +100,9 @@ class PrefetchHandle:
                 return
         callback()
 
-    def _set(self, result: LookupResult) -> bool:
-        """Deliver; False (nothing delivered) if the caller abandoned it."""
+    def deliver(self, result: LookupResult) -> bool:
+        """Set the result (the prefetch controller's, once); False, nothing
+        delivered, if the caller abandoned it."""
         with self._lock:
             if self._abandoned:
                 return False

@@ -12,6 +12,8 @@ For one request (a prompt's chunks, each one or more objects: ranks x groups)::
     6. fold to the longest prefix of chunks whose every object is locked;
        release everything outside it          → LookupResult
 
+Steps 4 and 5 are ``Loads`` (``kvtier.controllers.loads``).
+
 - Single flight: an object already being loaded for another request is not
   loaded again; the second request waits for the same load and gets its own
   read lock when it lands.
@@ -51,20 +53,20 @@ import threading
 import time
 from collections import Counter, deque
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
+from kvtier.controllers.loads import Loads
 from kvtier.controllers.lookups import (
     L1_TIER,
     LookupResult,
     MissReason,
     PrefetchHandle,
-    load_miss,
 )
 from kvtier.controllers.prefetch_request import PrefetchRequest
 from kvtier.counters import Counters
 from kvtier.failures import FailureLog
 from kvtier.keys import ObjectKey
-from kvtier.l1 import IOFence, L1Manager, L1Result, WriterTag
+from kvtier.l1 import L1Manager, L1Result
 from kvtier.l2.base import L2Adapter, TaskId, TaskKind, TaskResult
 from kvtier.layout import KVLayout
 from kvtier.read_or_recompute import LinkEstimate, cheapest_prefix
@@ -93,16 +95,6 @@ class PrefetchConfig:
                 raise ValueError(f"prefetch option {name!r} must be positive")
 
 
-@dataclass(eq=False)
-class _LoadBatch:
-    adapter: str
-    tag: WriterTag
-    fence: IOFence
-    nbytes: int
-    subscribers: dict[ObjectKey, list[PrefetchRequest]]
-    started: float = field(default_factory=time.monotonic)  # its load's cost is learned
-
-
 class PrefetchController:
     """Brings a request's missing chunks from L2 into L1; see the module docstring."""
 
@@ -120,15 +112,13 @@ class PrefetchController:
         self._deadlines: list[tuple[float, int, PrefetchRequest]] = []
         self._seq = itertools.count()
         self._lookups: dict[tuple[str, TaskId], PrefetchRequest] = {}
-        self._loads: dict[tuple[str, TaskId], _LoadBatch] = {}
-        self._inflight: dict[ObjectKey, _LoadBatch] = {}  # single flight
+        self._counters = Counters()
+        self._loads = Loads(l1, self._adapters, self._counters)  # steps 4 and 5
         self._budget_wait: deque[tuple[PrefetchRequest, str, int, list[ObjectKey]]] = deque()
-        self._inflight_bytes = 0
         self._draining = False  # _finish is starting backlog requests
         self._stopping = False  # the worker's view
         self._submit_lock = threading.Lock()
         self._closed = False  # under _submit_lock: set by stop(), read by submit()
-        self._counters = Counters()
         self._failures = FailureLog(log, self._counters)
         self._thread = threading.Thread(target=self._run, name="kvtier-prefetch", daemon=True)
         self._thread.start()
@@ -206,7 +196,7 @@ class PrefetchController:
                     step(event)
                 except Exception:
                     self._failures.record(f"prefetch: the worker, on {_describe(event)},")
-            if self._stopping and not self._loads and not self._lookups:
+            if self._stopping and not self._loads.batches and not self._lookups:
                 break
         # Nothing arrives after stop(); answer what came before it as misses.
         while True:
@@ -299,14 +289,14 @@ class PrefetchController:
     def _plan(self, request: PrefetchRequest) -> None:
         """Pick a source for every object of the loadable prefix (as far as
         loading beats recomputing), then load."""
-        planned = request.sources(self._inflight)
+        planned = request.sources(self._loads.inflight)
         limit = self._worth_loading(request, planned)
         request.limit = limit
         assigned: dict[tuple[str, int], list[ObjectKey]] = {}
         for sources in planned[:limit]:
             for key, source in sources.items():
                 if source is None:
-                    self._inflight[key].subscribers[key].append(request)
+                    self._loads.inflight[key].subscribers[key].append(request)
                     request.pending_loads.add(key)
                 else:
                     assigned.setdefault((source, key.group), []).append(key)
@@ -346,82 +336,29 @@ class PrefetchController:
             request, name, group, keys = self._budget_wait[0]
             size = request.layouts[group].object_bytes()
             nbytes = size * len(keys)
-            if self._loads and self._inflight_bytes + nbytes > self.config.max_inflight_bytes:
+            loads = self._loads
+            if loads.batches and loads.inflight_bytes + nbytes > self.config.max_inflight_bytes:
                 return
             self._budget_wait.popleft()
             if request.done:
                 self._unlock(name, set(keys))
                 continue
             layout = request.layouts[group]
-            load = functools.partial(self._start_load, name=name, layout=layout, keys=keys)
+            load = functools.partial(self._loads.start, name=name, layout=layout, keys=keys)
             self._guarded(request, load)
             if not request.pending_loads and not self._budget_waiting(request):
                 self._finish(request)
 
-    def _start_load(
-        self, request: PrefetchRequest, name: str, layout: KVLayout, keys: list[ObjectKey]
-    ) -> None:
-        """Stage ``keys`` in L1 and load them from adapter ``name``. The
-        adapter's leases on ``keys`` are returned here for what is not loaded,
-        or when the load completes; on an exception, here, for all."""
-        tag = WriterTag(f"prefetch-{next(self._seq)}")
-        size = layout.object_bytes()
-        digest = layout.digest()
-        staged: list[ObjectKey] = []
-        fence: IOFence | None = None
-        try:
-            placements = self._l1.reserve_write(keys, [size] * len(keys), tag, layout=digest)
-            for key, placement in zip(keys, placements, strict=True):
-                if placement.result is L1Result.SUCCESS:
-                    staged.append(key)
-                elif placement.result is L1Result.NOT_WRITABLE:
-                    self._take_resident(request, key)  # published meanwhile: read it from L1
-                else:
-                    self._counters.add("staging_out_of_memory")  # too large for L1, or no room
-                    request.missed[key] = MissReason.NO_ROOM
-            if not staged:
-                self._unlock(name, set(keys))
-                return
-            _, fence = self._l1.fence(staged, tag)
-            views = [self._l1.view(p) for p in placements if p.result is L1Result.SUCCESS]
-            batch = _LoadBatch(name, tag, fence, size * len(staged), {k: [request] for k in staged})
-            task = self._adapters[name].submit_load(staged, views, digest)
-        except BaseException:
-            if fence is not None:
-                self._l1.unfence(fence)
-            if staged:
-                self._l1.abort_write(staged, tag)
-            self._unlock(name, set(keys))
-            raise
-        self._unlock(name, set(keys) - set(staged))
-        for key in staged:
-            self._inflight[key] = batch
-            request.pending_loads.add(key)
-        self._inflight_bytes += batch.nbytes
-        self._loads[(name, task)] = batch
-
-    def _take_resident(self, request: PrefetchRequest, key: ObjectKey) -> None:
-        (placement,) = self._l1.reserve_read([key])
-        if placement.result is L1Result.SUCCESS:
-            request.locked[key] = placement
-            request.tier[key] = L1_TIER
-
     def _on_load(self, result: TaskResult) -> None:
-        batch = self._loads.pop((result.adapter, result.task), None)
+        batch = self._loads.finish(result)
         if batch is None:
             log.error("prefetch: result for unknown load %s/%d", result.adapter, result.task)
             return
         if all(result.ok):
             self._links[result.adapter].load(time.monotonic() - batch.started, batch.nbytes)
-        self._inflight_bytes -= batch.nbytes
-        for key in result.keys:
-            del self._inflight[key]
         try:
-            self._l1.unfence(batch.fence)
-            self._unlock(result.adapter, set(result.keys))
-            touched = self._admit_loaded(batch, result)
-        except BaseException:  # drop what is still staged; its requests end as misses
-            self._l1.abort_write(list(result.keys), batch.tag)
+            touched = self._loads.land(batch, result)
+        except BaseException:  # what was still staged is dropped; its requests end as misses
             for requests in batch.subscribers.values():
                 for request in requests:
                     self._finish(request, give_up=True)
@@ -429,42 +366,6 @@ class PrefetchController:
         for request in touched:
             if not request.pending_loads and not self._budget_waiting(request):
                 self._finish(request)
-
-    def _admit_loaded(self, batch: _LoadBatch, result: TaskResult) -> set[PrefetchRequest]:
-        """Publish the loaded copies, locked once per live subscriber; return
-        the requests this load concerned."""
-        waiting: dict[int, list[ObjectKey]] = {}  # number of live subscribers -> keys
-        touched: set[PrefetchRequest] = set()
-        for key, ok in zip(result.keys, result.ok, strict=True):
-            live = [r for r in batch.subscribers[key] if not r.done]
-            touched.update(live)
-            for request in live:
-                request.pending_loads.discard(key)
-            if ok:
-                waiting.setdefault(len(live), []).append(key)
-            else:
-                self._l1.abort_write([key], batch.tag)
-                reason = load_miss(result, key)
-                for request in live:
-                    request.missed[key] = reason
-        self._counters.add(f"loaded_objects.{result.adapter}", result.count)
-        self._counters.add(f"loaded_bytes.{result.adapter}", result.nbytes)
-        self._counters.add(f"failed_loads.{result.adapter}", len(result.ok) - result.count)
-        for n, keys in waiting.items():
-            if n == 0:
-                self._l1.finish_write(keys, batch.tag)  # late: warm the cache, lock nothing
-                continue
-            placements = self._l1.finish_write_and_reserve_read(keys, batch.tag, n)
-            for key, placement in zip(keys, placements, strict=True):
-                if placement.result is not L1Result.SUCCESS:  # the staging lease expired
-                    for request in batch.subscribers[key]:
-                        request.missed[key] = MissReason.LOAD_FAILED
-                    continue
-                for request in batch.subscribers[key]:
-                    if not request.done:
-                        request.locked[key] = placement
-                        request.tier[key] = result.adapter
-        return touched
 
     def _expire(self, now: float) -> None:
         while self._deadlines and self._deadlines[0][0] <= now:
@@ -526,7 +427,7 @@ class PrefetchController:
         else:
             reason = request.miss_reason(hit)
         result = LookupResult(hit, placements, dict(tiers), temporary, reason)
-        if not request.handle._set(result):
+        if not request.handle.deliver(result):
             self._counters.add("abandoned")  # the caller stopped waiting: nobody reads these
             self._l1.finish_read(list(placements))
             return
@@ -552,15 +453,14 @@ class PrefetchController:
         return any(r is request for r, *_ in self._budget_wait)
 
     def _unlock(self, name: str, keys: set[ObjectKey]) -> None:
-        if keys:
-            self._adapters[name].unlock(list(keys))
+        self._loads.unlock(name, keys)
 
     def _set_gauges(self) -> None:
         self._counters.set(
             active_requests=len(self._active),
             backlog_requests=len(self._backlog),
-            inflight_bytes=self._inflight_bytes,
-            inflight_objects=len(self._inflight),
+            inflight_bytes=self._loads.inflight_bytes,
+            inflight_objects=len(self._loads.inflight),
         )
 
 

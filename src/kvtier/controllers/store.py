@@ -60,6 +60,7 @@ log = logging.getLogger(__name__)
 
 MiB = 1 << 20
 SUCCESS = L1Result.SUCCESS
+StoreGate = Callable[[str, ObjectKey, int], bool]  # (adapter name, key, bytes) -> may it go
 _HIT_POLICY = re.compile(r"hit_count>=(\d+)")
 TICK_S = 0.5  # how often an idle worker looks for adapters that came back
 
@@ -128,7 +129,15 @@ class _Flush:
 class StoreController:
     """Writes admitted L1 objects to L2; see the module docstring."""
 
-    def __init__(self, config: StoreConfig, l1: L1Manager, adapters: Sequence[L2Adapter]) -> None:
+    def __init__(
+        self,
+        config: StoreConfig,
+        l1: L1Manager,
+        adapters: Sequence[L2Adapter],
+        gate: StoreGate | None = None,
+    ) -> None:
+        """``gate``: whether an object may go to an adapter (adapter name,
+        key, bytes), asked on this controller's thread; None lets all go."""
         self.config = config
         self._l1 = l1
         self._adapters = list(adapters)
@@ -149,9 +158,7 @@ class StoreController:
         self._counters = Counters()
         self._failures = FailureLog(log, self._counters)
         self._stopping = False
-        # Set before stores start: whether an object may go to an adapter
-        # (adapter name, key, bytes); the server's per-tenant L2 quotas.
-        self.gate: Callable[[str, ObjectKey, int], bool] | None = None
+        self._gate = gate
         self._thread = threading.Thread(target=self._run, name="kvtier-store", daemon=True)
         self._thread.start()
 
@@ -376,9 +383,9 @@ class StoreController:
 
     def _gated(self, adapter: L2Adapter, fenced: list[tuple[ObjectKey, Placement]]) -> list[int]:
         """The batch's objects ``gate`` lets go to ``adapter`` (indices)."""
-        if self.gate is None:
+        if self._gate is None:
             return list(range(len(fenced)))
-        chosen = [i for i, (k, p) in enumerate(fenced) if self.gate(adapter.name, k, p.size)]
+        chosen = [i for i, (k, p) in enumerate(fenced) if self._gate(adapter.name, k, p.size)]
         self._counters.add(f"over_quota.{adapter.name}", len(fenced) - len(chosen))
         return chosen
 

@@ -19,6 +19,9 @@ of one rank, ``[num_layers][K, V][kv_heads][tokens_per_chunk][head_dim]`` in
 the model's dtype, C order. ``kv_layout`` is the one place a model's KV
 becomes a ``KVLayout``; its digest, the model's name, revision and dtype and
 the tenant salt root the chunk hashes, so any of them changing is a miss.
+The salt is hashed as its key label (``ModelIdentity.namespace``), as the
+vLLM connector and the router hash it: one salt, one namespace, whichever
+engine computed the KV.
 
 Supported: decoder-only models whose layers all hold full (or sliding-window)
 attention KV with equal K and V head sizes, at batch size 1 (Llama, Qwen2/3,
@@ -51,8 +54,8 @@ from kvtier.engine.tensors import cache_layers, dynamic_cache, object_tensor, re
 from kvtier.keys import SegmentHasher, TokenHasher
 from kvtier.layout import KVLayout
 from kvtier.protocol.client import Fill
+from kvtier.protocol.messages import prefill_rate
 from kvtier.storage import StorageManager
-from kvtier.tenancy.ledger import prefill_rate
 
 ATTENTION_LAYERS = frozenset({"full_attention", "sliding_attention"})
 

@@ -18,6 +18,10 @@ whichever engine computed its KV:
   model), then ``+`` and the fingerprint of the model's config without the
   fields that cannot change the KV (``CONFIG_NOT_IN_KV``): the same weights
   with another RoPE base compute other KV.
+- ``salt``: the tenant's salt as the engine was given it (``salt=``, a
+  request's ``cache_salt``). ``namespace`` and ``label`` each label it once
+  (``salt_label``), so the chunk hashes and the keys carry the same salt
+  label and the router, hashing the same salt, finds the same chunks.
 """
 
 from __future__ import annotations
@@ -32,7 +36,7 @@ from typing import Any
 import numpy as np
 from blake3 import blake3
 
-from kvtier.keys import Namespace
+from kvtier.keys import Namespace, NamespaceLabel, key_namespace
 from kvtier.layout import KVLayout
 
 FINGERPRINT_VALUES = 1024
@@ -59,17 +63,24 @@ class ModelIdentity:
     model: str
     revision: str = ""
     lora: str = ""
-    salt: str = ""
+    salt: str = ""  # the tenant's salt as given, never its label
 
     def namespace(self, layout: KVLayout) -> Namespace:
-        return Namespace(
-            model=self.model,
+        """The root of this engine's chunk hashes in ``layout``: ``key_namespace``
+        (which labels the salt), as the router and every engine build it."""
+        return key_namespace(
+            self.model,
             revision=self.revision,
             lora=self.lora,
             kv_dtype=layout.dtype,
             layout=layout.digest(),
             salt=self.salt,
         )
+
+    @property
+    def label(self) -> NamespaceLabel:
+        """The model and salt labels this engine's object keys carry."""
+        return NamespaceLabel.named(self.model, self.salt)
 
 
 def model_identity(

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from kvtier.engine.identity import ModelIdentity
-from kvtier.keys import ObjectKey, chunk_keys, model_label, salt_label
+from kvtier.keys import ObjectKey, chunk_keys, model_label
 from kvtier.l1 import L1Result
 from kvtier.layout import KVLayout
 from kvtier.protocol import messages as p
@@ -107,7 +107,7 @@ class ServerLink:
             layouts=(p.LayoutSpec.of(layout),),
             revision=identity.revision,
             lora=identity.lora,
-            salt=salt_label(identity.salt),  # any tenant name: the server takes labels
+            salt=identity.label.salt,  # any tenant name: the server takes labels
             auth_token=auth_token,
             **client_options,  # type: ignore[arg-type]
         )
@@ -162,7 +162,7 @@ class LocalLink:
         self.storage = storage
         self.layout = layout
         self._label = model_label(identity.model)
-        self._salt = salt_label(identity.salt)
+        self._salt = identity.label.salt
         self._locked: dict[str, list[ObjectKey | None]] = {}  # request -> its hit chunks' keys
 
     @property
@@ -194,7 +194,7 @@ class LocalLink:
         try:
             for i, placement in enumerate(placements):
                 if placement.result is L1Result.SUCCESS:
-                    fill(i, self.storage.l1.view(placement))
+                    fill(i, self.storage.view(placement))
         except BaseException:
             self.storage.abort_store(tag, fence)
             raise
@@ -210,7 +210,7 @@ class LocalLink:
         return None  # no server to tell: the caller's ShadowCheck holds the counts
 
     def pin(self, hashes: Sequence[bytes], ttl_s: float) -> int:
-        results = self.storage.l1.pin(self._keys(hashes), ttl_s)
+        results = self.storage.pin(self._keys(hashes), ttl_s)
         return sum(r is L1Result.SUCCESS for r in results)
 
     def report_usage(self, prefill_s_per_token: float, load_s: float, loaded_tokens: int) -> None:

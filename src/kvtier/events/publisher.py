@@ -1,11 +1,18 @@
 """``EventPublisher``: a node's KV events on a ZeroMQ PUB socket, with replay.
 
-One thread owns both sockets and the ``Residency`` tables. Every
-``interval_s`` it drains what the tiers reported into one batch, numbers it
-(``seq`` from 0, +1 per batch) and publishes ``(topic, seq, payload)``
-(``kvtier.events.wire``); it also keeps the last ``buffer_batches`` batches.
-With nothing to say it still publishes an empty batch every ``heartbeat_s``,
-so a subscriber can tell a quiet node from a dead stream.
+One thread owns both sockets and the ``Residency`` tables. It drains what
+the tiers reported into one batch, numbers it (``seq`` from 0, +1 per batch)
+and publishes ``(topic, seq, payload)`` (``kvtier.events.wire``); it also
+keeps the last ``buffer_batches`` batches. With nothing to say it still
+publishes an empty batch every ``heartbeat_s``, so a subscriber can tell a
+quiet node from a dead stream.
+
+The thread sleeps until there is something to do: a report (the
+``Residency.on_report`` hook writes a byte to a pipe, only while the thread
+sleeps with nothing logged, so a busy node pays no system call per report),
+a replay request, the next heartbeat, or ``close()``. After a batch it waits
+``interval_s`` before draining again, so reports that come close together
+share a batch. A node at rest wakes once per ``heartbeat_s``.
 
 The replay socket (ROUTER) speaks vLLM's protocol: a request is
 ``[b"", start_seq as 8 bytes]`` (a REQ socket's envelope, or a DEALER's that
@@ -27,7 +34,10 @@ one, however short either ran.
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import math
+import os
 import secrets
 import threading
 import time
@@ -82,9 +92,16 @@ class EventsConfig:
 
 class EventPublisher:
     """See the module docstring. ``residency`` is filled by the tiers;
-    ``close()`` publishes what is still logged, then stops."""
+    ``close()`` publishes what is still logged, then stops. ``context``: the
+    ZeroMQ context for the sockets (the server shares its own, so the process
+    runs one pair of libzmq threads); None: the process-wide instance."""
 
-    def __init__(self, config: EventsConfig, residency: Residency) -> None:
+    def __init__(
+        self,
+        config: EventsConfig,
+        residency: Residency,
+        context: zmq.Context[zmq.Socket[bytes]] | None = None,
+    ) -> None:
         self.config = config
         self.residency = residency
         self.counters = Counters()
@@ -93,7 +110,7 @@ class EventPublisher:
         self._next_seq = 0
         self.epoch = secrets.randbits(63)  # this run's, in every batch (wire.EventBatch.epoch)
         self._first: list[Event] = [AllBlocksCleared()]
-        self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
+        self._ctx: zmq.Context[zmq.Socket[bytes]] = context or zmq.Context.instance()
         self._pub = self._ctx.socket(zmq.PUB)
         self._pub.setsockopt(zmq.SNDHWM, config.hwm)
         self._pub.setsockopt(zmq.LINGER, 0)
@@ -119,15 +136,31 @@ class EventPublisher:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._chunk_counts: dict[str, int] = {}  # tier -> chunks, as of the last batch
+        # The thread sleeps on this pipe too: a report (while ``_armed``) or close() writes.
+        self._wake_read, self._wake_write = os.pipe()
+        os.set_blocking(self._wake_read, False)
+        os.set_blocking(self._wake_write, False)
+        self._armed = False  # the thread sleeps with nothing logged: a report wakes it
+        self._wake_lock = threading.Lock()  # no byte for a closed (or reused) pipe
+        self._closed = False
 
     def start(self) -> None:
+        self.residency.on_report = self._reported
         self._thread = threading.Thread(target=self._run, name="kvtier-events", daemon=True)
         self._thread.start()
 
     def close(self) -> None:
         self._stop.set()
+        self._wake()
         if self._thread is not None:
             self._thread.join(timeout=5.0)
+        self.residency.on_report = None
+        with self._wake_lock:
+            if self._closed:
+                return
+            self._closed = True
+            os.close(self._wake_read)
+            os.close(self._wake_write)
         self._close_sockets()
 
     def status(self) -> dict[str, object]:
@@ -148,6 +181,7 @@ class EventPublisher:
         poller = zmq.Poller()
         if self._replay is not None:
             poller.register(self._replay, zmq.POLLIN)
+        poller.register(self._wake_read, zmq.POLLIN)
         last = 0.0
         while True:
             stopping = self._stop.is_set()
@@ -164,16 +198,46 @@ class EventPublisher:
                     }
                 if stopping:
                     return
-                for _sock, _ in poller.poll(int(self.config.interval_s * 1000) or 1):
-                    self._serve_replay()
-                if not poller.sockets:
-                    self._stop.wait(self.config.interval_s)
+                self._sleep(poller, bool(events), last)
             except Exception:
                 self.counters.add("errors", 1)
                 log.exception("events: publishing failed; going on")
                 self._stop.wait(self.config.interval_s)
                 if stopping:
                     return
+
+    def _sleep(self, poller: zmq.Poller, busy: bool, last: float) -> None:
+        """Until the next heartbeat, a replay request or close(); and, when
+        not ``busy`` (the last drain found nothing), a report. A busy thread
+        gathers reports for ``interval_s`` before it drains again."""
+        timeout = max(0.0, last + self.config.heartbeat_s - time.monotonic())
+        if busy:
+            timeout = min(timeout, self.config.interval_s)
+        else:
+            self._armed = True  # from now on a report writes to the pipe
+            if self.residency.pending():  # one came before the flag was up
+                self._armed = False
+                return
+        try:
+            for sock, _ in poller.poll(math.ceil(timeout * 1000)):
+                if sock is self._replay:
+                    self._serve_replay()
+        finally:
+            self._armed = False
+            with contextlib.suppress(BlockingIOError):
+                while os.read(self._wake_read, 4096):
+                    pass
+
+    def _reported(self) -> None:
+        """``Residency.on_report``, on a tier's thread: wake the thread if it sleeps."""
+        if self._armed:
+            self._wake()
+
+    def _wake(self) -> None:
+        with self._wake_lock, contextlib.suppress(BlockingIOError):  # full: it is awake
+            if not self._closed:
+                self._armed = False  # one byte per sleep is enough
+                os.write(self._wake_write, b"\0")
 
     def _publish(self, events: list[Event]) -> None:
         seq = self._next_seq

@@ -31,7 +31,7 @@ when it asks to replay history the publisher no longer buffers.
 from __future__ import annotations
 
 from collections import OrderedDict, deque
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 from kvtier.events.wire import (
@@ -91,22 +91,32 @@ L1_TIER = Tier("L1")
 
 class Residency:
     """See the module docstring. ``added``/``removed`` from any thread (a
-    deque's append is atomic); everything else from the publisher's thread."""
+    deque's append is atomic); everything else from the publisher's thread.
+    ``on_report``, when set (by the publisher), is called after each report is
+    logged, on the reporting thread: it must be cheap and never raise."""
 
     def __init__(self, block_size: int) -> None:
         self.block_size = block_size
         self._log: deque[tuple[bool, Tier, Sequence[ObjectKey]]] = deque()
         self._tiers: dict[Tier, _TierTable] = {}
+        self.on_report: Callable[[], None] | None = None
 
     # ----------------------------------------------------------- from tiers
 
     def added(self, tier: Tier, keys: Sequence[ObjectKey]) -> None:
         if keys:
             self._log.append((True, tier, keys))
+            self._reported()
 
     def removed(self, tier: Tier, keys: Sequence[ObjectKey]) -> None:
         if keys:
             self._log.append((False, tier, keys))
+            self._reported()
+
+    def _reported(self) -> None:
+        notify = self.on_report
+        if notify is not None:
+            notify()
 
     # ---------------------------------------------------- publisher's thread
 

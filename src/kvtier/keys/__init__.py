@@ -1,4 +1,4 @@
-"""Keys: namespaces, chunk hashes and object keys (see ``hasher`` for the spec)."""
+"""Keys: namespaces, chunk hashes, labels and object keys (see ``hasher`` for the spec)."""
 
 from kvtier.keys.hasher import (
     HASH_BYTES,
@@ -7,15 +7,15 @@ from kvtier.keys.hasher import (
     root_hash,
     token_array,
 )
-from kvtier.keys.namespace import Namespace
-from kvtier.keys.object_key import (
-    ObjectKey,
-    chunk_keys,
+from kvtier.keys.label import (
+    NamespaceLabel,
     given_salt_label,
     is_salt_label,
     model_label,
     salt_label,
 )
+from kvtier.keys.namespace import Namespace, key_namespace
+from kvtier.keys.object_key import ObjectKey, chunk_keys
 from kvtier.keys.segments import SegmentHasher
 from kvtier.keys.selector import KeySelector
 
@@ -24,12 +24,14 @@ __all__ = [
     "ChunkHashStream",
     "KeySelector",
     "Namespace",
+    "NamespaceLabel",
     "ObjectKey",
     "SegmentHasher",
     "TokenHasher",
     "chunk_keys",
     "given_salt_label",
     "is_salt_label",
+    "key_namespace",
     "model_label",
     "root_hash",
     "salt_label",

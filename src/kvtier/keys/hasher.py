@@ -11,7 +11,7 @@ prose in ``docs/hashing.md``)::
 ``(",", ":")``, UTF-8, all six fields present. ``C`` is the chunk size in
 tokens. Only full chunks get a chain hash. A prompt's trailing partial chunk
 gets one only where a request's own KV is handed off whole (prefill to
-decode, ``kvtier.server.handoffs``)::
+decode, ``kvtier.server.handoff.table``)::
 
     tail = blake3(b"kvtier-tail-v1\x00" + h_{n-1} + tokens[n*C:] as little-endian uint32).digest()
 
@@ -21,7 +21,7 @@ Digests are 32 bytes. Token ids are integers in ``[0, 2**32)``.
 
 Because ``h_i`` folds in ``h_{i-1}``, a chunk's hash names the whole prefix up
 to and including it: the same text after another system prompt, at another
-position, or under another model or tenant has another hash (seed Q9, Q10).
+position, or under another model or tenant has another hash.
 Python's builtin ``hash()`` is salted per process and never used.
 """
 

@@ -6,11 +6,11 @@ string form is the only one used by every tier, the RPC and the router::
     {model}@{salt}@r{kv_rank}g{group}@{chunk_hash as 64 lowercase hex digits}
 
 ``model`` and ``salt`` are restricted to ``[A-Za-z0-9._-]`` so the form is a
-safe file name and remote key (no path separators, no NUL, no ``@``).
-``model_label()`` turns a Hugging Face id such as ``org/name`` into
-``org--name`` (the convention of the Hugging Face cache). The chunk hash
-already covers the whole namespace; ``model`` and ``salt`` are in the key so
-that a tier can list or drop one model's or one tenant's objects.
+safe file name and remote key (no path separators, no NUL, no ``@``): they
+are labels (``kvtier.keys.label``), and ``{model}@{salt}`` is the text form
+of the key's ``NamespaceLabel``. The chunk hash already covers the whole
+namespace; ``model`` and ``salt`` are in the key so that a tier can list or
+drop one model's or one tenant's objects.
 """
 
 from __future__ import annotations
@@ -19,78 +19,19 @@ import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from blake3 import blake3
-
 from kvtier.keys.hasher import HASH_BYTES
+from kvtier.keys.label import MAX_MODEL_CHARS, MAX_SALT_CHARS, SEP, check_label
 
-MAX_MODEL_CHARS = 128
-MAX_SALT_CHARS = 64
 MAX_RANK = 1 << 16
 MAX_GROUP = 1 << 16
-_SAFE = re.compile(r"[A-Za-z0-9._-]*")
-_SEP = "@"
 _HEX_DIGEST = re.compile(f"[0-9a-f]{{{2 * HASH_BYTES}}}")
 _PLACEMENT = re.compile(r"r(\d{1,5})g(\d{1,5})")
-_HASHED_SALT = re.compile(r"s-[0-9a-f]{32}")
-
-
-def model_label(model: str) -> str:
-    """A model name made safe for ``ObjectKey.model``: ``/`` becomes ``--``
-    (the Hugging Face cache's convention); a name that is still too long or
-    not key-safe (a local path with a space or a ``+``) becomes ``m-`` and 32
-    hex digits of its blake3. A label is its own label (engines send labels,
-    and the server labels what it is sent), so two labels may coincide: the
-    label is for people and listings, the chunk hash covers the full name."""
-    label = model.replace("/", "--")
-    if 0 < len(label) <= MAX_MODEL_CHARS and _SAFE.fullmatch(label):
-        return label
-    return "m-" + blake3(model.encode()).hexdigest(length=16)
-
-
-def salt_label(salt: str) -> str:
-    """A tenant salt made safe for ``ObjectKey.salt``: kept when it already is
-    safe, else ``s-`` and 32 hex digits of its blake3. A safe salt that has
-    that very form is hashed too, so a kept salt never looks like a hashed
-    one and distinct salts always get distinct labels (short of a blake3
-    collision). Apply it once: a label is not a fixed point."""
-    if len(salt) <= MAX_SALT_CHARS and _SAFE.fullmatch(salt) and not _HASHED_SALT.fullmatch(salt):
-        return salt
-    return "s-" + blake3(salt.encode()).hexdigest(length=16)
-
-
-def is_salt_label(text: str) -> bool:
-    """Whether ``text`` can be an ``ObjectKey.salt``: ``salt_label``'s
-    answer for some salt (a kept safe salt, or ``s-`` and 32 hex digits)."""
-    return len(text) <= MAX_SALT_CHARS and _SAFE.fullmatch(text) is not None
-
-
-def given_salt_label(salt: str) -> str:
-    """The label of a salt as an operator names it: a salt label (as
-    listings show it) is kept, anything else is labelled (``salt_label``),
-    so both the label and a tenants file's own spelling name one namespace.
-    A salt that has itself the form ``s-`` and 32 hex digits is read as a
-    label: name such a salt's namespace by its label or by its tenant."""
-    return salt if is_salt_label(salt) else salt_label(salt)
 
 
 def key_hash(chunk_hash: bytes, kv_rank: int, group: int) -> int:
     """``ObjectKey``'s hash (computed once per key; ``chunk_keys`` builds keys
     without ``__post_init__`` and uses this too)."""
     return hash(chunk_hash) ^ (kv_rank * 0x9E3779B1 + group)
-
-
-def _check_label(field: str, value: object, limit: int, *, empty_ok: bool) -> None:
-    if not isinstance(value, str):
-        raise TypeError(f"ObjectKey.{field} must be a str, got {type(value).__name__}")
-    if not value and not empty_ok:
-        raise ValueError(f"ObjectKey.{field} must not be empty")
-    if len(value) > limit:
-        raise ValueError(f"ObjectKey.{field} is {len(value)} characters; the limit is {limit}")
-    if _SAFE.fullmatch(value) is None:
-        raise ValueError(
-            f"ObjectKey.{field} {value!r} may only use letters, digits, '.', '_' and '-' "
-            "(no path separators, NUL or '@'); for a model id use model_label()"
-        )
 
 
 def _check_index(field: str, value: object, limit: int) -> None:
@@ -126,8 +67,8 @@ class ObjectKey:
                 f"ObjectKey.chunk_hash is {len(self.chunk_hash)} bytes; "
                 f"it must be a {HASH_BYTES}-byte chunk hash"
             )
-        _check_label("model", self.model, MAX_MODEL_CHARS, empty_ok=False)
-        _check_label("salt", self.salt, MAX_SALT_CHARS, empty_ok=True)
+        check_label("ObjectKey.model", self.model, MAX_MODEL_CHARS, empty_ok=False)
+        check_label("ObjectKey.salt", self.salt, MAX_SALT_CHARS, empty_ok=True)
         _check_index("kv_rank", self.kv_rank, MAX_RANK)
         _check_index("group", self.group, MAX_GROUP)
         object.__setattr__(self, "_hash", key_hash(self.chunk_hash, self.kv_rank, self.group))
@@ -149,14 +90,14 @@ class ObjectKey:
     def to_str(self) -> str:
         """The one string form (see the module docstring)."""
         return (
-            f"{self.model}{_SEP}{self.salt}{_SEP}r{self.kv_rank}g{self.group}"
-            f"{_SEP}{self.chunk_hash.hex()}"
+            f"{self.model}{SEP}{self.salt}{SEP}r{self.kv_rank}g{self.group}"
+            f"{SEP}{self.chunk_hash.hex()}"
         )
 
     @classmethod
     def from_str(cls, text: str) -> ObjectKey:
         """Parse ``to_str()``'s form; ValueError says which part is wrong."""
-        parts = text.split(_SEP)
+        parts = text.split(SEP)
         if len(parts) != 4:
             raise ValueError(f"object key {text!r} must have 4 '@'-separated parts")
         model, salt, placement, digest = parts

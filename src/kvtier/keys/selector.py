@@ -13,7 +13,8 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from kvtier.keys.object_key import ObjectKey, given_salt_label, is_salt_label, model_label
+from kvtier.keys.label import SEP, NamespaceLabel, given_salt_label, is_salt_label, model_label
+from kvtier.keys.object_key import ObjectKey
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,23 +53,28 @@ class KeySelector:
         """The key-string prefix every match starts with ("" without a model)."""
         if self.model is None:
             return ""
-        return f"{self.model}@" + ("" if self.salt is None else f"{self.salt}@")
+        if self.salt is None:
+            return f"{self.model}{SEP}"
+        return f"{NamespaceLabel(self.model, self.salt)}{SEP}"
 
     def glob(self) -> str:
         """A glob over key strings (Redis MATCH); labels hold no glob characters."""
-        model = "*" if self.model is None else self.model
-        salt = "*" if self.salt is None else self.salt
-        return f"{model}@{salt}@*"
+        return f"{self.name()}{SEP}*"
 
     def regex(self, prefix: str = "") -> str:
         """An anchored regular expression over ``prefix`` + key strings (a
         store's own names, e.g. Mooncake's ``remove_by_regex``)."""
-        model = "[^@]*" if self.model is None else _escape(self.model)
-        salt = "[^@]*" if self.salt is None else _escape(self.salt)
-        return f"^{_escape(prefix)}{model}@{salt}@.*$"
+        any_label = f"[^{SEP}]*"
+        model = any_label if self.model is None else _escape(self.model)
+        salt = any_label if self.salt is None else _escape(self.salt)
+        return f"^{_escape(prefix)}{model}{SEP}{salt}{SEP}.*$"
 
     def name(self) -> str:
-        return f"{self.model or '*'}@{'*' if self.salt is None else self.salt}"
+        """The text form of the namespace named (``NamespaceLabel``), with
+        ``*`` for a label left open: ``m@*``, ``*@s``."""
+        model = "*" if self.model is None else self.model
+        salt = "*" if self.salt is None else self.salt
+        return f"{model}{SEP}{salt}"
 
 
 def _escape(text: str) -> str:

@@ -36,16 +36,12 @@ from __future__ import annotations
 import enum
 import struct
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import numpy as np
 import numpy.typing as npt
 import xxhash
 
 from kvtier.keys import ObjectKey
-
-if TYPE_CHECKING:
-    from kvtier.l2.payload_codec import PayloadCodec
 
 MAGIC = b"KVTO"
 VERSION = 1
@@ -195,50 +191,13 @@ def verify_payload(header: Header, payload: Payload) -> None:
     stored as it is (a coded copy, ``Corruption.CODEC``, is not the KV)."""
     if header.codec:
         raise CorruptObject(Corruption.CODEC, f"codec {header.codec} where none is read")
-    _verify_stored(header, payload)
+    verify_stored(header, payload)
 
 
-def _verify_stored(header: Header, payload: Payload) -> None:
+def verify_stored(header: Header, payload: Payload) -> None:
     """Check length and checksum of the stored bytes (coded or not)."""
     size = payload.nbytes
     if size != header.payload_len:
         raise CorruptObject(Corruption.LENGTH, f"{size} != {header.payload_len}")
     if checksum(payload) != header.checksum:
         raise CorruptObject(Corruption.CHECKSUM)
-
-
-def encode_object(
-    key: ObjectKey, layout: str, payload: Payload, codec: PayloadCodec | None = None
-) -> bytes:
-    """Header and stored payload in one value (for stores whose client wants
-    one value); ``codec`` encodes the payload, if given."""
-    ident, stored = (0, payload) if codec is None else codec.encode(layout, payload)
-    header = encode_header(key, layout, stored, codec=ident, decoded_len=payload.nbytes)
-    return b"".join((header, stored.data))
-
-
-def decode_object(
-    data: bytes | memoryview,
-    key: ObjectKey,
-    layout: str,
-    out: Payload,
-    codec: PayloadCodec | None = None,
-) -> None:
-    """Check a whole stored value and write its payload into ``out``
-    (decoded by ``codec`` when it was stored with one)."""
-    header = parse_header(data, key, layout)
-    view = memoryview(data)
-    expected = header.header_len + header.payload_len
-    if len(view) < expected:
-        raise CorruptObject(Corruption.SHORT, f"{len(view)} of {expected} bytes stored")
-    if len(view) > expected:
-        raise CorruptObject(Corruption.LENGTH, f"{len(view)} bytes stored, {expected} expected")
-    if out.nbytes != header.plain_len:
-        raise CorruptObject(Corruption.LENGTH, f"reader expects {out.nbytes} bytes")
-    payload = np.frombuffer(view, dtype=np.uint8, offset=header.header_len)
-    if codec is None or header.codec == 0:
-        verify_payload(header, payload)
-        np.copyto(out, payload)
-    else:
-        _verify_stored(header, payload)
-        codec.decode(header.codec, layout, payload, out)

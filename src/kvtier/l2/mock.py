@@ -30,8 +30,9 @@ from dataclasses import dataclass
 from kvtier.keys import KeySelector, ObjectKey
 from kvtier.l2.base import AdapterConfig, Buffer, CompletionCallback, PurgeStep
 from kvtier.l2.blocking import BackendUnavailable, BlockingAdapter
-from kvtier.l2.format import CorruptObject, decode_object, encode_object
+from kvtier.l2.format import CorruptObject
 from kvtier.l2.local_index import LocalIndex
+from kvtier.l2.stored_value import decode_object, encode_object
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

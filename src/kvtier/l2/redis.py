@@ -33,10 +33,9 @@ from kvtier.l2.blocking import BackendUnavailable, BlockingAdapter
 from kvtier.l2.format import (
     Corruption,
     CorruptObject,
-    decode_object,
-    encode_object,
     stored_bound,
 )
+from kvtier.l2.stored_value import decode_object, encode_object
 
 log = logging.getLogger(__name__)
 

@@ -1,7 +1,8 @@
 """The admin HTTP endpoint of ``kvtier serve`` (127.0.0.1 by default).
 
-``GET /healthz`` (open, for liveness probes), ``GET /status`` (JSON),
-``GET /metrics`` (Prometheus text), ``POST /clear`` (drops every unlocked
+``GET /healthz`` (open, for liveness probes), ``GET /status`` (JSON: a
+``kvtier.protocol.status.ServerStatus``), ``GET /metrics`` (Prometheus text:
+its counters and gauges, ``kvtier.server.metrics``), ``POST /clear`` (drops every unlocked
 object from L1), ``POST /prefetch`` (a router's routing-time prefetch,
 ``kvtier.server.warmup``), the admin JSON API under ``/admin/``
 (``kvtier.operations.admin_api``: tenants, namespaces, pins, purges, drain,
@@ -10,26 +11,29 @@ quotas, the savings ledger), and the dashboard at ``/``
 tenants file), everything but ``/healthz`` needs ``Authorization: Bearer
 <token>`` of an admin tenant: 401 without a known token, 403 for a tenant
 without the admin role. Status and metrics come from the
-snapshot the server loop refreshes every tick, so this thread never touches
-the loop's tables.
+snapshot the server loop refreshes every tick, so a request's thread never
+touches the loop's tables; writes (``/clear``, ``/prefetch``, the admin API's
+POSTs) run on the loop (``ServerTransport.call``), a 503 when it does not
+get to them within ``LOOP_CALL_TIMEOUT_S``. The loop accepts connections
+(the listening socket is one it watches); each request runs on a thread of
+its own.
 """
 
 from __future__ import annotations
 
 import json
-import threading
-from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
+import msgspec
 from prometheus_client import generate_latest
-from prometheus_client.core import GaugeMetricFamily
-from prometheus_client.registry import Collector
 
-from kvtier.operations.admin_api import AdminAPI
+from kvtier.keys import NamespaceLabel
+from kvtier.operations.admin_api import LOOP_CALL_TIMEOUT_S, AdminAPI
 from kvtier.operations.dashboard import History
 from kvtier.operations.dashboard import page as dashboard_page
-from kvtier.server.transport import ServerTransport
+from kvtier.server.metrics import StatusCollector
+from kvtier.server.transport import LoopStopped, ServerTransport
 
 MAX_PREFETCH_BODY = 1 << 20
 MAX_ADMIN_BODY = 4 << 20
@@ -67,52 +71,17 @@ def _nesting(value: Any) -> int:
     return deepest
 
 
-class SnapshotCollector(Collector):
-    """Every number in the status snapshot, as a gauge.
-
-    ``{"storage": {"prefetch": {"hit_objects.L1": 3}}}`` becomes
-    ``kvtier_storage_prefetch_hit_objects{key="L1"} 3``: a dotted counter name
-    splits into a metric and a ``key`` label (tier, adapter, reason).
-    """
-
-    def __init__(self, transport: ServerTransport) -> None:
-        self._transport = transport
-
-    def collect(self) -> Iterator[GaugeMetricFamily]:
-        families: dict[str, GaugeMetricFamily] = {}
-        for path, value in _numbers(self._transport.snapshot, ["kvtier"]):
-            name, _, key = path.partition(".")
-            family = families.get(name)
-            if family is None:
-                family = GaugeMetricFamily(name, name.replace("_", " "), labels=["key"])
-                families[name] = family
-            family.add_metric([key], float(value))
-        yield from families.values()
-
-
-def _numbers(data: dict[str, Any], prefix: list[str]) -> Iterator[tuple[str, float]]:
-    for name, value in data.items():
-        if isinstance(value, dict):
-            yield from _numbers(value, [*prefix, _clean(name)])
-        elif isinstance(value, int | float) and not isinstance(value, bool):
-            base, dot, key = name.partition(".")
-            yield "_".join([*prefix, _clean(base)]) + (dot + key if dot else ""), value
-
-
-def _clean(name: str) -> str:
-    return "".join(c if c.isalnum() else "_" for c in name)
-
-
 class AdminHTTP:
     """Serves the admin endpoints on a daemon thread until ``close()``."""
 
     def __init__(self, transport: ServerTransport, host: str, port: int) -> None:
         registry = transport.core.metrics.registry
         tenants = transport.core.tenants
-        registry.register(SnapshotCollector(transport))
+        registry.register(StatusCollector(lambda: transport.snapshot))
         storage = transport.core.storage
         warmup = transport.core.warmup
         self.history = History(lambda: transport.snapshot)
+        transport.core.upkeep.every("dashboard", self.history.interval_s, self.history.record)
         api = AdminAPI(transport, self.history)
 
         class Handler(BaseHTTPRequestHandler):
@@ -124,7 +93,7 @@ class AdminHTTP:
                 elif not self._authorized():
                     return
                 elif self.path == "/status":
-                    body = json.dumps(transport.snapshot, default=str, indent=1).encode()
+                    body = msgspec.json.format(msgspec.json.encode(transport.snapshot), indent=1)
                     self._send(200, body, "application/json")
                 elif self.path == "/metrics":
                     self._send(200, generate_latest(registry), "text/plain; version=0.0.4")
@@ -137,8 +106,7 @@ class AdminHTTP:
                 if not self._authorized():
                     return
                 elif self.path == "/clear":
-                    cleared = storage.l1.clear()
-                    self._send(200, json.dumps({"cleared": cleared}).encode(), "application/json")
+                    self._clear()
                 elif self.path == "/prefetch":
                     self._prefetch()
                 elif self.path.startswith("/admin/"):
@@ -166,6 +134,15 @@ class AdminHTTP:
                 code, answer = api.handle(method, self.path, body)
                 self._send(code, json.dumps(answer, default=str).encode(), "application/json")
 
+            def _clear(self) -> None:
+                """Drop every unlocked object from L1 (on the loop, which owns L1's writes)."""
+                try:
+                    cleared = transport.call(storage.clear_l1, LOOP_CALL_TIMEOUT_S)
+                except (TimeoutError, LoopStopped) as exc:
+                    self._send(503, json.dumps({"error": str(exc)}).encode(), "application/json")
+                else:
+                    self._send(200, json.dumps({"cleared": cleared}).encode(), "application/json")
+
             def _prefetch(self) -> None:
                 """``{"model": label, "salt": label, "hashes": [hex, ...]}``."""
                 body = self._json_body(MAX_PREFETCH_BODY)
@@ -173,7 +150,12 @@ class AdminHTTP:
                     return
                 try:
                     hashes = [bytes.fromhex(h) for h in body["hashes"]]
-                    asked = warmup.start(str(body["model"]), str(body["salt"]), hashes)
+                    namespace = NamespaceLabel(str(body["model"]), str(body["salt"]))
+                    asked = transport.call(
+                        lambda: warmup.start(namespace, hashes), LOOP_CALL_TIMEOUT_S
+                    )
+                except (TimeoutError, LoopStopped) as exc:
+                    self._send(503, f"{exc}\n".encode(), "text/plain")
                 except KeyError as exc:
                     self._send(400, f"bad prefetch request: no {exc}\n".encode(), "text/plain")
                 except LookupError as exc:
@@ -217,10 +199,12 @@ class AdminHTTP:
 
         self._server = ThreadingHTTPServer((host, port), Handler)
         self.port = self._server.server_address[1]
-        self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)
-        self._thread.start()
+        # No thread waits on the listening socket: the server loop accepts when
+        # it is readable (timeout 0: never wait there) and each request gets a
+        # thread of its own, which ends with it.
+        self._server.timeout = 0
+        transport.watch(self._server.fileno(), self._server.handle_request)
 
     def close(self) -> None:
-        self._server.shutdown()
+        """After the server loop has stopped: wait for requests in progress."""
         self._server.server_close()
-        self.history.close()

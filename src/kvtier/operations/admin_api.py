@@ -2,10 +2,12 @@
 
 Every call needs an admin tenant's token (``AdminHTTP`` checks it). Bodies
 and answers are JSON; a bad request is a 400 whose ``error`` says what to
-change, an unknown tenant or namespace a 404. The handlers run on the admin
-HTTP thread: they touch only what is thread-safe (the tenants table, L1,
-the adapters, the purger, the warm-up registry, the status snapshot, and
-single lookups in the hand-off table).
+change, an unknown tenant or namespace a 404. GET handlers run on the
+request's thread and read only what is thread-safe (the status snapshot,
+the tenants table, L1's and the adapters' listings, the purger's jobs);
+POST handlers change the server's state, so they run on the server loop
+(``ServerTransport.call``), between two requests: a 503 says when the loop
+did not get to one within ``LOOP_CALL_TIMEOUT_S``.
 
 ======================  ==================================================
 ``GET  /admin/status``  uptime, draining, L1 use, tenants, running purges
@@ -31,10 +33,12 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from kvtier.keys import KeySelector, given_salt_label, model_label
+from kvtier.keys import KeySelector, NamespaceLabel
 from kvtier.l1 import L1Result
 from kvtier.l1.quotas import OwnerLimit
 from kvtier.operations.dashboard import History, totals
+from kvtier.server.transport import LoopStopped
+from kvtier.storage import L1
 from kvtier.tenancy.tenants import ANY_SALT
 from kvtier.units import parse_size
 
@@ -44,6 +48,9 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 Answer = tuple[int, dict[str, Any]]
 MAX_BYTES = (1 << 63) - 1  # a size every store, metric and JSON reader can hold
+# How long a write waits for the server loop: it runs between two requests,
+# so only a stuck loop (or an L1 clear or quota change that evicts a lot) nears it.
+LOOP_CALL_TIMEOUT_S = 30.0
 
 
 class BadRequest(ValueError):
@@ -85,11 +92,15 @@ class AdminAPI:
             known = sorted({p for _, p in self.routes})
             return 404, {"error": f"no {method} {path}; the admin API has {known}"}
         try:
+            if method == "POST":  # a write: on the loop that owns the state
+                return 200, self.transport.call(lambda: route(body), LOOP_CALL_TIMEOUT_S)
             return 200, route(body)
         except BadRequest as exc:
             return 400, {"error": str(exc)}
         except NotFound as exc:
             return 404, {"error": str(exc)}
+        except (TimeoutError, LoopStopped) as exc:
+            return 503, {"error": f"{method} {path}: {exc}"}
         except Exception:
             log.exception("admin: %s %s failed", method, path)
             return 500, {"error": f"{method} {path} failed inside the server (see its log)"}
@@ -98,19 +109,19 @@ class AdminAPI:
 
     def status(self, body: dict[str, Any]) -> dict[str, Any]:
         snapshot = self.transport.snapshot
-        l1 = self.core.storage.l1.status()
+        l1 = self.core.storage.l1_status()
         return {
-            "boot_id": snapshot.get("boot_id"),
-            "uptime_s": snapshot.get("uptime_s"),
+            "boot_id": snapshot.boot_id,
+            "uptime_s": snapshot.uptime_s,
             "draining": self.core.draining,
-            "clients": snapshot.get("clients"),
+            "clients": snapshot.clients,
             "l1": {k: l1[k] for k in ("capacity_bytes", "used_bytes", "resident_objects")},
             "tenants": sorted(self.core.tenants.tenants),
             "purges_running": sum(j["state"] == "running" for j in self.core.purger.jobs()),
         }
 
     def tenants(self, body: dict[str, Any]) -> dict[str, Any]:
-        usage = self.core.storage.l1.owner_usage()
+        usage = self.core.storage.owner_usage()
         l2 = self.core.l2_usage.by_tenant()
         out = []
         for tenant in self.core.tenants.tenants.values():
@@ -123,7 +134,7 @@ class AdminAPI:
                     "admin": tenant.admin,
                     "tokens": len(tenant.digests),
                     "quota": dataclasses.asdict(tenant.quota)
-                    | {"l1": dataclasses.asdict(self.core.storage.l1.limit(tenant.name))},
+                    | {"l1": dataclasses.asdict(self.core.storage.owner_limit(tenant.name))},
                     "usage": {
                         "L1": used["bytes"],
                         "L1_pinned": used["pinned_bytes"],
@@ -137,29 +148,25 @@ class AdminAPI:
         """Objects and bytes per namespace (model@salt) and tier: L1 and the
         node-local adapters from what they hold, shared stores from what this
         server wrote there (others may have written more)."""
-        table: dict[str, dict[str, dict[str, int]]] = {}
+        table: dict[NamespaceLabel, dict[str, dict[str, int]]] = {}
 
-        def add(tier: str, model: str, salt: str, size: int) -> None:
-            entry = table.setdefault(f"{model}@{salt}", {}).setdefault(
-                tier, {"objects": 0, "bytes": 0}
-            )
+        def add(tier: str, namespace: NamespaceLabel, size: int) -> None:
+            entry = table.setdefault(namespace, {}).setdefault(tier, {"objects": 0, "bytes": 0})
             entry["objects"] += 1
             entry["bytes"] += size
 
-        for key, size in self.core.storage.l1.resident_sizes():
-            add("L1", key.model, key.salt, size)
-        for adapter in self.core.storage.adapters:
-            for key, size in adapter.held_sizes():
-                add(adapter.name, key.model, key.salt, size)
-        for (model, salt, tier), (objects, size) in self.core.l2_usage.written().items():
-            if tier not in table.get(f"{model}@{salt}", {}):
-                entry = table.setdefault(f"{model}@{salt}", {})
+        for tier in self.core.storage.tiers():
+            for key, size in self.core.storage.held_sizes(tier):
+                add(tier, NamespaceLabel.of_key(key), size)
+        for (namespace, tier), (objects, size) in self.core.l2_usage.written().items():
+            if tier not in table.get(namespace, {}):
+                entry = table.setdefault(namespace, {})
                 entry[tier] = {"objects": objects, "bytes": size, "written_here": 1}
         tenants = self.core.tenants
         return {
             "namespaces": [
-                {"namespace": name, "tenant": tenants.tenant_of(name.split("@")[1]), "tiers": tiers}
-                for name, tiers in sorted(table.items())
+                {"namespace": str(name), "tenant": tenants.tenant_of(name.salt), "tiers": tiers}
+                for name, tiers in sorted(table.items(), key=lambda item: str(item[0]))
             ]
         }
 
@@ -179,16 +186,16 @@ class AdminAPI:
         taken, top = self._top
         if time.monotonic() - taken < every_s:
             return top
-        table: dict[str, list[int]] = {}
-        for key, size in self.core.storage.l1.resident_sizes():
-            entry = table.setdefault(f"{key.model}@{key.salt}", [0, 0])
+        table: dict[NamespaceLabel, list[int]] = {}
+        for key, size in self.core.storage.held_sizes(L1):
+            entry = table.setdefault(NamespaceLabel.of_key(key), [0, 0])
             entry[0] += 1
             entry[1] += size
         ranked = sorted(table.items(), key=lambda item: -item[1][1])[:count]
         top = [
             {
-                "namespace": name,
-                "tenant": self.core.tenants.tenant_of(name.split("@")[1]),
+                "namespace": str(name),
+                "tenant": self.core.tenants.tenant_of(name.salt),
                 "objects": objects,
                 "bytes": nbytes,
             }
@@ -221,21 +228,21 @@ class AdminAPI:
         return self._pin(body, 0.0)
 
     def _pin(self, body: dict[str, Any], ttl_s: float) -> dict[str, Any]:
-        model, salt = model_label(_text(body, "model")), given_salt_label(_text(body, "salt", ""))
+        namespace = NamespaceLabel.given(_text(body, "model"), _text(body, "salt", ""))
         hashes = body.get("hashes")
         if not isinstance(hashes, list) or not all(isinstance(h, str) for h in hashes):
             raise BadRequest("give 'hashes': a list of chunk hashes in hex")
         try:
-            keys = self.core.warmup.keys(model, salt, [bytes.fromhex(h) for h in hashes])
+            keys = self.core.warmup.keys(namespace, [bytes.fromhex(h) for h in hashes])
         except LookupError as exc:
             raise NotFound(str(exc)) from None
         except ValueError as exc:
             raise BadRequest(str(exc)) from None
-        results = self.core.storage.l1.pin(keys, ttl_s)
+        results = self.core.storage.pin(keys, ttl_s)
         counts = {r.value: sum(x is r for x in results) for r in L1Result if r in results}
         if L1Result.OVER_QUOTA in results:
-            owner = self.core.tenants.tenant_of(salt)
-            cap = self.core.storage.l1.limit(owner).pins
+            owner = self.core.tenants.tenant_of(namespace.salt)
+            cap = self.core.storage.owner_limit(owner).pins
             counts["cap_bytes"] = cap if cap is not None else -1
         return {"objects": len(keys), "results": counts}
 
@@ -270,14 +277,14 @@ class AdminAPI:
         name = _text(body, "tenant")
         if name not in self.core.tenants.tenants:
             raise NotFound(f"no tenant {name!r}; see GET /admin/tenants")
-        l1 = self.core.storage.l1
-        current = l1.limit(name)
+        storage = self.core.storage
+        current = storage.owner_limit(name)
         fields = (("soft", "l1_bytes"), ("hard", "l1_hard_bytes"), ("pins", "pin_bytes"))
         values = {f: _size(body, key) if key in body else getattr(current, f) for f, key in fields}
         limit = OwnerLimit(**values)
         if limit.soft is not None and limit.hard is not None and limit.hard < limit.soft:
             raise BadRequest(f"l1_hard_bytes ({limit.hard}) is below l1_bytes ({limit.soft})")
-        freed = l1.set_limit(name, limit)
+        freed = storage.set_owner_limit(name, limit)
         if freed:
             log.warning(
                 "admin: tenant %s's L1 quota is below its use: %d bytes evicted", name, freed

@@ -1,8 +1,8 @@
 """The operator's dashboard: a page at ``/`` on the admin port, fed by
 ``GET /admin/dashboard``.
 
-``History`` samples the server's status snapshot every ``interval_s`` (on a
-thread of its own, the last ``keep`` samples) into the series the page
+``History`` samples the server's status snapshot every ``interval_s`` (on the
+server loop's upkeep clock, the last ``keep`` samples) into the series the page
 draws: hit ratio by tier (hit tokens of each tier / tokens looked up, per
 interval), bytes in and out per tier per second (L1: engines' stores and L2
 loads in, reads by engines and write-backs out; each L2 adapter: written
@@ -25,51 +25,57 @@ from collections.abc import Callable
 from importlib import resources
 from typing import Any
 
-Snapshot = dict[str, Any]
+from kvtier.protocol.status import ServerStatus
+
+Snapshot = ServerStatus
 
 
 def page() -> bytes:
     return resources.files("kvtier.operations").joinpath("dashboard.html").read_bytes()
 
 
-def _prefixed(counters: dict[str, Any], prefix: str) -> dict[str, float]:
-    return {
-        k[len(prefix) :]: float(v)
-        for k, v in counters.items()
-        if k.startswith(prefix) and isinstance(v, int | float)
-    }
-
-
-def sample(snapshot: Snapshot, now: float) -> dict[str, Any]:
-    """The cumulative numbers one sample keeps (deltas are taken at read)."""
-    server = snapshot.get("server", {})
-    storage = snapshot.get("storage", {})
-    l1 = storage.get("l1", {})
-    store = storage.get("store", {})
-    prefetch = storage.get("prefetch", {})
-    written = _prefixed(store, "stored_bytes.")
-    loaded = _prefixed(prefetch, "loaded_bytes.")
+def sample(snapshot: Snapshot | None, now: float) -> dict[str, Any]:
+    """The cumulative numbers one sample keeps (deltas are taken at read);
+    all zero without a snapshot."""
+    if snapshot is None:
+        return {
+            "t": now,
+            "hit_tokens": {},
+            "lookup_tokens": 0.0,
+            "flows": {},
+            "l1_used": 0.0,
+            "l1_staging": 0.0,
+            "l1_capacity": 0.0,
+            "errors": {},
+        }
+    server, storage = snapshot.server, snapshot.storage
+    written = storage.store.stored_bytes
+    loaded = storage.prefetch.loaded_bytes
     flows = {
-        "L1 in": float(server.get("stored_bytes", 0)) + sum(loaded.values()),
-        "L1 out": float(server.get("retrieved_bytes", 0)) + sum(written.values()),
+        "L1 in": float(server.stored_bytes + sum(loaded.values())),
+        "L1 out": float(server.retrieved_bytes + sum(written.values())),
     }
     for adapter in sorted(set(written) | set(loaded)):
-        flows[f"{adapter} in"] = written.get(adapter, 0.0)
-        flows[f"{adapter} out"] = loaded.get(adapter, 0.0)
+        flows[f"{adapter} in"] = float(written.get(adapter, 0))
+        flows[f"{adapter} out"] = float(loaded.get(adapter, 0))
     return {
         "t": now,
-        "hit_tokens": _prefixed(server, "hit_tokens."),
-        "lookup_tokens": float(server.get("lookup_tokens", 0)),
+        "hit_tokens": {tier: float(n) for tier, n in server.hit_tokens.items()},
+        "lookup_tokens": float(server.lookup_tokens),
         "flows": flows,
-        "l1_used": float(l1.get("used_bytes", 0)),
-        "l1_staging": float(l1.get("staging_bytes", 0)),
-        "l1_capacity": float(l1.get("capacity_bytes", 0)),
-        "errors": _prefixed(server, "errors."),
+        "l1_used": float(storage.l1.used_bytes),
+        "l1_staging": float(storage.l1.staging_bytes),
+        "l1_capacity": float(storage.l1.capacity_bytes),
+        "errors": {code: float(n) for code, n in server.errors.items()},
     }
 
 
 class History:
-    """The last ``keep`` samples of ``snapshot()``; see the module docstring."""
+    """The last ``keep`` samples of ``snapshot()``; see the module docstring.
+
+    ``record()`` takes one sample: the server calls it every ``interval_s``
+    on its loop's upkeep clock (``kvtier.server.upkeep``); ``series()`` is
+    read from the admin HTTP threads. One lock guards the samples."""
 
     def __init__(
         self,
@@ -81,9 +87,14 @@ class History:
         self.interval_s = interval_s
         self._samples: deque[dict[str, Any]] = deque(maxlen=keep)
         self._lock = threading.Lock()
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="kvtier-dashboard", daemon=True)
-        self._thread.start()
+
+    def record(self) -> None:
+        """Sample the snapshot now (nothing while it is empty)."""
+        snapshot = self._snapshot()
+        if snapshot:
+            entry = sample(snapshot, time.time())
+            with self._lock:
+                self._samples.append(entry)
 
     def series(self) -> dict[str, Any]:
         """Per interval: time, hit ratio by tier, bytes/s per flow; and L1."""
@@ -103,40 +114,29 @@ class History:
                 out["flows"].setdefault(flow, [0.0] * n).append(moved / dt)
             for name in ("l1_used", "l1_staging"):
                 out["l1"].setdefault(name, []).append(after[name])
-        last = samples[-1] if samples else sample({}, time.time())
+        last = samples[-1] if samples else sample(None, time.time())
         out["l1_capacity"] = last["l1_capacity"]
         out["errors"] = last["errors"]
         return out
 
-    def close(self) -> None:
-        self._stop.set()
-        self._thread.join(timeout=5)
-
-    def _run(self) -> None:
-        while True:
-            snapshot = self._snapshot()
-            if snapshot:
-                with self._lock:
-                    self._samples.append(sample(snapshot, time.time()))
-            if self._stop.wait(self.interval_s):
-                return
-
 
 def totals(snapshot: Snapshot) -> dict[str, float]:
     """The numbers the page shows as they are, each one ``/metrics`` reports
-    too (the name it has there is the key)."""
-    server = snapshot.get("server", {})
-    l1 = snapshot.get("storage", {}).get("l1", {})
+    too (its sample there, labels and all, is the key)."""
+    server, l1 = snapshot.server, snapshot.storage.l1
     out = {
-        f'kvtier_server_hit_tokens{{key="{tier}"}}': value
-        for tier, value in _prefixed(server, "hit_tokens.").items()
+        f'kvtier_server_hit_tokens_total{{tier="{tier}"}}': float(n)
+        for tier, n in server.hit_tokens.items()
     }
-    out["kvtier_server_lookup_tokens"] = float(server.get("lookup_tokens", 0))
-    out["kvtier_server_lookups"] = float(server.get("lookups", 0))
-    out["kvtier_storage_l1_used_bytes"] = float(l1.get("used_bytes", 0))
-    out["kvtier_storage_l1_resident_objects"] = float(l1.get("resident_objects", 0))
-    for code, value in _prefixed(server, "errors.").items():
-        out[f'kvtier_server_errors{{key="{code}"}}'] = value
+    out["kvtier_server_lookup_tokens_total"] = float(server.lookup_tokens)
+    out["kvtier_server_lookups_total"] = float(server.lookups)
+    out["kvtier_storage_l1_used_bytes"] = float(l1.used_bytes)
+    out["kvtier_storage_l1_resident_objects"] = float(l1.resident_objects)
+    for code, n in server.errors.items():
+        out[f'kvtier_server_errors_total{{reason="{code}"}}'] = float(n)
+    for row in snapshot.ledger:
+        where = f'namespace="{row.namespace}",tenant="{row.tenant}"'
+        out[f"kvtier_ledger_loaded_tokens_total{{{where}}}"] = float(row.loaded_tokens)
     return out
 
 

@@ -3,12 +3,8 @@ not hold, notes on what it assumed."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 from kvtier.planner.quantities import both
-
-if TYPE_CHECKING:
-    from kvtier.planner.plan import Plan
+from kvtier.planner.terms import Plan
 
 # Below this an object's fixed costs (a directory look-up, an RPC, a lease, a
 # header check) rival its transfer: 1 MiB at 25 GB/s moves in 42 us, about one

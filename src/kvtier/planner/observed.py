@@ -1,15 +1,15 @@
 """A plan's inputs as a running cache server sees them (``kvtier plan --from-server``).
 
-``/status`` gives the chunk size and the layouts engines registered; two
-readings of ``/metrics`` ``sample_s`` apart (or one, over the server's whole
-uptime, with ``sample_s=0``) give the request rate, the tokens looked up per
-request, the share served from L2 and the tokens stored. Every counter is
-server-wide: with several models on one server the traffic is theirs together.
+``/status`` (a ``ServerStatus``) gives the chunk size and the layouts
+engines registered; its counters read twice ``sample_s`` apart (or once,
+over the server's whole uptime, with ``sample_s=0``) give the request rate,
+the tokens looked up per request, the share served from L2 and the tokens
+stored. Every counter is server-wide: with several models on one server the
+traffic is theirs together.
 """
 
 from __future__ import annotations
 
-import json
 import time
 import urllib.error
 import urllib.request
@@ -17,11 +17,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from prometheus_client.parser import text_string_to_metric_families
+import msgspec
 
 from kvtier.planner.shape import DTYPES
+from kvtier.protocol.status import RegisteredLayout, ServerCounts, ServerStatus, decode
 
-Counters = dict[str, dict[str, float]]  # metric -> key label -> value
 _SHAPE_DTYPES = {layout: flag for flag, layout in DTYPES.items()}
 
 
@@ -105,18 +105,12 @@ def _get(url: str, token: str) -> bytes:
         raise ValueError(f"--from-server {url}: cannot reach it ({reason})") from None
 
 
-def read_counters(base: str, token: str = "") -> Counters:
-    """Every kvtier gauge of ``/metrics``, by name and ``key`` label."""
-    text = _get(f"{base}/metrics", token).decode()
-    counters: Counters = {}
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            counters.setdefault(sample.name, {})[sample.labels.get("key", "")] = sample.value
-    return counters
-
-
-def _total(counters: Counters, name: str) -> float:
-    return sum(counters.get(name, {}).values())
+def read_status(base: str, token: str = "") -> ServerStatus:
+    """The server's ``/status``; ValueError naming the field that does not fit."""
+    try:
+        return decode(_get(f"{base}/status", token))
+    except (msgspec.ValidationError, msgspec.DecodeError) as exc:
+        raise ValueError(f"--from-server {base}: /status is not a kvtier status ({exc})") from None
 
 
 def _pick_namespace(layouts: dict[str, Any], namespace: str | None, url: str) -> str:
@@ -149,44 +143,37 @@ def observe(
 ) -> Observation:
     """Read the server at ``url`` (its admin HTTP base, e.g. http://127.0.0.1:8765)."""
     base = url.rstrip("/")
-    status = json.loads(_get(f"{base}/status", token))
-    layouts = status.get("layouts", {})
+    status = read_status(base, token)
+    layouts = status.layouts
     chosen = _pick_namespace(layouts, namespace, url)
-    before: Counters = {}
+    before, began = ServerCounts(), 0.0  # sample_s 0: since the server started
     if sample_s > 0:
-        before = read_counters(base, token)
+        before, began = status.server, status.uptime_s
         sleep(sample_s)
-    after = read_counters(base, token)
-
-    def delta(name: str) -> float:
-        return _total(after, name) - _total(before, name)
-
-    window = delta("kvtier_uptime_s")
-    lookups = delta("kvtier_server_lookups")
-    lookup_tokens = delta("kvtier_server_lookup_tokens")
+        status = read_status(base, token)
+    after, window = status.server, status.uptime_s - began
+    lookups = after.lookups - before.lookups
+    lookup_tokens = after.lookup_tokens - before.lookup_tokens
     if window <= 0 or lookups <= 0 or lookup_tokens <= 0:
         span = f"the last {sample_s:g} s" if sample_s > 0 else "its uptime"
         raise ValueError(
             f"--from-server {url}: no lookups in {span}; send traffic, or use a longer "
             "--sample-s (0: since the server started)"
         )
-    hits = {
-        tier: after["kvtier_server_hit_tokens"][tier]
-        - before.get("kvtier_server_hit_tokens", {}).get(tier, 0.0)
-        for tier in after.get("kvtier_server_hit_tokens", {})
-    }
+    hits = {tier: float(n - before.hit_tokens.get(tier, 0)) for tier, n in after.hit_tokens.items()}
+    first: RegisteredLayout = layouts[chosen][min(layouts[chosen], key=int)]
     return Observation(
         url=url,
         namespace=chosen,
-        layout=layouts[chosen][min(layouts[chosen], key=int)],
+        layout=msgspec.structs.asdict(first),
         groups=len(layouts[chosen]),
-        chunk_size=int(status["chunk_size"]),
+        chunk_size=status.chunk_size,
         window_s=window,
-        lookups=lookups,
-        lookup_tokens=lookup_tokens,
+        lookups=float(lookups),
+        lookup_tokens=float(lookup_tokens),
         hit_tokens=hits,
-        stored_objects=delta("kvtier_server_stored_objects"),
+        stored_objects=float(after.stored_objects - before.stored_objects),
     )
 
 
-__all__ = ["Observation", "observe", "read_counters"]
+__all__ = ["Observation", "observe", "read_status"]

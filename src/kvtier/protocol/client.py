@@ -29,7 +29,7 @@ import numpy as np
 import numpy.typing as npt
 
 from kvtier.protocol import messages as p
-from kvtier.protocol.connection import Call, Connection
+from kvtier.protocol.connection import Call, ClientConfig, Connection
 
 log = logging.getLogger(__name__)
 
@@ -37,29 +37,6 @@ ObjectBytes = npt.NDArray[np.uint8]
 Consume = Callable[[int, ObjectBytes], None]  # read object i (a view valid during the call)
 Fill = Callable[[int, ObjectBytes], None]  # write object i into the given bytes
 PIPELINE_BYTES = 32 << 20  # bytes-path stores are sent in messages of about this size
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class ClientConfig:
-    address: str  # e.g. "tcp://127.0.0.1:5555"
-    model: str
-    layouts: tuple[p.LayoutSpec, ...]
-    num_ranks: int = 1
-    rank: int = -1  # -1: this client stores and loads every rank's objects; r: rank r's only
-    block_alignment: int = 1
-    revision: str = ""
-    lora: str = ""
-    salt: str = ""
-    hash_model: str = ""  # Namespace.model of the client's hashes, when model is its label
-    auth_token: str = ""
-    shm: bool = True
-    shm_dir: str = "/dev/shm"
-    client_id: str = "engine"
-    request_timeout_s: float = 2.0
-    retry_s: float = 0.25
-    max_retry_s: float = 1.0
-    heartbeat_s: float = 10.0  # ping this often (keeps the client alive, spots restarts); 0: off
-    max_polls: int = 1000  # a lookup still pending after this many polls is a miss
 
 
 PendingReply = Call  # a request sent without waiting, answered once ``ready``
@@ -351,7 +328,7 @@ class CacheClient:
     def handoff(
         self, message: p.HandoffOffer | p.HandoffTake | p.HandoffDone, hold_s: float = 0.0
     ) -> PendingReply:
-        """Send a hand-off operation without waiting (``kvtier.server.handoffs``);
+        """Send a hand-off operation without waiting (``kvtier.server.handoff.table``);
         the answer is the returned call's ``reply`` once it is ``ready``: a
         ``HandoffState``, an ``Error``, or None (no server). ``hold_s``: while
         the connection is down (or drops with it on the wire), keep it that
@@ -401,3 +378,15 @@ class CacheClient:
         state._answer = None
         if not isinstance(answer.reply, p.QueryResult) or answer.reply.hit_chunks is not None:
             state.settle(answer.reply)
+
+
+__all__ = [
+    "PIPELINE_BYTES",
+    "CacheClient",
+    "ClientConfig",
+    "Consume",
+    "Fill",
+    "LookupState",
+    "ObjectBytes",
+    "PendingReply",
+]

@@ -47,7 +47,6 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 import zmq
 
@@ -56,12 +55,32 @@ from kvtier.failures import FailureLog
 from kvtier.l1 import SharedRegion
 from kvtier.protocol import messages as p
 
-if TYPE_CHECKING:
-    from kvtier.protocol.client import ClientConfig
-
 log = logging.getLogger(__name__)
 
 GRACE_S = 1.0  # a caller waits this much past a request's timeout (the I/O thread ends it)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ClientConfig:
+    address: str  # e.g. "tcp://127.0.0.1:5555"
+    model: str
+    layouts: tuple[p.LayoutSpec, ...]
+    num_ranks: int = 1
+    rank: int = -1  # -1: this client stores and loads every rank's objects; r: rank r's only
+    block_alignment: int = 1
+    revision: str = ""
+    lora: str = ""
+    salt: str = ""
+    hash_model: str = ""  # Namespace.model of the client's hashes, when model is its label
+    auth_token: str = ""
+    shm: bool = True
+    shm_dir: str = "/dev/shm"
+    client_id: str = "engine"
+    request_timeout_s: float = 2.0
+    retry_s: float = 0.25
+    max_retry_s: float = 1.0
+    heartbeat_s: float = 10.0  # ping this often (keeps the client alive, spots restarts); 0: off
+    max_polls: int = 1000  # a lookup still pending after this many polls is a miss
 
 
 @dataclass(eq=False)
@@ -458,4 +477,4 @@ class Connection:
             self._socket = None
 
 
-__all__ = ["GRACE_S", "Call", "ClientStats", "Connection"]
+__all__ = ["GRACE_S", "Call", "ClientConfig", "ClientStats", "Connection"]

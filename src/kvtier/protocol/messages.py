@@ -177,9 +177,20 @@ class UsageReport(Message, tag="usage_report"):
     loaded_tokens: int
 
 
+MIN_RATE_TOKENS = 32  # a forward computing at least this many tokens samples the prefill rate
+
+
+def prefill_rate(seconds: float, computed_tokens: int) -> float:
+    """What an engine reports as its prefill seconds per token
+    (``UsageReport.prefill_s_per_token``) for a forward that computed
+    ``computed_tokens`` in ``seconds``: 0.0 (no sample) when too few tokens
+    ran for the time to mean a rate."""
+    return seconds / computed_tokens if computed_tokens >= MIN_RATE_TOKENS else 0.0
+
+
 class HandoffOffer(Message, tag="handoff_offer"):
     """Publish a request's KV for the engine that decodes it
-    (``kvtier.server.handoffs``): chunks ``hashes`` (the prompt's full chunks,
+    (``kvtier.server.handoff.table``): chunks ``hashes`` (the prompt's full chunks,
     then its tail), every rank's object, held in L1 for ``lease_s`` or until
     its consumer is done with it. ``consumer``: the only consumer name that
     may take it ("" for any). ``kv_heads``: the model's KV heads over all

@@ -39,12 +39,13 @@ from collections.abc import Callable
 from typing import Any
 
 import aiohttp
+import msgspec
 import numpy as np
 from aiohttp import web
 from prometheus_client import generate_latest
 
 from kvtier.events.subscriber import EventSubscriber
-from kvtier.keys import model_label, salt_label
+from kvtier.keys import NamespaceLabel
 from kvtier.router.body import BadRequest, check_body, output_tokens, read_body
 from kvtier.router.cache_servers import CacheServers
 from kvtier.router.config import EngineSpec, RouterConfig
@@ -186,18 +187,18 @@ class RouterService:
             status = await self.cache_servers.read_status(self.session, node)
             if status is None:
                 continue  # counted and logged by cache_servers
-            boot = str(status.get("boot_id", ""))
+            boot = status.boot_id
             if self.boot_ids.get(node.index, boot) != boot:
                 for n, kind, sub in self.subscribers:
                     if n == node.index and kind == "cache":
                         sub.resync()  # a restart the sequence numbers may not show
             self.boot_ids[node.index] = boot
-            entries = [e for e in status.get("hash_namespaces") or [] if isinstance(e, dict)]
+            entries = status.hash_namespaces
             # The engines' connectors name the model as vLLM was given it, which is
             # also the name vLLM serves it under; else the latest registration.
-            chosen = [e for e in entries if e.get("model") == self.model] or entries[-1:]
+            chosen = [e for e in entries if e.model == self.model] or entries[-1:]
             if chosen:
-                self.router.set_namespace(chosen[-1])
+                self.router.set_namespace(msgspec.structs.asdict(chosen[-1]))
         now = time.monotonic()
         for node_index, kind, sub in self.subscribers:
             if kind != "cache":
@@ -425,10 +426,11 @@ class RouterService:
         decision = routed.decision
         if not node.cache_url or not any(t not in ("L1", ENGINE) for t in decision.loaded):
             return
-        namespace = self.router.namespace or {}
+        reported = self.router.namespace or {}
+        label = NamespaceLabel.named(str(reported.get("model", "")), salt)
         payload = {
-            "model": model_label(str(namespace.get("model", ""))),
-            "salt": salt_label(salt),
+            "model": label.model,
+            "salt": label.salt,
             "hashes": [h.hex() for h in routed.hashes[: decision.load_chunks]],
         }
         task = asyncio.create_task(self.cache_servers.prefetch(self.session, node, payload))

@@ -1,10 +1,12 @@
 """The nodes' cache servers, as the router reads them.
 
-``read_status(node)`` fetches a cache server's ``/status`` (its hash
-namespace and boot id) and ``prefetch(node, payload)`` posts a routing-time
+``read_status(node)`` fetches a cache server's ``/status`` and decodes it
+as a ``ServerStatus`` (its hash namespaces and boot id are what the router
+uses) and ``prefetch(node, payload)`` posts a routing-time
 ``/prefetch``, both with the configured token (``cache_token``: an admin
 tenant's, when the servers have tokens). A server the router was told to use
-and cannot read (unreachable, silent, 401/403, not a JSON object) leaves the
+and cannot read (unreachable, silent, 401/403, a document that is not a
+``ServerStatus``: ``bad_answer``, the field named in the log) leaves the
 router routing without its chunk hashes, so it is never silent:
 
 - every failed poll is counted (``kvtier_route_cache_server_errors_total``,
@@ -19,14 +21,15 @@ Owned by the event loop's thread (no lock).
 
 from __future__ import annotations
 
-import json
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import aiohttp
+import msgspec
 
+from kvtier.protocol.status import ServerStatus, decode
 from kvtier.router.core import Node
 from kvtier.router.metrics import Metrics
 from kvtier.router.relay import failure_reason
@@ -45,6 +48,7 @@ class CacheServerState:
     engine: str
     url: str
     error: str = ""
+    detail: str = ""  # what the last failed poll said (a bad answer names its field)
     polls: int = 0
     errors: dict[str, int] = field(default_factory=dict)
 
@@ -57,18 +61,16 @@ class CacheServers:
         self._metrics = metrics
         self.states = {n.index: CacheServerState(n.name, n.cache_url) for n in nodes if n.cache_url}
 
-    async def read_status(
-        self, session: aiohttp.ClientSession, node: Node
-    ) -> dict[str, Any] | None:
-        """The server's ``/status`` object; None (counted, logged on a change) if unreadable."""
+    async def read_status(self, session: aiohttp.ClientSession, node: Node) -> ServerStatus | None:
+        """The server's ``/status``; None (counted, logged on a change) if unreadable."""
         error, detail, body = await self._fetch_status(session, node)
         self._note(node, error, detail)
         return None if error else body
 
     async def _fetch_status(
         self, session: aiohttp.ClientSession, node: Node
-    ) -> tuple[str, str, dict[str, Any] | None]:
-        """(error, detail, the status object); error "" when read."""
+    ) -> tuple[str, str, ServerStatus | None]:
+        """(error, detail, the status); error "" when read."""
         try:
             async with session.get(node.cache_url + "/status", headers=self._headers) as response:
                 status, data = response.status, await response.read()
@@ -77,12 +79,11 @@ class CacheServers:
         if status != 200:
             return f"http_{status}", data.decode(errors="replace")[:200], None
         try:
-            body = json.loads(data)
-        except (ValueError, RecursionError):
-            body = None
-        if not isinstance(body, dict):
-            return "bad_answer", "/status is not a JSON object", None
-        return "", "", body
+            return "", "", decode(data)
+        except msgspec.ValidationError as exc:  # names the field
+            return "bad_answer", f"/status is not a kvtier status: {exc}", None
+        except msgspec.DecodeError as exc:
+            return "bad_answer", f"/status is not JSON: {exc}", None
 
     async def prefetch(
         self, session: aiohttp.ClientSession, node: Node, payload: dict[str, Any]
@@ -103,6 +104,7 @@ class CacheServers:
                 "url": s.url,
                 "readable": s.polls > 0 and not s.error,
                 "error": s.error,
+                "detail": s.detail,
                 "polls": s.polls,
                 "errors": dict(s.errors),
             }
@@ -112,6 +114,7 @@ class CacheServers:
     def _note(self, node: Node, error: str, detail: str) -> None:
         state = self.states[node.index]
         state.polls += 1
+        state.detail = detail
         if error:
             state.errors[error] = state.errors.get(error, 0) + 1
             self._metrics.cache_server_errors.labels(node.name, error).inc()

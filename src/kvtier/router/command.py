@@ -20,7 +20,7 @@ def _run(args: argparse.Namespace) -> int:
 
 def _run_pd(args: argparse.Namespace) -> int:
     try:
-        from kvtier.router.pd import run
+        from kvtier.router.pd.proxy import run
     except ImportError as exc:
         return missing_extra("route", exc, '"kvtier[route]"')
     return run(args)

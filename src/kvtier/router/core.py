@@ -26,7 +26,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from kvtier.keys import Namespace, TokenHasher, salt_label
+from kvtier.keys import TokenHasher, key_namespace
 from kvtier.router.blocks import BlockIndex
 from kvtier.router.chunks import ChunkIndex
 from kvtier.router.cost import CostModel, Observation
@@ -105,8 +105,10 @@ class Router:
                 self._hashers.clear()
 
     def chunk_hashes(self, tokens: npt.NDArray[np.uint32], salt: str) -> tuple[list[bytes], int]:
-        """The prompt's kvtier chunk hashes under ``salt`` and the chunk size
-        (none until a cache server has reported its namespace)."""
+        """The prompt's kvtier chunk hashes under ``salt`` (the request's
+        ``cache_salt`` as given: ``key_namespace`` labels it, as the engines'
+        identities do) and the chunk size (none until a cache server has
+        reported its namespace)."""
         with self._lock:
             entry = self.namespace
             if entry is None:
@@ -115,7 +117,7 @@ class Router:
             hasher = self._hashers.get(key)
             if hasher is None:
                 fields = {k: v for k, v in entry.items() if k != "chunk_size"}
-                namespace = Namespace(**fields, salt=salt_label(salt))
+                namespace = key_namespace(**fields, salt=salt)
                 hasher = self._hashers[key] = TokenHasher(namespace, int(entry["chunk_size"]))
                 while len(self._hashers) > HASHERS:
                     self._hashers.popitem(last=False)

@@ -10,15 +10,17 @@ every message from that connection with the ``User-Id`` the handler
 returned; a peer cannot set it. This handler accepts every connection (the
 token in HELLO is the authentication) and answers a fresh id ``c<n>``.
 
-The handler runs on its own thread over one context; the transport creates
-a context of its own for it (one ZAP handler per context).
+The handler has no thread: its socket is one more in the transport loop's
+poller, which calls ``answer_pending()`` when it is readable (a connection's
+handshake waits for the loop's next turn, well under a tick). One ZAP
+handler per context: the transport's context has this one.
 """
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
-import threading
 
 import zmq
 
@@ -29,7 +31,7 @@ log = logging.getLogger(__name__)
 
 ZAP_ENDPOINT = "inproc://zeromq.zap.01"
 DOMAIN = b"kvtier"
-POLL_MS = 100
+REFUSAL = [b"1.0", b"", b"500", b"the connection-id handler failed", b"", b""]
 
 
 def connection_of(frame: zmq.Frame) -> str:
@@ -42,31 +44,37 @@ def connection_of(frame: zmq.Frame) -> str:
 
 
 class ConnectionIds:
-    """Answers ZAP requests on a daemon thread until ``close()``."""
+    """Answers ZAP requests when its owner's loop finds ``socket`` readable,
+    until ``close()``; every method on that loop's thread."""
 
     def __init__(self, context: zmq.Context[zmq.Socket[bytes]], counters: Counters) -> None:
-        self._socket = context.socket(zmq.REP)
-        self._socket.setsockopt(zmq.LINGER, 0)
-        self._socket.bind(ZAP_ENDPOINT)
+        self.socket = context.socket(zmq.REP)
+        self.socket.setsockopt(zmq.LINGER, 0)
+        self.socket.bind(ZAP_ENDPOINT)
         self._ids = itertools.count(1)
         self._counters = counters
         self._failures = FailureLog(log, counters, "zap_errors")
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="kvtier-zap", daemon=True)
-        self._thread.start()
 
-    def close(self) -> None:
-        self._stop.set()
-        self._thread.join()
-        self._socket.close(linger=0)
-
-    def _run(self) -> None:
-        while not self._stop.is_set():
+    def answer_pending(self) -> None:
+        """Answer every ZAP request waiting now; never blocks, never raises."""
+        while True:
             try:
-                if self._socket.poll(POLL_MS):
-                    self._answer(self._socket.recv_multipart())
+                request = self.socket.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
             except Exception:
                 self._failures.record("server: the connection-id (ZAP) handler")
+                return
+            try:
+                self._answer(request)
+            except Exception:
+                self._failures.record("server: the connection-id (ZAP) handler")
+                # A REP socket takes no request before it replies: refuse this one.
+                with contextlib.suppress(zmq.ZMQError):
+                    self.socket.send_multipart(REFUSAL, zmq.NOBLOCK)
+
+    def close(self) -> None:
+        self.socket.close(linger=0)
 
     def _answer(self, request: list[bytes]) -> None:
         # ZAP 1.0 request: version, request id, domain, address, identity,
@@ -74,5 +82,5 @@ class ConnectionIds:
         # status text, user id, metadata.
         version, request_id = request[0], request[1]
         user = f"c{next(self._ids)}".encode()
-        self._socket.send_multipart([version, request_id, b"200", b"OK", user, b""])
+        self.socket.send_multipart([version, request_id, b"200", b"OK", user, b""])
         self._counters.add("connections")

@@ -24,8 +24,10 @@ into L1 runs on the transport's pool, off the loop thread.
 
 Around it: the checks of what a request names and the outcome types
 (``kvtier.server.requests``), the hand-off handlers (``HandoffRequests``,
-``kvtier.server.handoff_requests``) and what ``/status`` remembers of
-registered clients (``Registrations``).
+``kvtier.server.handoff.requests``), the engines' shadow and usage reports
+(``EngineReports``, ``kvtier.server.reports``), what ``/status`` remembers of
+registered clients (``Registrations``) and the status document itself
+(``kvtier.server.status``).
 """
 
 from __future__ import annotations
@@ -37,16 +39,20 @@ import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
+import msgspec
+
 from kvtier.counters import Counters
-from kvtier.keys import HASH_BYTES, ObjectKey, model_label
+from kvtier.keys import NamespaceLabel, ObjectKey, model_label
 from kvtier.l1 import L1Result
 from kvtier.protocol import messages as p
 from kvtier.protocol.negotiation import ChunkSizeNegotiator
-from kvtier.server.handoff_requests import HandoffRequests
-from kvtier.server.handoffs import HandoffTable
+from kvtier.protocol.status import ServerStatus
+from kvtier.server.handoff.requests import HandoffRequests
+from kvtier.server.handoff.table import HandoffTable
 from kvtier.server.limits import RequestError, ServerLimits, check_hello, check_layouts
 from kvtier.server.metrics import ServerMetrics
 from kvtier.server.registrations import Registrations
+from kvtier.server.reports import EngineReports
 from kvtier.server.requests import (
     Answer,
     Buffer,
@@ -60,6 +66,8 @@ from kvtier.server.requests import (
     request_keys,
 )
 from kvtier.server.sessions import Client, Reservation, SessionTable, shown
+from kvtier.server.status import server_status
+from kvtier.server.upkeep import Upkeep
 from kvtier.server.warmup import Warmup
 from kvtier.storage import StorageManager
 from kvtier.tenancy.ledger import SavingsLedger
@@ -69,9 +77,6 @@ from kvtier.tenancy.tenants import TenantTable
 from kvtier.tenancy.usage import L2Usage
 
 log = logging.getLogger(__name__)
-
-MAX_SHADOW_REPORT = 1 << 32  # chunks in one shadow report
-MAX_REPORT_S = 1e6  # seconds in one usage report
 
 
 class CacheServer:
@@ -88,7 +93,11 @@ class CacheServer:
         purge_state: Path | None = None,  # where purge jobs are kept (resumed after a restart)
         purge: PurgeConfig | None = None,
         default_prefill_s_per_token: float | None = None,  # the ledger's, without reports
+        l2_usage: L2Usage | None = None,  # the one whose hooks built the storage, if any
     ) -> None:
+        """``storage`` is built with the tenants' ``owners()``; where a tenant
+        has an L2 cap, with ``l2_usage``'s hooks too (``kvtier serve`` does
+        both)."""
         self.storage = storage
         self.boot_id = secrets.token_hex(8)
         self.chunks = ChunkSizeNegotiator(chunk_size)
@@ -106,18 +115,22 @@ class CacheServer:
         self.draining = False  # the admin's drain: stores refused, lookups served
         self.purger = Purger(storage, purge_state, purge)
         self.ledger = SavingsLedger(default_prefill_s_per_token)
-        self.l2_usage = L2Usage(storage, self.tenants)
+        self.l2_usage = l2_usage or L2Usage(self.tenants)
+        self.l2_usage.watch(storage)
         self.retention = Retention(storage, self.tenants)
-        self.handoffs = HandoffTable(
-            storage.l1, self.counters, clock, max_lease_s=storage.config.l1.read_lease_s
-        )
+        self.upkeep = Upkeep(clock)  # periodic jobs: the transport's tick runs them
+        retention, usage = self.retention, self.l2_usage
+        if retention.active:  # off the loop: a sweep deletes files, a count lists a disk
+            self.upkeep.every("retention", retention.check_s, retention.sweep, on_loop=False)
+        if usage.active:
+            self.upkeep.every("l2_usage", usage.refresh_s, usage.refresh, on_loop=False)
+        self.handoffs = HandoffTable(storage, self.counters, clock, storage.read_lease_s)
         self._handoff_requests = handoff_requests = HandoffRequests(
             storage, self.handoffs, self._check_writable, self.limits.max_objects_per_request
         )
-        storage.store_controller.gate = self.l2_usage.gate
-        storage.on_stored = self.l2_usage.on_stored
         self._started = clock()
         self.registrations = Registrations()  # what /status shows of registered clients
+        reports = EngineReports(self.counters, self.ledger)
         self._handlers: dict[type[p.Message], Handler] = {
             p.Lookup: self._lookup,
             p.Query: self._answer_lookup,
@@ -130,14 +143,13 @@ class CacheServer:
             p.Store: self._store,
             p.EndSession: self._end_session,
             p.Status: self._status,
-            p.ShadowReport: self._shadow_report,
+            p.ShadowReport: reports.shadow,
             p.Pin: self._pin,
-            p.UsageReport: self._usage_report,
+            p.UsageReport: reports.usage,
             p.HandoffOffer: handoff_requests.offer,
             p.HandoffTake: handoff_requests.take,
             p.HandoffDone: handoff_requests.done,
         }
-        storage.l1.set_owners(self.tenants.tenant_of, self.tenants.l1_limits())
 
     # ------------------------------------------------------------ dispatch
 
@@ -195,10 +207,10 @@ class CacheServer:
         layouts = {
             spec.group: hello_layout(spec, chunk_size, hello.num_ranks) for spec in hello.layouts
         }
-        check_layouts(layouts, chunk_size, self.storage.l1.capacity)
+        check_layouts(layouts, chunk_size, self.storage.l1_capacity)
         label = model_label(hello.model)
         try:
-            ObjectKey(bytes(HASH_BYTES), label, 0, 0, access.salt)  # validates model and salt
+            namespace = NamespaceLabel(label, access.salt)  # validates model and salt
         except (ValueError, TypeError) as exc:
             raise RequestError("bad_request", str(exc)) from None
         client = Client(
@@ -217,9 +229,9 @@ class CacheServer:
         self.sessions.register(client)
         self.chunks.freeze(chunk_size)  # only a hello that is accepted fixes it
         self.registrations.registered(client, hello, layouts, chunk_size)
-        self.warmup.register(label, access.salt, layouts, hello.num_ranks)
+        self.warmup.register(namespace, layouts, hello.num_ranks)
         self.counters.add("hellos")
-        arena = self.storage.l1.arena_name if hello.shm else None
+        arena = self.storage.arena_name if hello.shm else None
         return p.Welcome(
             chunk_size, self.boot_id, arena, salt=access.salt, writable=access.writable
         )
@@ -228,7 +240,7 @@ class CacheServer:
         layout = group_layout(client, req.group)
         keys = self._keys(client, req.hashes, req.group)
         session = self.sessions.open_lookup(client, req.request_id, keys)
-        rate = self.ledger.measured_rate(client.tenant, f"{client.model}@{client.salt}")
+        rate = self.ledger.measured_rate(client.tenant, NamespaceLabel.of(client))
         per_chunk = None if rate is None else rate * layout.tokens_per_chunk
         try:
             session.handle = self.storage.submit_lookup(
@@ -269,34 +281,12 @@ class CacheServer:
         chunk = self.chunks.frozen or self.chunks.minimum
         by_tier = result.chunks_by_tier()
         self.counters.add("hit_chunks", result.hit_chunks)
-        namespace = f"{client.model}@{client.salt}"
+        namespace = NamespaceLabel.of(client)
         for tier, chunks in by_tier.items():
             self.counters.add(f"hit_tokens.{tier}", chunks * chunk)
             self.ledger.served(client.tenant, namespace, tier, chunks * chunk)
         self.counters.add("lookup_tokens", looked_up * chunk)
         return p.QueryResult(result.hit_chunks, by_tier, result.why), []
-
-    def _shadow_report(
-        self, client: Client, req: p.ShadowReport, frames: Sequence[Buffer]
-    ) -> Outcome:
-        counts = {"checked": req.checked, "mismatched": req.mismatched}
-        counts["unavailable"] = req.unavailable
-        if not all(0 <= n <= MAX_SHADOW_REPORT for n in counts.values()):
-            raise RequestError(
-                "bad_request", f"shadow report counts must be in [0, {MAX_SHADOW_REPORT}]"
-            )
-        if req.mismatched > req.checked:
-            raise RequestError("bad_request", "a shadow report has more mismatches than checks")
-        if req.mismatched:
-            log.warning(
-                "client %s reports %d shadow-check mismatches: kvtier served KV that differs "
-                "from the engine's recomputation",
-                shown(client.client_id),
-                req.mismatched,
-            )
-        for name, n in counts.items():
-            self.counters.add(f"shadow_chunks.{name}", n)
-        return p.Ack(), []
 
     def _retrieve(self, client: Client, req: p.Retrieve, frames: Sequence[Buffer]) -> Outcome:
         started = time.perf_counter()
@@ -403,28 +393,13 @@ class CacheServer:
             )
         keys = self._keys(client, req.hashes, req.group)
         flat = [k for chunk in keys for k in chunk]
-        results = self.storage.l1.pin(flat, req.ttl_s)
+        results = self.storage.pin(flat, req.ttl_s)
         per_chunk = [results[i : i + len(c)] for i, c in chunk_offsets(keys)]
         pinned = sum(all(r is L1Result.SUCCESS for r in rs) for rs in per_chunk)
         refused = sum(any(r is L1Result.OVER_QUOTA for r in rs) for rs in per_chunk)
         self.counters.add("pinned_chunks" if req.ttl_s else "unpinned_chunks", pinned)
         self.counters.add("pins_refused", refused)
         return p.Pinned(pinned, len(keys) - pinned - refused, refused), []
-
-    def _usage_report(
-        self, client: Client, req: p.UsageReport, frames: Sequence[Buffer]
-    ) -> Outcome:
-        values = (req.prefill_s_per_token, req.load_s)
-        if not all(math.isfinite(v) and 0 <= v <= MAX_REPORT_S for v in values):
-            message = f"usage report seconds must be in [0, {MAX_REPORT_S}]"
-            raise RequestError("bad_request", message)
-        if not 0 <= req.loaded_tokens <= MAX_SHADOW_REPORT:
-            raise RequestError("bad_request", "usage report tokens out of range")
-        namespace = f"{client.model}@{client.salt}"
-        self.ledger.reported(
-            client.tenant, namespace, req.prefill_s_per_token, req.load_s, req.loaded_tokens
-        )
-        return p.Ack(), []
 
     def _end_session(self, client: Client, req: p.EndSession, frames: Sequence[Buffer]) -> Outcome:
         self.sessions.end(client, req.request_id)
@@ -434,7 +409,7 @@ class CacheServer:
         tenant = self.tenants.tenants.get(client.tenant)
         if tenant is None or not tenant.admin:  # it names every tenant's namespaces
             raise RequestError("forbidden", "STATUS is for admin tenants (tenants file: admin)")
-        return p.StatusReply(self.status()), []
+        return p.StatusReply(msgspec.to_builtins(self.status())), []
 
     # ------------------------------------------------------------- upkeep
 
@@ -453,48 +428,17 @@ class CacheServer:
         then the answer is an error). The transport parks WAITs until then."""
         return self.sessions.lookup_settled(peer, request_id, connection)
 
-    def status(self) -> dict[str, object]:
-        clients = list(self.sessions.clients())
-        return {
-            "boot_id": self.boot_id,
-            "protocol": p.PROTOCOL_VERSION,
-            "hash_algorithm": p.HASH_ALGORITHM,
-            "chunk_size": self.chunks.frozen or self.chunks.minimum,
-            "chunk_size_frozen": self.chunks.frozen is not None,
-            **self.sessions.status(),
-            "uptime_s": self._clock() - self._started,
-            "namespaces": sorted({f"{c.model}@{c.salt}" for c in clients}),
-            "layouts": self.registrations.layouts(),
-            "hash_namespaces": self.registrations.hash_namespaces(),
-            "events": self.publisher_status() if self.publisher_status else None,
-            "warmup": self.warmup.status(),
-            "draining": self.draining,
-            "purges": self._purge_counts(),
-            "ledger": self.ledger.status(),
-            "l2_usage": self.l2_usage.status(),
-            "retention": self.retention.counters.snapshot(),
-            "handoffs": self.handoffs.status(),
-            "server": self.counters.snapshot(),
-            "transport": self.transport_counters.snapshot(),
-            "storage": self.storage.status(),
-        }
+    def status(self) -> ServerStatus:
+        """What ``/status`` shows (gathered by ``kvtier.server.status``)."""
+        return server_status(self, self._clock() - self._started)
 
     def close(self) -> None:
         """End every session (releasing what it holds); stop purges and usage counts."""
         self.warmup.close()
         self.purger.close()
-        self.l2_usage.close()
-        self.retention.close()
+        self.upkeep.close()
         self.handoffs.close()
         self.sessions.close()
-
-    def _purge_counts(self) -> dict[str, int]:
-        jobs = self.purger.jobs()
-        out = {f"jobs.{state}": 0 for state in ("running", "done", "failed")}
-        for job in jobs:
-            out[f"jobs.{job['state']}"] += 1
-        out["deleted_objects"] = sum(j["deleted"] for j in jobs)
-        return out
 
     # ---------------------------------------------------------- internals
 
@@ -509,7 +453,7 @@ class CacheServer:
             raise RequestError("draining", "the server is draining: it takes no stores now")
         if self.purger.purging(client.model, client.salt):
             raise RequestError(
-                "purging", f"namespace {client.model}@{client.salt} is being purged; store later"
+                "purging", f"namespace {NamespaceLabel.of(client)} is being purged; store later"
             )
 
     def _keys(self, client: Client, hashes: list[bytes], group: int) -> list[list[ObjectKey]]:

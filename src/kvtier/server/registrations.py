@@ -12,19 +12,22 @@ from __future__ import annotations
 import dataclasses
 import json
 from collections import OrderedDict
+from typing import TypeVar
 
+from kvtier.keys import NamespaceLabel
 from kvtier.layout import KVLayout
 from kvtier.protocol import messages as p
 from kvtier.server.sessions import Client
 
 REMEMBERED = 64  # namespaces whose layouts (and hash namespaces) /status shows
+Name = TypeVar("Name", NamespaceLabel, str)
 
 
 class Registrations:
     """See the module docstring."""
 
     def __init__(self) -> None:
-        self._layouts: OrderedDict[str, dict[str, object]] = OrderedDict()
+        self._layouts: OrderedDict[NamespaceLabel, dict[str, object]] = OrderedDict()
         self._hash_namespaces: OrderedDict[str, dict[str, object]] = OrderedDict()
 
     def registered(
@@ -33,15 +36,16 @@ class Registrations:
         """Remember an accepted HELLO's namespace, layouts and hash namespace."""
         _remember(
             self._layouts,
-            f"{client.model}@{client.salt}",
+            NamespaceLabel.of(client),
             {str(group): dataclasses.asdict(layout) for group, layout in client.layouts.items()},
         )
         entry = hash_namespace(hello, layouts, chunk_size)
         _remember(self._hash_namespaces, json.dumps(entry, sort_keys=True), entry)
 
     def layouts(self) -> dict[str, dict[str, object]]:
-        """Namespace -> its layouts by group, oldest first."""
-        return dict(self._layouts)
+        """Namespace (its text form, ``model@salt``) -> its layouts by group,
+        oldest first."""
+        return {str(namespace): layouts for namespace, layouts in self._layouts.items()}
 
     def hash_namespaces(self) -> list[dict[str, object]]:
         return list(self._hash_namespaces.values())
@@ -66,7 +70,7 @@ def hash_namespace(
 
 
 def _remember(
-    table: OrderedDict[str, dict[str, object]], name: str, entry: dict[str, object]
+    table: OrderedDict[Name, dict[str, object]], name: Name, entry: dict[str, object]
 ) -> None:
     table.pop(name, None)
     table[name] = entry

@@ -16,14 +16,27 @@ dropped:
 
 The loop sleeps until something happens: a message, a lookup finishing (the
 prefetch controller's callback writes to a wake-up pipe), a bulk copy done
-on the pool, the next tick or the next parked WAIT's deadline. It never
-polls. A WAIT is parked until its lookup settles or its timeout passes, so it
+on the pool, a new connection to name (the ZAP handler's socket,
+``ConnectionIds``), a watched file descriptor (``watch``: the admin port's
+listening socket, stdin), a ``call`` from another thread, ``wake()``, the
+next tick or the next parked WAIT's deadline. It never polls. The tick
+(every ``TICK_S``) is the server's one clock for upkeep: the core's expiries,
+the status snapshot, and the periodic jobs of ``core.upkeep``
+(``kvtier.server.upkeep``). ``stop`` is seen at the next wake-up: call
+``wake()`` after setting it, or it is seen within a tick.
+
+A WAIT is parked until its lookup settles or its timeout passes, so it
 never blocks other clients; one WAIT per (peer, request) may be parked, at
 most ``MAX_PARKED`` in all. Bytes stores past the core's ``offload_bytes``
 (and a hand-off's re-sharding) are copied into L1 on ``COPY_THREADS`` pool
 threads, never on the loop. An operation the core answers once a lookup
 settles (``Awaiting``: a hand-off found in the tiers) is answered when the
 lookup's callback wakes the loop, like a parked WAIT.
+
+Other threads change the server's state only through the loop: ``call(fn,
+timeout_s)`` queues ``fn``, wakes the loop, and waits for its result (the
+admin API's writes). They may read ``snapshot``, which the loop refreshes
+every tick.
 
 No exception in decode, dispatch, the tick, a parked WAIT, a copy or send
 ends the loop: each is logged (once per defect), counted (``loop_errors``)
@@ -41,21 +54,23 @@ import os
 import queue
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import msgspec
 import zmq
 
 from kvtier.failures import FailureLog
 from kvtier.protocol import messages as p
+from kvtier.protocol.status import ServerStatus
 from kvtier.server.connections import DOMAIN, ConnectionIds, connection_of
 from kvtier.server.core import CacheServer
 from kvtier.server.requests import Awaiting, Deferred
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 TICK_S = 0.25
 MAX_PARKED = 1 << 16
@@ -91,15 +106,49 @@ class _Settled:
     awaiting: Awaiting
 
 
-class ServerTransport:
-    """Bind, then ``serve(stop_event)`` until the event is set."""
+class LoopStopped(RuntimeError):
+    """``call``: the loop has stopped (or stopped before it ran the call)."""
 
-    def __init__(self, core: CacheServer, address: str, max_message_bytes: int = 2 << 30) -> None:
+
+@dataclass(frozen=True, slots=True)
+class _Call:
+    """Another thread's ``call``: run ``fn`` on the loop, settle ``future``."""
+
+    fn: Callable[[], Any]
+    future: Future[Any]
+
+    def run(self) -> None:
+        if not self.future.set_running_or_notify_cancel():
+            return  # its caller gave up waiting before the loop got to it
+        try:
+            self.future.set_result(self.fn())
+        except BaseException as exc:  # the caller's to handle, not the loop's
+            self.future.set_exception(exc)
+
+
+Event = tuple[bytes, str] | _Done | _Settled | _Call
+
+
+class ServerTransport:
+    """Bind, then ``serve(stop_event)`` until the event is set.
+
+    ``context``: a ZeroMQ context to share (the KV event publisher's sockets,
+    so the process runs one pair of libzmq threads); its owner terminates it
+    after ``serve`` returns. None: one of the transport's own. Either way it
+    must hold no other ZAP handler (one per context)."""
+
+    def __init__(
+        self,
+        core: CacheServer,
+        address: str,
+        max_message_bytes: int = 2 << 30,
+        context: zmq.Context[zmq.Socket[bytes]] | None = None,
+    ) -> None:
         self.core = core
         self.counters = core.transport_counters
         self._failures = FailureLog(log, self.counters, "loop_errors")
-        # A context of its own: the ZAP handler is per context.
-        self._context: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+        self._own_context = context is None
+        self._context: zmq.Context[zmq.Socket[bytes]] = context or zmq.Context()
         self._connections = ConnectionIds(self._context, self.counters)
         self._socket = self._context.socket(zmq.ROUTER)
         self._socket.setsockopt(zmq.LINGER, 0)
@@ -115,10 +164,14 @@ class ServerTransport:
         # it with a byte on the pipe (the loop's own events need no wake-up:
         # it takes them after every batch of requests).
         self._loop_thread: int | None = None
-        self._events: queue.SimpleQueue[tuple[bytes, str] | _Done | _Settled] = queue.SimpleQueue()
+        self._events: queue.SimpleQueue[Event] = queue.SimpleQueue()
         self._wake_read, self._wake_write = os.pipe()
         os.set_blocking(self._wake_read, False)
         os.set_blocking(self._wake_write, False)
+        self._poller = zmq.Poller()
+        for source in (self._socket, self._monitor, self._connections.socket, self._wake_read):
+            self._poller.register(source, zmq.POLLIN)
+        self._watched: dict[int, Callable[[], None]] = {}  # fd -> what to do when readable
         self._pool = ThreadPoolExecutor(COPY_THREADS, thread_name_prefix="kvtier-copy")
         self._deferred = 0  # copies on or queued for the pool (the loop's count)
         self._wake_lock = threading.Lock()  # no byte for a closed (or reused) pipe
@@ -128,13 +181,9 @@ class ServerTransport:
         self._seq = 0
         core.on_lookup_done = self._lookup_done
         # What other threads (admin HTTP) may read: refreshed by the loop each tick.
-        self.snapshot: dict[str, object] = core.status()
+        self.snapshot: ServerStatus = core.status()
 
     def serve(self, stop: threading.Event) -> None:
-        poller = zmq.Poller()
-        poller.register(self._socket, zmq.POLLIN)
-        poller.register(self._monitor, zmq.POLLIN)
-        poller.register(self._wake_read, zmq.POLLIN)
         next_tick = time.monotonic() + TICK_S
         self._loop_thread = threading.get_ident()
         try:
@@ -143,7 +192,9 @@ class ServerTransport:
                 wake_at = min(next_tick, self._deadlines[0][0] if self._deadlines else next_tick)
                 timeout_ms = max(0, math.ceil((wake_at - now) * 1000))
                 try:
-                    ready = dict(poller.poll(min(timeout_ms, 100)))  # 100: notice ``stop``
+                    ready = dict(self._poller.poll(timeout_ms))
+                    if self._connections.socket in ready:
+                        self._connections.answer_pending()
                     if self._monitor in ready:
                         self._count_disconnects()
                     if self._wake_read in ready:
@@ -152,6 +203,7 @@ class ServerTransport:
                                 pass
                     if self._socket in ready:
                         self._receive()
+                    self._take_watched(ready)
                     self._take_events()
                 except Exception:
                     self._failures.record("server: receiving")
@@ -161,30 +213,80 @@ class ServerTransport:
                     next_tick = time.monotonic() + TICK_S
         finally:
             self.core.on_lookup_done = None
+            with self._wake_lock:
+                self._closed = True  # no call is queued from now on
+            self._refuse_calls()
             self._pool.shutdown(wait=True, cancel_futures=True)
             self._socket.disable_monitor()
             self._monitor.close(linger=0)
             self._socket.close(linger=0)
             self._connections.close()
-            self._context.term()
+            if self._own_context:
+                self._context.term()
             with self._wake_lock:
-                self._closed = True
                 os.close(self._wake_read)
                 os.close(self._wake_write)
 
+    def watch(self, fd: int, on_ready: Callable[[], None]) -> None:
+        """Call ``on_ready()`` on the loop whenever ``fd`` is readable (until
+        ``unwatch``); it must not block. Before ``serve``, or on the loop."""
+        self._watched[fd] = on_ready
+        self._poller.register(fd, zmq.POLLIN)
+
+    def unwatch(self, fd: int) -> None:
+        """Stop watching ``fd``. Before ``serve``, or on the loop."""
+        if self._watched.pop(fd, None) is not None:
+            self._poller.unregister(fd)
+
     # ------------------------------------------------------ other threads
+
+    def call(self, fn: Callable[[], T], timeout_s: float) -> T:
+        """Run ``fn`` on the loop's thread, between two requests, and return
+        what it returns (or raise what it raises); from the loop's own thread
+        it runs at once. ``TimeoutError`` when the loop has not finished it
+        within ``timeout_s`` (its message says whether it will still run);
+        ``LoopStopped`` when the loop has stopped, or stops before running
+        it. Queued before ``serve`` starts, it runs when the loop starts."""
+        if not timeout_s > 0:  # NaN too
+            raise ValueError(f"call: timeout_s must be > 0 seconds, got {timeout_s}")
+        if threading.get_ident() == self._loop_thread:
+            return fn()
+        future: Future[T] = Future()
+        with self._wake_lock:
+            if self._closed:
+                raise LoopStopped("the server loop has stopped; nothing more runs on it")
+            self._events.put(_Call(fn, future))
+            with contextlib.suppress(BlockingIOError):  # full: the loop is awake
+                os.write(self._wake_write, b"\0")
+        try:
+            return future.result(timeout_s)
+        except TimeoutError:
+            if future.done():
+                raise  # what ``fn`` raised
+            if future.cancel():
+                raise TimeoutError(
+                    f"the server loop did not get to this call within {timeout_s} s; it was not run"
+                ) from None
+            raise TimeoutError(
+                f"the server loop did not finish this call within {timeout_s} s; "
+                "it still runs and may take effect"
+            ) from None
+
+    def wake(self) -> None:
+        """Make the loop look around now (at ``stop``, for one), from any thread."""
+        with self._wake_lock, contextlib.suppress(BlockingIOError):  # full: the loop is awake
+            if not self._closed:
+                os.write(self._wake_write, b"\0")
 
     def _lookup_done(self, peer: bytes, request_id: str) -> None:
         """The prefetch controller's callback: a lookup settled."""
         self._post((peer, request_id))
 
-    def _post(self, event: tuple[bytes, str] | _Done | _Settled) -> None:
+    def _post(self, event: Event) -> None:
         self._events.put(event)
         if threading.get_ident() == self._loop_thread:
             return  # a lookup that settled while the loop handled it
-        with self._wake_lock, contextlib.suppress(BlockingIOError):  # full: the loop is awake
-            if not self._closed:
-                os.write(self._wake_write, b"\0")
+        self.wake()
 
     # ------------------------------------------------------------- events
 
@@ -192,7 +294,9 @@ class ServerTransport:
         while not self._events.empty():  # the loop is the only consumer
             event = self._events.get_nowait()
             try:
-                if isinstance(event, _Done):
+                if isinstance(event, _Call):
+                    event.run()
+                elif isinstance(event, _Done):
                     self._finish(event)
                 elif isinstance(event, _Settled):
                     self._answer_settled(event)
@@ -200,6 +304,23 @@ class ServerTransport:
                     self._settled(event)
             except Exception:
                 self._failures.record("server: a finished lookup or copy")
+
+    def _take_watched(self, ready: dict[Any, int]) -> None:
+        for fd, on_ready in list(self._watched.items()):
+            if fd in ready:
+                try:
+                    on_ready()
+                except Exception:
+                    self._failures.record(f"server: a watched descriptor ({fd})")
+
+    def _refuse_calls(self) -> None:
+        """The loop stopped: every call still queued fails (other events are dropped)."""
+        while not self._events.empty():
+            event = self._events.get_nowait()
+            if isinstance(event, _Call) and event.future.set_running_or_notify_cancel():
+                event.future.set_exception(
+                    LoopStopped("the server loop stopped before it ran this call")
+                )
 
     def _settled(self, slot: tuple[bytes, str], expired: bool = False) -> None:
         """Answer the WAIT parked for ``slot``: its lookup settled (an event for
@@ -243,6 +364,10 @@ class ServerTransport:
             self.snapshot = self.core.status()
         except Exception:
             self._failures.record("server: the status snapshot")
+        try:  # after the snapshot, which jobs may sample; each job's failure is counted apart
+            self.core.upkeep.run_due()
+        except Exception:
+            self._failures.record("server: upkeep")
 
     # ------------------------------------------------------------ requests
 

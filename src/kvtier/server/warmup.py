@@ -22,9 +22,9 @@ from concurrent.futures import ThreadPoolExecutor
 
 from kvtier.controllers import PrefetchHandle
 from kvtier.counters import Counters
-from kvtier.keys import HASH_BYTES, ObjectKey, chunk_keys
+from kvtier.keys import HASH_BYTES, NamespaceLabel, ObjectKey, chunk_keys
 from kvtier.layout import KVLayout
-from kvtier.storage import LOOKUP_GRACE_S, StorageManager
+from kvtier.storage import StorageManager
 
 log = logging.getLogger(__name__)
 NAMESPACES = 256  # registered namespaces remembered (most recent)
@@ -39,46 +39,48 @@ class Warmup:
     def __init__(self, storage: StorageManager) -> None:
         self._storage = storage
         self._lock = threading.Lock()
-        self._namespaces: OrderedDict[str, tuple[int, KVLayout, int]] = OrderedDict()
+        self._namespaces: OrderedDict[NamespaceLabel, tuple[int, KVLayout, int]] = OrderedDict()
         self._pool = ThreadPoolExecutor(2, thread_name_prefix="kvtier-warmup")
         self._pending = 0
         self.counters = Counters()
 
-    def register(self, model: str, salt: str, layouts: dict[int, KVLayout], ranks: int) -> None:
+    def register(self, namespace: NamespaceLabel, layouts: dict[int, KVLayout], ranks: int) -> None:
         group = min(layouts)
         with self._lock:
-            name = f"{model}@{salt}"
-            self._namespaces.pop(name, None)
-            self._namespaces[name] = (group, layouts[group], ranks)
+            self._namespaces.pop(namespace, None)
+            self._namespaces[namespace] = (group, layouts[group], ranks)
             while len(self._namespaces) > NAMESPACES:
                 self._namespaces.popitem(last=False)
 
-    def keys(self, model: str, salt: str, hashes: list[bytes]) -> list[ObjectKey]:
+    def keys(self, namespace: NamespaceLabel, hashes: list[bytes]) -> list[ObjectKey]:
         """Every rank's object of these chunks in a registered namespace (its
         first object group); ValueError for bad hashes or too many,
         LookupError for a namespace no engine registered here."""
-        return [k for chunk in self._chunk_keys(model, salt, hashes)[0] for k in chunk]
+        return [k for chunk in self._chunk_keys(namespace, hashes)[0] for k in chunk]
 
     def _chunk_keys(
-        self, model: str, salt: str, hashes: list[bytes]
+        self, namespace: NamespaceLabel, hashes: list[bytes]
     ) -> tuple[list[list[ObjectKey]], int, KVLayout]:
         if not 0 < len(hashes) <= MAX_CHUNKS:
             raise ValueError(f"give 1 to {MAX_CHUNKS} chunk hashes, got {len(hashes)}")
         if any(len(h) != HASH_BYTES for h in hashes) or len(set(hashes)) != len(hashes):
             raise ValueError(f"chunk hashes are {HASH_BYTES} distinct bytes (64 hex digits) each")
         with self._lock:
-            known = self._namespaces.get(f"{model}@{salt}")
+            known = self._namespaces.get(namespace)
         if known is None:
             self.counters.add("unknown_namespace")
-            raise LookupError(f"no engine registered model {model!r} with salt {salt!r} here")
+            raise LookupError(
+                f"no engine registered model {namespace.model!r} with salt {namespace.salt!r} here"
+            )
         group, layout, ranks = known
-        return chunk_keys(hashes, model, ranks, group, salt), group, layout
+        keys = chunk_keys(hashes, namespace.model, ranks, group, namespace.salt)
+        return keys, group, layout
 
-    def start(self, model: str, salt: str, hashes: list[bytes]) -> int:
+    def start(self, namespace: NamespaceLabel, hashes: list[bytes]) -> int:
         """Start loading these chunks; how many were asked for. ValueError
-        (the message says what to change) for a namespace no engine
-        registered here, bad hashes or too many."""
-        keys, group, layout = self._chunk_keys(model, salt, hashes)
+        (the message says what to change) for bad hashes or too many,
+        LookupError for a namespace no engine registered here."""
+        keys, group, layout = self._chunk_keys(namespace, hashes)
         with self._lock:
             if self._pending >= MAX_PENDING:
                 self.counters.add("refused_busy")
@@ -97,10 +99,8 @@ class Warmup:
 
     def _settle(self, handle: PrefetchHandle) -> None:
         try:
-            deadline = self._storage.config.prefetch.deadline_s + LOOKUP_GRACE_S
-            result = self._storage.collect(handle, deadline)
+            result = self._storage.collect_or_abandon(handle)
             if result is None:
-                handle.abandon()
                 self.counters.add("unanswered")
                 return
             locked: list[ObjectKey] = list(result.placements)

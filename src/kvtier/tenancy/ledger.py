@@ -36,15 +36,9 @@ import threading
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from kvtier.keys import NamespaceLabel
+
 EWMA = 0.2
-MIN_RATE_TOKENS = 32  # a forward computing at least this many tokens samples the prefill rate
-
-
-def prefill_rate(seconds: float, computed_tokens: int) -> float:
-    """What an engine measures as its prefill seconds per token for a forward
-    that computed ``computed_tokens`` in ``seconds``: 0.0 (no sample) when
-    too few tokens ran for the time to mean a rate."""
-    return seconds / computed_tokens if computed_tokens >= MIN_RATE_TOKENS else 0.0
 
 
 @dataclass(slots=True)
@@ -64,9 +58,9 @@ class SavingsLedger:
     def __init__(self, default_prefill_s_per_token: float | None = None) -> None:
         self.default_rate = default_prefill_s_per_token
         self._lock = threading.Lock()
-        self._entries: dict[tuple[str, str], _Entry] = {}
+        self._entries: dict[tuple[str, NamespaceLabel], _Entry] = {}
 
-    def served(self, tenant: str, namespace: str, tier: str, tokens: int) -> None:
+    def served(self, tenant: str, namespace: NamespaceLabel, tier: str, tokens: int) -> None:
         """A lookup answered ``tokens`` from ``tier`` (offered, not saved)."""
         with self._lock:
             entry = self._entries.setdefault((tenant, namespace), _Entry())
@@ -75,7 +69,7 @@ class SavingsLedger:
     def reported(
         self,
         tenant: str,
-        namespace: str,
+        namespace: NamespaceLabel,
         prefill_s_per_token: float,
         load_s: float,
         loaded_tokens: int,
@@ -100,7 +94,7 @@ class SavingsLedger:
                 entry.saved_s += loaded_tokens * price
             entry.reports += 1
 
-    def measured_rate(self, tenant: str, namespace: str) -> float | None:
+    def measured_rate(self, tenant: str, namespace: NamespaceLabel) -> float | None:
         """The prefill seconds per token the namespace's engines reported (None: none yet)."""
         with self._lock:
             entry = self._entries.get((tenant, namespace))
@@ -114,14 +108,15 @@ class SavingsLedger:
         tenants: dict[str, dict[str, float]] = {}
         with self._lock:
             items = [(k, _copy(e)) for k, e in self._entries.items()]
-        for (tenant, namespace), entry in sorted(items):
+        # In the text order of the namespaces, as listings show them.
+        for (tenant, namespace), entry in sorted(items, key=lambda i: (i[0][0], str(i[0][1]))):
             rate = entry.rate if entry.rate is not None else self.default_rate
             saved = _saved(entry, rate)
             served = sum(entry.served.values())
             rows.append(
                 {
                     "tenant": tenant,
-                    "namespace": namespace,
+                    "namespace": str(namespace),
                     "served_tokens": dict(entry.served),
                     "loaded_tokens": entry.loaded_tokens,
                     "prefill_s_per_token": rate,
@@ -142,20 +137,6 @@ class SavingsLedger:
             total["net_s"] = total["saved_s"] - total["load_s"]
         return {"namespaces": rows, "tenants": tenants}
 
-    def status(self) -> dict[str, float]:
-        """Flat numbers for /metrics, keyed ``tenant/namespace[/tier]``."""
-        out: dict[str, float] = {}
-        for row in self.report()["namespaces"]:
-            where = f"{row['tenant']}/{row['namespace']}"
-            for tier, tokens in row["served_tokens"].items():
-                out[f"served_tokens.{where}/{tier}"] = tokens
-            out[f"loaded_tokens.{where}"] = row["loaded_tokens"]
-            out[f"load_seconds.{where}"] = row["load_s"]
-            if row["saved_s"] is not None:
-                out[f"saved_seconds.{where}"] = row["saved_s"]
-                out[f"net_seconds.{where}"] = row["net_s"]
-        return out
-
 
 def _saved(entry: _Entry, rate: float | None) -> float | None:
     """Seconds saved: the priced loads, plus those that waited for a rate
@@ -169,4 +150,4 @@ def _copy(entry: _Entry) -> _Entry:
     return replace(entry, served=dict(entry.served))
 
 
-__all__ = ["SavingsLedger", "prefill_rate"]
+__all__ = ["SavingsLedger"]

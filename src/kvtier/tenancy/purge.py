@@ -1,5 +1,5 @@
 """``Purger``: remove a namespace's (or a tenant's) objects from every tier,
-in batches, on a thread of its own, with progress.
+in batches, on a worker thread that runs while any job does, with progress.
 
 A job names a ``KeySelector`` and goes, one batch at a time (the server
 keeps serving in between)::
@@ -30,8 +30,14 @@ so nothing new appears behind it. Jobs are kept in ``state_file`` (JSON, next
 to the fs L2) after every step: a server restarted mid-purge resumes each
 unfinished job from the start (every step is idempotent). Only the last
 ``KEPT_FINISHED_JOBS`` finished jobs are kept, so that many purges cost
-neither memory nor a state file rewritten ever longer. Thread safety: one
-lock guards the job table; the storage has its own.
+neither memory nor a state file rewritten ever longer.
+
+The worker starts with the first running job (``start``, or a job resumed
+from the state file) and ends once no job runs: a server that purges
+nothing holds no thread for it. Thread safety: one lock guards the job
+table and the worker's handle (a job started as the worker finds nothing
+left to do either is seen by it or starts a new one); the storage has its
+own lock.
 """
 
 from __future__ import annotations
@@ -127,12 +133,12 @@ class Purger:
         self.hold_wait_s = config.hold_wait_s
         self._lock = threading.Lock()
         self._jobs: dict[str, PurgeJob] = {}
-        self._wake = threading.Event()
         self._stop = threading.Event()
-        for job in self._load():
-            self._jobs[job.id] = job
-        self._thread = threading.Thread(target=self._run, name="kvtier-purge", daemon=True)
-        self._thread.start()
+        self._worker: threading.Thread | None = None  # alive while a job runs
+        with self._lock:
+            for job in self._load():
+                self._jobs[job.id] = job
+            self._start_worker_locked()
 
     # ---------------------------------------------------------- requests
 
@@ -145,7 +151,7 @@ class Purger:
             job = PurgeJob(uuid.uuid4().hex[:12], selector.model, selector.salt)
             self._jobs[job.id] = job
             self._save_locked()
-        self._wake.set()
+            self._start_worker_locked()
         log.info("purge %s: %s started", job.id, selector.name())
         return job
 
@@ -169,20 +175,30 @@ class Purger:
             return job.to_json() if job is not None else None
 
     def close(self) -> None:
-        self._stop.set()
-        self._wake.set()
-        self._thread.join(timeout=10)
+        """Stop the worker between two steps (unfinished jobs resume at the next start)."""
+        with self._lock:
+            self._stop.set()
+            worker = self._worker
+        if worker is not None:
+            worker.join(timeout=10)
 
     # ------------------------------------------------------------ worker
+
+    def _start_worker_locked(self) -> None:
+        """Start the worker if a job runs and no worker does (caller holds the lock)."""
+        if self._worker is not None or self._stop.is_set():
+            return
+        if any(j.state == "running" for j in self._jobs.values()):
+            self._worker = threading.Thread(target=self._run, name="kvtier-purge", daemon=True)
+            self._worker.start()
 
     def _run(self) -> None:
         while not self._stop.is_set():
             with self._lock:
                 running = [j for j in self._jobs.values() if j.state == "running"]
-            if not running:
-                self._wake.wait(timeout=1.0)
-                self._wake.clear()
-                continue
+                if not running:
+                    self._worker = None  # a later start() starts another
+                    return
             for job in running:
                 try:
                     self._purge(job)
@@ -191,7 +207,7 @@ class Purger:
                     self._finish(job, "failed", str(exc))
 
     def _purge(self, job: PurgeJob) -> None:
-        tiers = [L1_TIER, *(a.name for a in self.storage.adapters)]
+        tiers = self.storage.tiers()  # L1_TIER first
         for name in tiers:
             job.tiers.setdefault(name, TierProgress())
         for settling in (False, True):
@@ -214,24 +230,20 @@ class Purger:
         unreachable at once), then wait for write-backs of them to end. In
         the last pass L2 holds nothing of it, so no new load can start: the
         loads in flight are waited for first, and purged here too."""
-        selector, l1 = job.selector, self.storage.l1
+        selector, storage = job.selector, self.storage
         if settling and not self._wait_l1(
-            job,
-            "being loaded or stored",
-            lambda: sum(selector.matches(k) for k in l1.staging_keys()),
+            job, "being loaded or stored", lambda: storage.staging_count(selector)
         ):
             return False
-        matched = [k for k, _ in l1.resident_objects() if selector.matches(k)]
+        matched = storage.resident_keys(selector)
         for start in range(0, len(matched), self.batch):
-            results = l1.purge(matched[start : start + self.batch])
+            results = storage.purge_l1(matched[start : start + self.batch])
             progress.deleted += sum(r in (L1Result.SUCCESS, L1Result.LOCKED) for r in results)
             progress.held += sum(r is L1Result.LOCKED for r in results)
             if self._step(job):
                 return False
         if not self._wait_l1(
-            job,
-            "being written to an L2",
-            lambda: sum(bool(io) and selector.matches(k) for k, io in l1.doomed_objects()),
+            job, "being written to an L2", lambda: storage.purged_in_io_count(selector)
         ):
             return False
         progress.passes += 1
@@ -253,11 +265,10 @@ class Purger:
         return True
 
     def _l2(self, job: PurgeJob, name: str, progress: TierProgress) -> bool:
-        adapter = next(a for a in self.storage.adapters if a.name == name)
         cursor: str | None = None
         while not progress.done:
             try:
-                step = adapter.purge(job.selector, cursor, self.batch)
+                step = self.storage.purge_l2(name, job.selector, cursor, self.batch)
             except Exception as exc:
                 progress.errors += 1
                 log.warning("purge %s: %s failed (%s); retrying", job.id, name, exc)

@@ -44,6 +44,7 @@ from typing import Any
 
 from kvtier.keys import salt_label
 from kvtier.l1.quotas import OwnerLimit
+from kvtier.storage import Owners
 from kvtier.units import parse_size
 
 ANY_SALT = "*"
@@ -165,11 +166,20 @@ class TenantTable:
         return None
 
     def l1_limits(self) -> dict[str, OwnerLimit]:
-        """Every tenant's L1 limits, for ``L1Manager.set_owners``."""
+        """Every tenant's L1 limits (part of ``owners``)."""
         return {
             t.name: OwnerLimit(t.quota.l1_bytes, t.quota.l1_hard_bytes, t.quota.pin_bytes)
             for t in self.tenants.values()
         }
+
+    def owners(self) -> Owners:
+        """Who owns each salt's objects, each tenant's L1 limits and its caps
+        in each L2 adapter: for ``StorageManager(owners=...)``."""
+        caps: dict[str, dict[str, int]] = {}
+        for tenant in self.tenants.values():
+            for adapter, cap in tenant.quota.l2_bytes.items():
+                caps.setdefault(adapter, {})[tenant.name] = cap
+        return Owners(self.tenant_of, self.l1_limits(), caps)
 
     def tenant_of(self, salt: str) -> str:
         """Whose objects a salt label's are, for quotas and usage: the owner,

@@ -18,8 +18,9 @@ depends on what one node can see:
   not seen, so this errs toward refusing.
 
 ``gate`` runs on the store controller's thread, ``on_stored`` on the
-adapters' threads, ``refresh`` on this object's thread; one lock guards the
-counters.
+adapters' threads, ``refresh`` on the server's upkeep clock (every
+``refresh_s`` while ``active``, off its loop: ``kvtier.server.upkeep``); one
+lock guards the counters.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ import threading
 from collections.abc import Callable
 
 from kvtier.counters import Counters
-from kvtier.keys import ObjectKey
+from kvtier.keys import NamespaceLabel, ObjectKey
 from kvtier.l2.base import TaskKind, TaskResult
 from kvtier.storage import StorageManager
 from kvtier.tenancy.tenants import TenantTable
@@ -41,10 +42,11 @@ IDLE_REFRESH_S = 60.0
 class L2Usage:
     """See the module docstring."""
 
-    def __init__(
-        self, storage: StorageManager, tenants: TenantTable, refresh_s: float = 2.0
-    ) -> None:
-        self.storage = storage
+    def __init__(self, tenants: TenantTable, refresh_s: float = 2.0) -> None:
+        """Built before the storage, which takes ``gate`` and ``on_stored`` at
+        construction (``StorageManager(..., owners=tenants.owners(),
+        store_gate=usage.gate, on_stored=usage.on_stored)``); ``watch`` it
+        then, before it takes stores."""
         self.tenants = tenants
         self.refresh_s = refresh_s
         self.counters = Counters()
@@ -52,29 +54,34 @@ class L2Usage:
         self._owner: Callable[[str], str] = tenants.tenant_of
         self._held: dict[tuple[str, str], int] = {}  # (tenant, adapter) -> bytes, local
         self._written: dict[tuple[str, str], int] = {}  # (tenant, adapter) -> bytes, gated
-        self._namespaces: dict[tuple[str, str, str], list[int]] = {}  # (model, salt, adapter)
+        self._namespaces: dict[tuple[NamespaceLabel, str], list[int]] = {}  # (namespace, adapter)
         self._pending: dict[tuple[str, str], int] = {}  # approved, not yet stored
         self._caps = {
             (t.name, adapter): cap
             for t in tenants.tenants.values()
             for adapter, cap in t.quota.l2_bytes.items()
         }
-        self._local = {  # the adapters that keep their caps as each store lands
-            a.name
-            for a in storage.adapters
-            if not a.shared
-            and a.set_owners(self._owner, {t: c for (t, n), c in self._caps.items() if n == a.name})
-        }
+        self._storage: StorageManager | None = None  # set once, by watch
+        self._local: frozenset[str] = frozenset()  # adapters that keep their caps themselves
+
+    def watch(self, storage: StorageManager) -> None:
+        """Count what ``storage``'s node-local adapters hold, from now on: the
+        storage built with this usage's hooks (see ``__init__``)."""
+        if self._storage is not None:
+            raise ValueError("L2Usage.watch: this usage already watches a storage")
+        self._storage = storage
+        self._local = storage.self_capped_tiers()
         # Re-counting a disk of a million objects is not free: often only where
         # a tenant near its local cap wants to see it, else now and then.
         if not any(adapter in self._local for _, adapter in self._caps):
-            self.refresh_s = max(refresh_s, IDLE_REFRESH_S)
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
-        if self._caps or self._local:
+            self.refresh_s = max(self.refresh_s, IDLE_REFRESH_S)
+        if self.active:
             self.refresh()
-            self._thread = threading.Thread(target=self._run, name="kvtier-l2-usage", daemon=True)
-            self._thread.start()
+
+    @property
+    def active(self) -> bool:
+        """Whether there is usage to count (a cap, or an adapter that keeps caps)."""
+        return bool(self._caps or self._local)
 
     # ---------------------------------------------------------- write-back
 
@@ -109,7 +116,7 @@ class L2Usage:
                     self._pending[slot] = max(0, self._pending[slot] - per_key)
                 if ok:
                     self._written[slot] = self._written.get(slot, 0) + per_key
-                    where = (key.model, key.salt, result.adapter)
+                    where = (NamespaceLabel.of_key(key), result.adapter)
                     counts = self._namespaces.setdefault(where, [0, 0])
                     counts[0] += 1
                     counts[1] += per_key
@@ -124,8 +131,8 @@ class L2Usage:
                 out.setdefault(tenant, {})[adapter] = nbytes
         return out
 
-    def written(self) -> dict[tuple[str, str, str], tuple[int, int]]:
-        """(model, salt, shared adapter) -> (objects, bytes) this server wrote."""
+    def written(self) -> dict[tuple[NamespaceLabel, str], tuple[int, int]]:
+        """(namespace, shared adapter) -> (objects, bytes) this server wrote."""
         with self._lock:
             return {k: (v[0], v[1]) for k, v in self._namespaces.items()}
 
@@ -141,30 +148,18 @@ class L2Usage:
 
     def refresh(self) -> None:
         """Re-count what each tenant holds in the node-local adapters."""
-        for adapter in self.storage.adapters:
-            if adapter.name not in self._local:
-                continue
+        if self._storage is None:
+            return
+        for adapter in self._local:
             per_tenant: dict[str, int] = {}
-            for key, size in adapter.held_sizes():
+            for key, size in self._storage.held_sizes(adapter):
                 tenant = self._owner(key.salt)
                 per_tenant[tenant] = per_tenant.get(tenant, 0) + size
             with self._lock:
-                for slot in [s for s in self._held if s[1] == adapter.name]:
+                for slot in [s for s in self._held if s[1] == adapter]:
                     del self._held[slot]
                 for tenant, used in per_tenant.items():
-                    self._held[(tenant, adapter.name)] = used
-
-    def close(self) -> None:
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join(timeout=5)
-
-    def _run(self) -> None:
-        while not self._stop.wait(self.refresh_s):
-            try:
-                self.refresh()
-            except Exception:
-                log.exception("L2 usage: a refresh failed")
+                    self._held[(tenant, adapter)] = used
 
 
 __all__ = ["L2Usage"]

@@ -12,7 +12,7 @@ import pytest
 import torch
 from rich.console import Console
 
-from kvtier.bench.blend_eval import (
+from kvtier.bench.blend.evaluation import (
     BlendEvalRequest,
     Measured,
     _rows_to_resume,
@@ -24,7 +24,7 @@ from kvtier.bench.blend_eval import (
     spelling,
     summarize,
 )
-from kvtier.bench.blend_report import answers_table, latency_table, quality_plot, quality_table
+from kvtier.bench.blend.report import answers_table, latency_table, quality_plot, quality_table
 from kvtier.bench.retrieval import RetrievalSpec, document_pool, retrieval_prompts
 
 

@@ -17,10 +17,10 @@ METRICS = """# HELP vllm:prefix_cache_hits Prefix cache hits
 vllm:prefix_cache_hits_total{engine="0",model_name="m"} 512.0
 # TYPE vllm:external_prefix_cache_hits counter
 vllm:external_prefix_cache_hits_total{engine="0",model_name="m"} 256.0
-# TYPE kvtier_storage_prefetch_loaded_objects gauge
-kvtier_storage_prefetch_loaded_objects{key="redis"} 3.0
-# TYPE kvtier_storage_l2_redis_load_bytes gauge
-kvtier_storage_l2_redis_load_bytes{key=""} 3145728.0
+# TYPE kvtier_storage_prefetch_loaded_objects counter
+kvtier_storage_prefetch_loaded_objects_total{adapter="redis"} 3.0
+# TYPE kvtier_storage_l2_load_bytes counter
+kvtier_storage_l2_load_bytes_total{adapter="redis"} 3145728.0
 """
 
 
@@ -38,8 +38,8 @@ def test_parse_counters_and_keys() -> None:
         "vllm:external_prefix_cache_hits_total": 256.0,
     }
     kvtier = parse_counters(METRICS, "kvtier_")
-    assert by_key(kvtier, "kvtier_storage_prefetch_loaded_objects") == {"redis": 3.0}
-    assert kvtier["kvtier_storage_l2_redis_load_bytes"] == 3145728.0
+    assert by_key(kvtier, "kvtier_storage_prefetch_loaded_objects_total") == {"redis": 3.0}
+    assert kvtier["kvtier_storage_l2_load_bytes_total{redis}"] == 3145728.0
 
 
 def test_percentiles_interpolate() -> None:
@@ -72,8 +72,8 @@ def test_summarize() -> None:
     after_counters = dict(before.counters)
     after_counters["vllm:prefix_cache_hits_total"] += 1000
     after_counters["vllm:external_prefix_cache_hits_total"] += 500
-    after_counters["kvtier_storage_prefetch_loaded_objects{redis}"] += 2
-    after_counters["kvtier_storage_l2_redis_load_bytes"] += 2 << 20
+    after_counters["kvtier_storage_prefetch_loaded_objects_total{redis}"] += 2
+    after_counters["kvtier_storage_l2_load_bytes_total{redis}"] += 2 << 20
     after_counters["kvtier_storage_l1_staging_bytes"] = 4096.0
     after = Sample(3.0, after_counters, 30)
     reference = {"a": [1, 2, 3], "b": [4, 0], "c": [6, 7, 8, 9]}
@@ -178,10 +178,10 @@ def test_fault_summary_against_the_run_without_the_fault() -> None:
 def test_recovery_is_when_the_store_is_back_and_reseeded() -> None:
     def sample(t: float, reseeds: int, pending: int, reseeded: int, loads: int) -> Sample:
         counters = {
-            "kvtier_storage_store_reseeds{redis}": float(reseeds),
+            "kvtier_storage_store_reseeds_total{redis}": float(reseeds),
             "kvtier_storage_store_reseed_objects": float(pending),
-            "kvtier_storage_store_reseeded_objects{redis}": float(reseeded),
-            "kvtier_storage_prefetch_loaded_objects{redis}": float(loads),
+            "kvtier_storage_store_reseeded_objects_total{redis}": float(reseeded),
+            "kvtier_storage_prefetch_loaded_objects_total{redis}": float(loads),
         }
         return Sample(t, counters, 0)
 

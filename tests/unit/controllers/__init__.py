@@ -24,6 +24,7 @@ from kvtier.l2.base import L2Adapter
 from kvtier.l2.mock import MockAdapter
 from kvtier.layout import KVLayout
 from kvtier.storage import StorageConfig, StorageManager
+from tests import storage_parts
 from tests.ledger import assert_clean
 
 LAYOUT = KVLayout(1, 1, 64, "float32", 16)
@@ -48,11 +49,11 @@ def wait_until(predicate: Callable[[], bool], what: str) -> None:
 
 
 def mocks(storage: StorageManager) -> list[MockAdapter]:
-    return [a for a in storage.adapters if isinstance(a, MockAdapter)]
+    return [a for a in storage_parts.adapters(storage) if isinstance(a, MockAdapter)]
 
 
 def adapter(storage: StorageManager, name: str) -> L2Adapter:
-    (found,) = [a for a in storage.adapters if a.name == name]
+    (found,) = [a for a in storage_parts.adapters(storage) if a.name == name]
     return found
 
 
@@ -69,7 +70,7 @@ def failures(a: L2Adapter) -> dict[str, int]:
 
 
 def prefetch_idle(storage: StorageManager) -> bool:
-    status = storage.prefetch.status()
+    status = storage.status()["prefetch"]
     return all(
         counters(status, gauge) == 0
         for gauge in ("active_requests", "backlog_requests", "inflight_objects", "inflight_bytes")
@@ -82,7 +83,7 @@ def assert_settled(storage: StorageManager) -> None:
     assert storage.flush(timeout=WAIT_S)
     wait_until(lambda: prefetch_idle(storage), "the prefetch controller to go idle")
     assert storage.status()["held_lookup_locks"] == 0
-    assert_clean(storage.l1)
+    assert_clean(storage)
     for mock in mocks(storage):
         assert mock.status()["leases"] == 0, mock.name
 
@@ -102,8 +103,8 @@ def seed_l2(
     storage.store(list(data), list(data.values()), LAYOUT)
     assert storage.flush(timeout=WAIT_S)
     gone = [k for k in keys if k not in set(keep)]
-    storage.l1.delete(gone)
-    assert [storage.l1.contains(k) for k in keys] == [k in set(keep) for k in keys]
+    storage.delete_l1(gone)
+    assert [storage.in_l1(k) for k in keys] == [k in set(keep) for k in keys]
     return data
 
 

@@ -22,6 +22,7 @@ from kvtier.l2.fs import FSAdapter
 from kvtier.l2.mock import MockAdapter
 from kvtier.layout import KVLayout
 from kvtier.storage import StorageManager
+from tests import storage_parts
 from tests.conftest import FakeClock, make_key
 from tests.ledger import assert_clean
 from tests.unit.controllers import (
@@ -57,7 +58,7 @@ def the_mock(storage: StorageManager, name: str = "mock") -> MockAdapter:
 
 
 def prefetch_status(storage: StorageManager) -> dict[str, object]:
-    return storage.prefetch.status()
+    return storage.status()["prefetch"]
 
 
 def assert_hit(
@@ -93,7 +94,7 @@ def test_l1_part_and_l2_rest_make_a_full_hit(stack: Stack) -> None:
     assert mock.status()["lookup_keys"] == mock.status()["load_keys"] == 5
     assert mock.status()["leases"] == 0
     storage.release(keys)
-    assert all(storage.l1.contains(k) for k in keys)  # retain_loaded: they stay
+    assert all(storage.in_l1(k) for k in keys)  # retain_loaded: they stay
     again = storage.lookup(keys, LAYOUT)
     assert_hit(storage, again, keys, data, 8, {L1_TIER: 8})
     storage.release(keys)
@@ -152,9 +153,9 @@ def test_an_object_nobody_has_ends_the_prefix(stack: Stack) -> None:
     assert_hit(storage, result, keys, data, 3, {"mock": 3})
     assert result.miss_reason is MissReason.NOT_FOUND
     assert prefetch_status(storage)["miss_reasons.not_found"] == 1
-    assert storage.l1.audit()["read_locks"] == 3  # keys[4] (in L1, past the gap) released
+    assert storage.l1_audit()["read_locks"] == 3  # keys[4] (in L1, past the gap) released
     assert mock.status()["load_keys"] == 3 and counters(fs.status(), "load_keys") == 0
-    assert not storage.l1.contains(keys[5])  # past the prefix: not loaded
+    assert not storage.in_l1(keys[5])  # past the prefix: not loaded
     storage.release(keys[:3])
     assert_settled(storage)
 
@@ -169,7 +170,7 @@ def test_without_a_layout_only_l1_hits_count(stack: Stack) -> None:
     assert result.miss_reason is MissReason.NOT_IN_L1
     storage.release(keys[:2])
     assert counters(mock.status(), "lookup_keys") == counters(mock.status(), "load_keys") == 0
-    storage.l1.delete(keys[:1])
+    storage.delete_l1(keys[:1])
     assert storage.lookup(keys).hit_chunks == 0  # the first chunk needs L2: no layout
     assert_settled(storage)
 
@@ -219,7 +220,7 @@ def test_a_corrupt_copy_is_a_miss_at_that_chunk(
     stack: Stack, spec: str, how: str, reason: str
 ) -> None:
     storage = stack.build({"type": "mock"} if spec == "mock" else stack.fs())
-    (store,) = storage.adapters
+    (store,) = storage_parts.adapters(storage)
     keys = [make_key(i) for i in range(4)]
     data = seed_l2(storage, keys)
     if isinstance(store, MockAdapter):
@@ -229,7 +230,7 @@ def test_a_corrupt_copy_is_a_miss_at_that_chunk(
     result = storage.lookup(keys, LAYOUT)
     assert_hit(storage, result, keys, data, 2, {spec: 2})
     assert result.miss_reason is MissReason.CORRUPT
-    assert not storage.l1.contains(keys[2])
+    assert not storage.in_l1(keys[2])
     assert store.status()["corrupt_objects"] == 1
     assert failures(store) == {f"corrupt_{reason}": 1}
     storage.release(keys[:2])
@@ -239,7 +240,7 @@ def test_a_corrupt_copy_is_a_miss_at_that_chunk(
         assert isinstance(store, FSAdapter)
         assert not store.path_of(keys[2]).exists()
         assert store.status()["objects"] == 3
-    storage.l1.clear()
+    storage.clear_l1()
     again = storage.lookup(keys, LAYOUT)
     assert_hit(storage, again, keys, data, 2, {spec: 2})
     assert again.miss_reason is MissReason.NOT_FOUND  # the bad copy is gone
@@ -275,10 +276,10 @@ def test_load_failures_end_the_prefix_at_the_first_failed_chunk(stack: Stack) ->
     result = storage.lookup(keys, LAYOUT)
     assert_hit(storage, result, keys, data, 2, {L1_TIER: 2})
     assert result.miss_reason is MissReason.LOAD_FAILED
-    assert storage.l1.audit()["read_locks"] == 2  # keys[3] (L1, past the failure) released
+    assert storage.l1_audit()["read_locks"] == 2  # keys[3] (L1, past the failure) released
     assert prefetch_status(storage)["failed_loads.mock"] == 2  # keys 2 and 4
     assert failures(mock) == {"error": 2}
-    assert not storage.l1.contains(keys[2]) and not storage.l1.contains(keys[4])
+    assert not storage.in_l1(keys[2]) and not storage.in_l1(keys[4])
     storage.release(keys[:2])
     assert_settled(storage)
 
@@ -303,7 +304,7 @@ def test_a_hang_past_the_deadline_gives_what_l1_had(stack: Stack) -> None:
     wait_until(lambda: failures(mock).get("timeout") == 2, "the hung lookup to end")
     mock.faults.hang_s = 0.0
     assert failures(mock) == {"timeout": 2}
-    assert not storage.l1.contains(keys[2]) and not storage.l1.contains(keys[3])
+    assert not storage.in_l1(keys[2]) and not storage.in_l1(keys[3])
     assert_settled(storage)
 
 
@@ -323,7 +324,7 @@ def test_a_load_that_hangs_past_the_deadline_is_dropped(stack: Stack) -> None:
     wait_until(lambda: failures(mock).get("timeout") == 2, "the hung load to end")
     mock.faults.hang_s = 0.0
     wait_until(lambda: prefetch_idle(storage), "the late load to be dropped")
-    assert not storage.l1.contains(keys[2]) and not storage.l1.contains(keys[3])
+    assert not storage.in_l1(keys[2]) and not storage.in_l1(keys[3])
     assert prefetch_status(storage)["failed_loads.mock"] == 2
     assert_settled(storage)
 
@@ -339,13 +340,13 @@ def test_a_load_that_lands_after_the_deadline_is_admitted_unlocked(stack: Stack)
     assert prefetch_status(storage)["deadline_misses"] == 1
     storage.release(keys[:2])
     gate.wait_for(lambda g: g.calls >= 1, "the load to reach the adapter")
-    assert not storage.l1.contains(keys[2])  # still held at the adapter
+    assert not storage.in_l1(keys[2])  # still held at the adapter
     gate.open()
     wait_until(
-        lambda: prefetch_idle(storage) and storage.l1.contains(keys[3]),
+        lambda: prefetch_idle(storage) and storage.in_l1(keys[3]),
         "the late load to land",
     )
-    assert storage.l1.contains(keys[2])
+    assert storage.in_l1(keys[2])
     assert prefetch_status(storage)["loaded_objects.mock"] == 2
     assert_settled(storage)  # admitted without a lock; the leases are returned
     again = storage.lookup(keys, LAYOUT)
@@ -503,7 +504,7 @@ def test_eviction_racing_prefetch_never_evicts_a_reported_hit(stack: Stack) -> N
         stop.set()
         thread.join()
     assert errors == []
-    assert storage.l1.status()["evictions"] > 0
+    assert storage.l1_status()["evictions"] > 0
     assert_settled(storage)
 
 
@@ -517,19 +518,19 @@ def test_close_with_a_load_in_flight_releases_exactly_what_was_held(stack: Stack
     gate = stack.gate(mock, "_load")
     handle = storage.submit_lookup([(k,) for k in keys], {0: LAYOUT}, deadline_s=60)
     gate.wait_for(lambda g: g.calls >= 1, "the load to reach the adapter")
-    assert storage.l1.audit()["read_locks"] == 4  # two for `held`, two for the request
+    assert storage.l1_audit()["read_locks"] == 4  # two for `held`, two for the request
 
     ledger: list[dict[str, int] | BaseException] = []
-    real_close = storage.l1.close
+    real_close = storage_parts.l1(storage).close
 
     def audited_close() -> None:  # the ledger just before L1 goes away
         try:
-            ledger.append(assert_clean(storage.l1))
+            ledger.append(assert_clean(storage))
         except BaseException as exc:
             ledger.append(exc)
         real_close()
 
-    storage.l1.close = audited_close  # type: ignore[method-assign]
+    storage_parts.l1(storage).close = audited_close  # type: ignore[method-assign]
     errors: list[BaseException] = []
 
     def close() -> None:
@@ -569,7 +570,7 @@ def test_a_rank_missing_a_chunk_ends_the_prefix_and_frees_the_other_ranks(
     assert result.hit_chunks == 2
     assert dict(result.objects_by_tier) == {L1_TIER: 4}
     assert list(result.placements) == hit
-    assert storage.l1.audit()["read_locks"] == 4  # rank 0 of chunks 2 and 3 released
+    assert storage.l1_audit()["read_locks"] == 4  # rank 0 of chunks 2 and 3 released
     assert read_back(storage, hit) == [data[k].tobytes() for k in hit]
     storage.release(hit)
     assert_settled(storage)
@@ -588,7 +589,7 @@ def test_a_rank_missing_a_chunk_in_l2_ends_the_prefix(stack: Stack) -> None:
     assert list(result.placements) == hit
     assert read_back(storage, hit) == [data[k].tobytes() for k in hit]
     assert mock.status()["load_keys"] == 4  # nothing of chunks 2 and 3 was loaded
-    assert not storage.l1.contains(chunks[2][0])
+    assert not storage.in_l1(chunks[2][0])
     storage.release(hit)
     assert_settled(storage)
 
@@ -608,9 +609,9 @@ def test_without_retain_loaded_loaded_objects_leave_l1_at_their_last_release(
     second = storage.lookup(keys, LAYOUT)  # a second holder of the same objects
     assert_hit(storage, second, keys, data, 4, {L1_TIER: 4})
     storage.release(keys)
-    assert all(storage.l1.contains(k) for k in keys)  # still held by the second lookup
+    assert all(storage.in_l1(k) for k in keys)  # still held by the second lookup
     storage.release(keys)
-    assert [storage.l1.contains(k) for k in keys] == [True, True, False, False]
+    assert [storage.in_l1(k) for k in keys] == [True, True, False, False]
     assert_settled(storage)
 
 
@@ -626,7 +627,7 @@ def test_duplicate_keys_in_one_lookup_are_refused(stack: Stack) -> None:
     with pytest.raises(ValueError, match="appears twice"):
         storage.lookup_chunks([(keys[0], keys[1]), (keys[1],)], {0: LAYOUT})
     assert storage.flush(timeout=10)  # the store controller's locks go once written back
-    assert storage.l1.audit()["read_locks"] == 0  # nothing was locked
+    assert storage.l1_audit()["read_locks"] == 0  # nothing was locked
     assert_settled(storage)
 
 
@@ -689,7 +690,7 @@ def test_an_l2_object_larger_than_l1_is_a_miss(stack: Stack) -> None:
     assert (result.hit_chunks, dict(result.objects_by_tier)) == (0, {})
     assert result.miss_reason is MissReason.NO_ROOM
     assert counters(prefetch_status(small), "staging_out_of_memory") == 2  # per object
-    assert small.l1.status()["too_large"] == 1
+    assert small.l1_status()["too_large"] == 1
     assert "worker_errors" not in prefetch_status(small)
     seed = seed_l2(small, [make_key(10)])  # the worker still serves lookups
     result = small.lookup([make_key(10)], LAYOUT)
@@ -704,7 +705,7 @@ def test_a_failing_worker_step_ends_only_its_request(
     storage = stack.build({"type": "mock"})
     keys = [make_key(i) for i in range(4)]
     data = seed_l2(storage, keys, keep=keys[:1])
-    real = storage.l1.reserve_write
+    real = storage_parts.l1(storage).reserve_write
     failures_left = [1]
 
     def reserve_write(*args: object, **kwargs: object) -> object:
@@ -713,13 +714,13 @@ def test_a_failing_worker_step_ends_only_its_request(
             raise RuntimeError("injected")
         return real(*args, **kwargs)  # type: ignore[arg-type]
 
-    monkeypatch.setattr(storage.l1, "reserve_write", reserve_write)
+    monkeypatch.setattr(storage_parts.l1(storage), "reserve_write", reserve_write)
     result = storage.lookup(keys, LAYOUT)
     assert (result.hit_chunks, dict(result.objects_by_tier)) == (0, {})  # given up: a miss
     assert result.miss_reason is MissReason.ERROR
     assert counters(prefetch_status(storage), "worker_errors") == 1
     wait_until(lambda: prefetch_idle(storage), "the prefetch controller to go idle")
-    assert_clean(storage.l1)  # the L1 lock of the request was released
+    assert_clean(storage)  # the L1 lock of the request was released
     assert the_mock(storage).status()["leases"] == 0
     result = storage.lookup(keys, LAYOUT)  # the worker goes on
     assert_hit(storage, result, keys, data, 4, {L1_TIER: 1, "mock": 3})
@@ -740,7 +741,7 @@ def test_a_backlog_request_holds_no_l1_lock_while_it_waits(stack: Stack) -> None
     gate.wait_for(lambda g: g.calls >= 1, "the first lookup to be loading")
     second = storage.submit_lookup([[k] for k in keys[3:]], {0: LAYOUT})  # L1 has keys[3]
     wait_until(lambda: prefetch_status(storage).get("backlog_requests") == 1, "a backlog")
-    assert storage.l1.audit()["read_locks"] == 1  # the first request's; not the parked one's
+    assert storage.l1_audit()["read_locks"] == 1  # the first request's; not the parked one's
     third = storage.submit_lookup([[keys[3]], [make_key(99)]], {0: LAYOUT})  # backlog full
     third_result = storage.collect(third, timeout=10)
     assert third_result is not None and third_result.hit_chunks == 1  # what L1 had, at once
@@ -787,7 +788,7 @@ def test_lookups_racing_stop_are_all_answered(stack: Stack) -> None:
     for thread in threads:
         thread.start()
     go.set()
-    storage.prefetch.stop()
+    storage_parts.prefetch(storage).stop()
     for thread in threads:
         thread.join()
     assert len(handles) == 600
@@ -799,7 +800,7 @@ def test_lookups_racing_stop_are_all_answered(stack: Stack) -> None:
         storage.release(list(result.placements))
     assert storage.status()["held_lookup_locks"] == 0
     assert storage.flush(timeout=10)
-    assert_clean(storage.l1)
+    assert_clean(storage)
 
 
 def test_a_lookup_the_worker_never_answers_is_a_miss_not_a_hang(
@@ -811,14 +812,14 @@ def test_a_lookup_the_worker_never_answers_is_a_miss_not_a_hang(
     keys = [make_key(i) for i in range(3)]
     seed_l2(storage, keys, keep=keys[:1])
     stuck, entered = threading.Event(), threading.Event()
-    admit = storage.prefetch._admit
+    admit = storage_parts.prefetch(storage)._admit
 
     def stuck_admit(request: object) -> None:
         entered.set()
         stuck.wait(timeout=30)
         admit(request)  # type: ignore[arg-type]
 
-    monkeypatch.setattr(storage.prefetch, "_admit", stuck_admit)
+    monkeypatch.setattr(storage_parts.prefetch(storage), "_admit", stuck_admit)
     monkeypatch.setattr("kvtier.storage.LOOKUP_GRACE_S", 0.05)
     result = storage.lookup(keys, LAYOUT, deadline_s=0.05)
     assert (result.hit_chunks, dict(result.placements)) == (0, {})

@@ -14,6 +14,7 @@ from kvtier.controllers import L1_TIER, LookupResult, MissReason
 from kvtier.keys import ObjectKey
 from kvtier.read_or_recompute import LinkCost, LinkEstimate, cheapest_prefix, verdict
 from kvtier.storage import StorageManager
+from tests import storage_parts
 from tests.conftest import make_key
 from tests.unit.controllers import LAYOUT, Stack, assert_settled, seed_l2
 
@@ -74,15 +75,15 @@ def lookup(storage: StorageManager, keys: list[ObjectKey], per_chunk: float | No
 def test_a_slow_tier_is_read_only_where_it_beats_recompute(stack: Stack) -> None:
     # 20 ms a round trip and ~8 ms an object (8 KiB at 1 MB/s)
     storage = stack.build({"type": "mock", "latency_s": 0.02, "bandwidth_bytes_per_s": 1e6})
-    mock = storage.adapters[0]
+    mock = storage_parts.adapters(storage)[0]
     keys = [make_key(i) for i in range(6)]
     seed_l2(storage, keys, keep=keys[:2])
     for _ in range(2):  # without a rate every chunk is loaded; the tier's cost is learned
         result = lookup(storage, keys, None)
         assert result.hit_chunks == 6
         storage.release(keys)
-        storage.l1.delete(keys[2:])
-    learned = storage.prefetch.status()
+        storage.delete_l1(keys[2:])
+    learned = storage.status()["prefetch"]
     assert learned["link_latency_s.mock"] > 0 and learned["link_bytes_per_s.mock"] > 0
     loads = mock.status()["load_keys"]
 
@@ -91,7 +92,7 @@ def test_a_slow_tier_is_read_only_where_it_beats_recompute(stack: Stack) -> None
     assert result.hit_chunks == 2 and dict(result.objects_by_tier) == {L1_TIER: 2}
     assert result.miss_reason is MissReason.RECOMPUTE_CHEAPER
     storage.release(keys[:2])
-    status = storage.prefetch.status()
+    status = storage.status()["prefetch"]
     assert status["recompute_cheaper_chunks"] == 4
     assert status["recompute_cheaper_chunks.mock"] == 4
     assert status["miss_reasons.recompute_cheaper"] == 1

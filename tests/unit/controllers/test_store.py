@@ -18,6 +18,7 @@ from kvtier.l1 import L1Result
 from kvtier.l2.fs import FSAdapter
 from kvtier.l2.mock import MockAdapter
 from kvtier.storage import StorageManager
+from tests import storage_parts
 from tests.conftest import FakeClock, S, make_key
 from tests.ledger import assert_clean
 from tests.unit.controllers import (
@@ -56,7 +57,7 @@ def store_status(storage: StorageManager) -> dict[str, object]:
 
 def test_policy_all_writes_every_object_to_every_writable_adapter(stack: Stack) -> None:
     storage = stack.build({"type": "mock"}, stack.fs())
-    mock, fs = storage.adapters
+    mock, fs = storage_parts.adapters(storage)
     assert isinstance(mock, MockAdapter) and isinstance(fs, FSAdapter)
     keys = [make_key(i) for i in range(5)]
     assert storage.store(keys, [payload(i) for i in range(5)], LAYOUT) == [L1Result.SUCCESS] * 5
@@ -75,7 +76,7 @@ def test_policy_all_writes_every_object_to_every_writable_adapter(stack: Stack) 
 
 def test_write_false_excludes_an_adapter_from_write_back(stack: Stack) -> None:
     storage = stack.build({"type": "mock", "write": False}, stack.fs())
-    mock, fs = storage.adapters
+    mock, fs = storage_parts.adapters(storage)
     assert isinstance(mock, MockAdapter) and isinstance(fs, FSAdapter)
     keys = [make_key(i) for i in range(3)]
     storage.store(keys, [payload(i) for i in range(3)], LAYOUT)
@@ -91,7 +92,7 @@ def test_write_false_excludes_an_adapter_from_write_back(stack: Stack) -> None:
 
 def test_hit_count_policy_writes_an_object_after_its_second_hit(stack: Stack) -> None:
     storage = stack.build({"type": "mock"}, store=StoreConfig(policy="hit_count>=2"))
-    (mock,) = storage.adapters
+    (mock,) = storage_parts.adapters(storage)
     assert isinstance(mock, MockAdapter)
     keys = [make_key(i) for i in range(3)]
     storage.store(keys, [payload(i) for i in range(3)], LAYOUT)
@@ -121,7 +122,7 @@ def test_hit_count_policy_writes_an_object_after_its_second_hit(stack: Stack) ->
 
 def test_policy_none_writes_nothing(stack: Stack) -> None:
     storage = stack.build({"type": "mock"}, stack.fs(), store=StoreConfig(policy="none"))
-    mock, fs = storage.adapters
+    mock, fs = storage_parts.adapters(storage)
     assert isinstance(mock, MockAdapter) and isinstance(fs, FSAdapter)
     keys = [make_key(i) for i in range(4)]
     storage.store(keys, [payload(i) for i in range(4)], LAYOUT)
@@ -157,7 +158,7 @@ def test_locked_until_written_back_and_at_most_one_batch_in_flight(stack: Stack)
         {"type": "mock", "io_threads": 8},
         store=StoreConfig(batch_objects=batch, max_inflight_bytes=batch * OBJ),
     )
-    (mock,) = storage.adapters
+    (mock,) = storage_parts.adapters(storage)
     gate = stack.gate(mock, "_store")
     keys = [make_key(i) for i in range(8)]
     storage.store(keys, [payload(i) for i in range(8)], LAYOUT)
@@ -173,10 +174,10 @@ def test_locked_until_written_back_and_at_most_one_batch_in_flight(stack: Stack)
         in_flight = keys[(step - 1) * batch : step * batch]
         assert sorted(gate.keys[-batch:], key=keys.index) == in_flight
         assert len(gate.keys) == step * batch
-        audit = storage.l1.audit()
+        audit = storage.l1_audit()
         pending = len(keys) - (step - 1) * batch  # in flight or queued
         assert audit["read_locks"] == pending and audit["io_fences"] == batch, audit
-        assert storage.l1.delete(keys[(step - 1) * batch :]) == [L1Result.LOCKED] * pending
+        assert storage.delete_l1(keys[(step - 1) * batch :]) == [L1Result.LOCKED] * pending
         assert store_status(storage)["inflight_bytes"] == batch * OBJ
         assert store_status(storage)["pinned_bytes"] == queued * OBJ
         gate.release_entered()
@@ -185,7 +186,7 @@ def test_locked_until_written_back_and_at_most_one_batch_in_flight(stack: Stack)
     assert mock.status()["store_keys"] == mock.status()["store_ok"] == 8
     assert set(mock.keys()) == set(keys)
     assert_settled(storage)
-    assert storage.l1.delete(keys) == [L1Result.SUCCESS] * 8  # nothing kept locked
+    assert storage.delete_l1(keys) == [L1Result.SUCCESS] * 8  # nothing kept locked
 
 
 def test_in_flight_bytes_stay_under_a_bound_that_is_not_a_whole_batch(stack: Stack) -> None:
@@ -193,7 +194,7 @@ def test_in_flight_bytes_stay_under_a_bound_that_is_not_a_whole_batch(stack: Sta
         {"type": "mock", "io_threads": 8},
         store=StoreConfig(batch_objects=2, max_inflight_bytes=3 * OBJ),
     )
-    (mock,) = storage.adapters
+    (mock,) = storage_parts.adapters(storage)
     gate = stack.gate(mock, "_store")
     keys = [make_key(i) for i in range(8)]
     storage.store(keys, [payload(i) for i in range(8)], LAYOUT)
@@ -220,7 +221,7 @@ def test_objects_not_yet_written_back_are_never_evicted(stack: Stack) -> None:
         l1_bytes=16 * PAGE,  # eight objects
         store=StoreConfig(batch_objects=1, max_inflight_bytes=OBJ, pinned_fraction=1.0),
     )
-    (mock,) = storage.adapters
+    (mock,) = storage_parts.adapters(storage)
     assert isinstance(mock, MockAdapter)
     gate = stack.gate(mock, "_store")
     keys = [make_key(i) for i in range(10)]
@@ -229,8 +230,8 @@ def test_objects_not_yet_written_back_are_never_evicted(stack: Stack) -> None:
     gate.wait_for(lambda g: g.active_bytes == OBJ, "the first store to be in flight")
     results = [storage.store([k], [d], LAYOUT)[0] for k, d in zip(keys[1:], data[1:], strict=True)]
     assert results == [L1Result.SUCCESS] * 7 + [L1Result.OUT_OF_MEMORY] * 2
-    assert storage.l1.status()["evictions"] == 0
-    assert storage.l1.delete(keys[:8]) == [L1Result.LOCKED] * 8
+    assert storage.l1_status()["evictions"] == 0
+    assert storage.delete_l1(keys[:8]) == [L1Result.LOCKED] * 8
     gate.open()
     assert storage.flush(timeout=10)
     status = store_status(storage)
@@ -249,7 +250,7 @@ def test_past_the_pinned_bound_objects_may_go_before_their_turn(stack: Stack) ->
         l1_bytes=32 * PAGE,  # 16 objects
         store=StoreConfig(batch_objects=1, max_inflight_bytes=OBJ, pinned_fraction=0.125),
     )
-    (mock,) = storage.adapters
+    (mock,) = storage_parts.adapters(storage)
     assert isinstance(mock, MockAdapter)
     gate = stack.gate(mock, "_store")
     keys = [make_key(i) for i in range(4)]
@@ -259,8 +260,8 @@ def test_past_the_pinned_bound_objects_may_go_before_their_turn(stack: Stack) ->
         "the first object to be in flight",
     )
     assert store_status(storage)["unpinned_over_bound"] == 2
-    assert storage.l1.delete(keys[:2]) == [L1Result.LOCKED] * 2  # in flight, pinned
-    assert storage.l1.delete(keys[2:]) == [L1Result.SUCCESS] * 2  # queued, unpinned
+    assert storage.delete_l1(keys[:2]) == [L1Result.LOCKED] * 2  # in flight, pinned
+    assert storage.delete_l1(keys[2:]) == [L1Result.SUCCESS] * 2  # queued, unpinned
     gate.open()
     assert storage.flush(timeout=10)
     status = store_status(storage)
@@ -275,7 +276,7 @@ def test_past_the_pinned_bound_objects_may_go_before_their_turn(stack: Stack) ->
 
 def test_store_failures_are_counted_and_nothing_reaches_l2(stack: Stack) -> None:
     storage = stack.build({"type": "mock", "fail_store_rate": 1.0})
-    (mock,) = storage.adapters
+    (mock,) = storage_parts.adapters(storage)
     assert isinstance(mock, MockAdapter)
     keys = [make_key(i) for i in range(4)]
     assert storage.store(keys, [payload(i) for i in range(4)], LAYOUT) == [L1Result.SUCCESS] * 4
@@ -286,7 +287,7 @@ def test_store_failures_are_counted_and_nothing_reaches_l2(stack: Stack) -> None
     assert counters(status, "stored_bytes.mock") == 0
     assert mock.keys() == []
     assert failures(mock) == {"error": 4}
-    assert storage.l1.delete(keys) == [L1Result.SUCCESS] * 4
+    assert storage.delete_l1(keys) == [L1Result.SUCCESS] * 4
     result = storage.lookup(keys, LAYOUT)
     assert (result.hit_chunks, dict(result.objects_by_tier)) == (0, {})
     assert_settled(storage)
@@ -311,13 +312,13 @@ def test_objects_l1_readmits_are_not_written_again(stack: Stack) -> None:
     960 distinct ones, because an object re-admitted to L1 was written to
     every adapter again. Now each adapter is asked first."""
     storage = stack.build(stack.fs(), {"type": "mock"})
-    fs, mock = storage.adapters
+    fs, mock = storage_parts.adapters(storage)
     keys = [make_key(i) for i in range(10)]
     data = [payload(i) for i in range(10)]
     for _ in range(5):  # stored, dropped from L1, stored again by the next request
         assert storage.store(keys, data, LAYOUT) == [L1Result.SUCCESS] * 10
         assert storage.flush(timeout=10)
-        assert storage.l1.delete(keys) == [L1Result.SUCCESS] * 10
+        assert storage.delete_l1(keys) == [L1Result.SUCCESS] * 10
     status = store_status(storage)
     for a in (fs, mock):
         assert counters(a.status(), "store_keys") == 50  # asked about every time...
@@ -347,13 +348,13 @@ def outage(storage: StorageManager, mock: MockAdapter, clock: FakeClock, *, wipe
 
 def test_a_store_that_comes_back_empty_is_reseeded_from_l1(stack: Stack, clock: FakeClock) -> None:
     storage = stack.build({"type": "mock"}, stack.fs())
-    mock, _ = storage.adapters
+    mock, _ = storage_parts.adapters(storage)
     assert isinstance(mock, MockAdapter)
     mock.clock = clock
     keys = [make_key(i) for i in range(6)]
     storage.store(keys, [payload(i) for i in range(6)], LAYOUT)
     assert storage.flush(timeout=10)
-    storage.l1.delete(keys[4:])  # L1 keeps four
+    storage.delete_l1(keys[4:])  # L1 keeps four
     outage(storage, mock, clock, wipe=True)
     assert storage.flush(timeout=10)  # re-seeding is part of what flush waits for
     assert set(mock.keys()) == set(keys[:4])  # what L1 held; the rest is gone for good
@@ -362,7 +363,7 @@ def test_a_store_that_comes_back_empty_is_reseeded_from_l1(stack: Stack, clock: 
     assert counters(status, "reseeded_objects.mock") == 4
     assert "reseeds.fs" not in status  # the fs adapter never failed
     assert counters(mock.status(), "store_present") == 0
-    storage.l1.delete(keys[:4])
+    storage.delete_l1(keys[:4])
     result = storage.lookup(keys, LAYOUT)  # fs has all six; the mock is asked first
     assert (result.hit_chunks, dict(result.objects_by_tier)) == (6, {"mock": 4, "fs": 2})
     storage.release(keys)
@@ -373,7 +374,7 @@ def test_a_store_that_kept_its_objects_costs_only_a_lookup_to_reseed(
     stack: Stack, clock: FakeClock
 ) -> None:
     storage = stack.build({"type": "mock"})
-    (mock,) = storage.adapters
+    (mock,) = storage_parts.adapters(storage)
     assert isinstance(mock, MockAdapter)
     mock.clock = clock
     keys = [make_key(i) for i in range(4)]
@@ -391,7 +392,7 @@ def test_a_store_that_kept_its_objects_costs_only_a_lookup_to_reseed(
 
 def test_no_reseed_under_other_policies(stack: Stack, clock: FakeClock) -> None:
     storage = stack.build({"type": "mock"}, store=StoreConfig(policy="hit_count>=1"))
-    (mock,) = storage.adapters
+    (mock,) = storage_parts.adapters(storage)
     assert isinstance(mock, MockAdapter)
     mock.clock = clock
     keys = [make_key(i) for i in range(2)]
@@ -410,9 +411,9 @@ def test_a_failing_worker_step_is_counted_and_leaves_nothing_held(
     stack: Stack, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     storage = stack.build({"type": "mock"})
-    (mock,) = storage.adapters
+    (mock,) = storage_parts.adapters(storage)
     assert isinstance(mock, MockAdapter)
-    real_fence = storage.l1.fence
+    real_fence = storage_parts.l1(storage).fence
     failures_left = [1]
 
     def fence(keys: list[ObjectKey], tag: Any = None) -> Any:
@@ -421,7 +422,7 @@ def test_a_failing_worker_step_is_counted_and_leaves_nothing_held(
             raise RuntimeError("injected")
         return real_fence(keys, tag)
 
-    monkeypatch.setattr(storage.l1, "fence", fence)
+    monkeypatch.setattr(storage_parts.l1(storage), "fence", fence)
     keys = [make_key(i) for i in range(4)]
     assert storage.store(keys[:2], [payload(i) for i in range(2)], LAYOUT) == [S, S]
     assert storage.flush(timeout=10)
@@ -437,20 +438,21 @@ def test_stop_gives_back_the_pins_of_queued_objects(stack: Stack) -> None:
     storage = stack.build(
         {"type": "mock"}, store=StoreConfig(batch_objects=1, max_inflight_bytes=OBJ)
     )
-    (mock,) = storage.adapters
+    (mock,) = storage_parts.adapters(storage)
     gate = stack.gate(mock, "_store")
     keys = [make_key(i) for i in range(4)]
     storage.store(keys, [payload(i) for i in range(4)], LAYOUT)
     gate.wait_for(lambda g: g.calls == 1, "the first store to reach the adapter")
-    assert storage.l1.audit()["read_locks"] == 4
-    stopping = threading.Thread(target=storage.store_controller.stop)
+    assert storage.l1_audit()["read_locks"] == 4
+    stopping = threading.Thread(target=storage_parts.store_controller(storage).stop)
     stopping.start()
     gate.open()
     stopping.join(timeout=10)
     assert not stopping.is_alive()
     assert counters(store_status(storage), "dropped_at_stop") == 3
-    assert_clean(storage.l1)
-    storage.store_controller.on_admitted(keys[:1], "", OBJ, pinned=False)  # after stop: ignored
+    assert_clean(storage)
+    controller = storage_parts.store_controller(storage)
+    controller.on_admitted(keys[:1], "", OBJ, pinned=False)  # after stop: ignored
     assert storage.flush(timeout=1)
 
 
@@ -459,7 +461,7 @@ def test_stop_gives_back_the_pins_of_queued_objects(stack: Stack) -> None:
 
 def test_store_with_a_buffer_of_the_wrong_size_names_the_buffer(stack: Stack) -> None:
     storage = stack.build({"type": "mock"})
-    (mock,) = storage.adapters
+    (mock,) = storage_parts.adapters(storage)
     assert isinstance(mock, MockAdapter)
     keys = [make_key(i) for i in range(3)]
     buffers = [payload(0), payload(1)[:-4], payload(2)]
@@ -467,7 +469,7 @@ def test_store_with_a_buffer_of_the_wrong_size_names_the_buffer(stack: Stack) ->
         storage.store(keys, buffers, LAYOUT)
     with pytest.raises(ValueError, match="buffer 0 has"):
         storage.store(keys[:1], [np.zeros(OBJ, dtype=np.uint16)], LAYOUT)
-    assert storage.l1.status()["resident_objects"] == 0  # nothing of the batch was stored
+    assert storage.l1_status()["resident_objects"] == 0  # nothing of the batch was stored
     assert storage.flush(timeout=10)
     assert mock.keys() == []
     assert_settled(storage)

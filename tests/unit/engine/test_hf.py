@@ -383,7 +383,7 @@ def test_generate_stops_at_eos(llama: transformers.PreTrainedModel) -> None:
 
 def assert_nothing_held(storage: StorageManager, engine: KVTierModel) -> None:
     assert storage.held_locks() == 0
-    status = storage.l1.status()
+    status = storage.l1_status()
     assert status["locked_objects"] == status["fenced_objects"] == 0
     assert isinstance(engine.link, LocalLink) and engine.link._locked == {}
 
@@ -414,7 +414,7 @@ def test_local_link_leaves_no_locks(
         assert_nothing_held(storage, engine)
         engine.prefill(ids)  # the prefill alone, again (now a hit where there are chunks)
         assert_nothing_held(storage, engine)
-    assert storage.l1.status()["resident_objects"] == 6  # 4 + the 2 diverging chunks
+    assert storage.l1_status()["resident_objects"] == 6  # 4 + the 2 diverging chunks
 
 
 def test_prefill_says_why_its_hit_ends(

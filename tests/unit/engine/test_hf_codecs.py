@@ -48,8 +48,8 @@ def int8_storage() -> Iterator[StorageManager]:
 def from_l2(engine: KVTierModel, storage: StorageManager, ids: list[int]) -> None:
     """Store ``ids``' chunks, write them back to L2, and empty L1."""
     engine.prefill(ids)
-    assert storage.store_controller.flush(30)
-    storage.l1.clear()
+    assert storage.flush(30)
+    storage.clear_l1()
 
 
 def test_a_zstd_l2_gives_back_exact_kv(
@@ -61,7 +61,7 @@ def test_a_zstd_l2_gives_back_exact_kv(
     got = engine.generate(ids, 4)
     assert got.prefill.tokens_by_tier == {"mock": 64}
     assert_same_output(KVTierModel(llama).generate(ids, 4), got)
-    stored = zstd_storage.adapters[0].status()
+    stored = zstd_storage.status()["l2"]["mock"]  # type: ignore[index]
     assert stored["codec"] == "zstd" and stored.get("corrupt_objects", 0) == 0
 
 
@@ -75,9 +75,8 @@ def test_int8_kv_has_keys_of_its_own_and_comes_back_close(
     assert lossy.prefill(ids).hit_tokens == 0  # exact KV is never served as lossy's, nor back
     from_l2(lossy, int8_storage, ids)
     assert exact.prefill(ids).tokens_by_tier == {"mock": 64}  # stored as it is: exact
-    int8_storage.l1.clear()
-    mock = int8_storage.adapters[0]
-    sizes = dict(mock.held_sizes())  # type: ignore[attr-defined]
+    int8_storage.clear_l1()
+    sizes = dict(int8_storage.held_sizes("mock"))
     assert len(sizes) == 8 and len(set(sizes.values())) == 2  # 4 exact and 4 int8 objects
     got = lossy.prefill(ids)
     assert got.tokens_by_tier == {"mock": 64} and not got.load_failed

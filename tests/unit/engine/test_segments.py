@@ -93,7 +93,7 @@ def test_ratio_one_is_full_prefill_and_generation_goes_on_from_it(
         got = engine.generate(ids, 6, segments=spans, blend=BlendConfig(ratio=1.0, mask=mask))
         assert_same_output(reference, got, TOLERANCE)
         assert got.prefill.blend is not None and got.prefill.blend.work == 1.0
-    assert_clean(storage.l1)
+    assert_clean(storage)
 
 
 @pytest.mark.parametrize(("anchored", "at_offset"), [(True, True), (True, False), (False, True)])
@@ -150,7 +150,7 @@ def test_segments_are_stored_alone_once_then_found_in_l1(
     pieces = 1 + 1 + 1 + 3  # 12, 5, 16 and 40 tokens at 16 per piece
     assert first.bytes_stored == pieces * engine._segments().layout.object_bytes()
     assert first.hit_tokens == 0 and first.blend.computed_alone_tokens == 73
-    assert storage.l1.status()["resident_objects"] == pieces
+    assert storage.l1_status()["resident_objects"] == pieces
 
     second = engine.prefill(ids, segments=spans, blend=config)
     assert second.blend is not None and second.blend.segments_found == 4
@@ -164,8 +164,8 @@ def test_segments_are_stored_alone_once_then_found_in_l1(
     question = len(PARTS[-1])
     assert stats.layer_tokens == [question + round(0.3 * 56)] * len(stats.layer_tokens)
     assert stats.work == pytest.approx((question + 17 + question) / len(ids))
-    assert storage.l1.status()["resident_objects"] == pieces
-    assert_clean(storage.l1)
+    assert storage.l1_status()["resident_objects"] == pieces
+    assert_clean(storage)
 
 
 def test_the_same_documents_in_another_order_reuse_the_same_objects(
@@ -208,7 +208,7 @@ def test_at_offset_a_document_is_found_again_within_the_same_power_of_two(
     placed = engine.prefill(ids, segments=spans, blend=BlendConfig(ratio=0.0)).blend
     assert placed is not None and placed.segments_found == 3
     assert (placed.exact_tokens, placed.candidate_tokens) == (12 + 8, len(document))
-    assert_clean(storage.l1)
+    assert_clean(storage)
 
 
 def test_documents_stored_after_a_system_prompt_are_found_after_it_only(
@@ -227,7 +227,7 @@ def test_documents_stored_after_a_system_prompt_are_found_after_it_only(
     # and the anchored documents are still there for the first system prompt
     got = engine.prefill(ids, segments=spans, blend=BlendConfig(ratio=0.0))
     assert got.blend is not None and got.blend.segments_found == 4
-    assert_clean(storage.l1)
+    assert_clean(storage)
 
 
 def test_blended_kv_is_never_stored_as_prefix_chunks(
@@ -270,7 +270,7 @@ def test_segments_of_a_prompt_and_prefix_chunks_never_share_keys(
     engine.prefill(ids)  # 3 prefix chunks
     got = engine.prefill([*ids, 1], segments=[(0, 48)])
     assert got.blend is not None and got.blend.segments_found == 0
-    assert storage.l1.status()["resident_objects"] == 6
+    assert storage.l1_status()["resident_objects"] == 6
 
 
 @pytest.mark.parametrize(
@@ -320,7 +320,7 @@ def test_a_failing_load_computes_the_segment_and_nothing_is_held(
     got = engine.prefill(ids, segments=spans, blend=BlendConfig(ratio=0.3))
     assert got.blend is not None and got.blend.segments_found == 0
     assert (got.logits - clean.logits).abs().max().item() <= TOLERANCE
-    assert_clean(storage.l1)
+    assert_clean(storage)
     assert isinstance(engine.link.inner, LocalLink) and engine.link.inner._locked == {}
 
 

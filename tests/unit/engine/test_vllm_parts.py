@@ -60,6 +60,7 @@ def test_bad_settings_name_the_key(extra: dict[str, object], names: str) -> None
 def test_request_salt_wins_unless_fixed() -> None:
     by_request = ConnectorSettings(salt="default")
     assert by_request.salt_for("tenant-a") == "tenant-a"
+    assert by_request.salt_for("acme corp") == "acme corp"  # as given: the identity labels it
     assert by_request.salt_for(None) == "default"
     assert ConnectorSettings(salt="default", salt_source="fixed").salt_for("t") == "default"
 

@@ -26,14 +26,13 @@ from kvtier.l2.format import (
     Corruption,
     CorruptObject,
     checksum,
-    decode_object,
     encode_header,
-    encode_object,
     unpack_header,
 )
 from kvtier.l2.fs import FSAdapter
 from kvtier.l2.mock import MockAdapter
 from kvtier.l2.payload_codec import PayloadCodec
+from kvtier.l2.stored_value import decode_object, encode_object
 from kvtier.layout import KVLayout
 from tests.conftest import make_key
 from tests.unit.l2.harness import Change, Harness, payload
@@ -402,7 +401,8 @@ import resource
 import numpy as np, zstandard
 from kvtier.keys import ObjectKey
 from kvtier.l2.payload_codec import PayloadCodec
-from kvtier.l2.format import CorruptObject, decode_object, encode_header
+from kvtier.l2.format import CorruptObject, encode_header
+from kvtier.l2.stored_value import decode_object
 
 declared, size = 256 << 20, 64 << 10
 compressor = zstandard.ZstdCompressor(level=1).compressobj(size=declared)

@@ -34,13 +34,13 @@ from kvtier.l2 import (
     make_adapter,
 )
 from kvtier.l2.base import Buffer, CompletionCallback
-from kvtier.l2.format import decode_object, encode_object
 from kvtier.l2.fs import FSAdapter
 from kvtier.l2.mock import MockAdapter
 from kvtier.l2.mooncake import MooncakeAdapter
 from kvtier.l2.payload_codec import PayloadCodec
 from kvtier.l2.redis import RedisAdapter
 from kvtier.l2.s3 import S3Adapter
+from kvtier.l2.stored_value import decode_object, encode_object
 from tests.conftest import make_key
 from tests.servers import MooncakeProcess, RedisProcess, SeaweedProcess
 from tests.unit.l2.harness import Change, Harness, drain, payload

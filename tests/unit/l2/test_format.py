@@ -17,13 +17,12 @@ from kvtier.l2.format import (
     CorruptObject,
     Header,
     checksum,
-    decode_object,
     encode_header,
-    encode_object,
     layout_bytes,
     parse_header,
     verify_payload,
 )
+from kvtier.l2.stored_value import decode_object, encode_object
 from tests.conftest import make_key
 from tests.unit.l2.harness import payload
 

@@ -20,8 +20,9 @@ from hypothesis import strategies as st
 from kvtier.keys import ObjectKey
 from kvtier.l2 import ADAPTER_TYPES, CompletionQueue, make_adapter
 from kvtier.l2.base import Buffer
-from kvtier.l2.format import encode_header, encode_object
+from kvtier.l2.format import encode_header
 from kvtier.l2.fs import DIRECT_ALIGN, FSAdapter
+from kvtier.l2.stored_value import encode_object
 from tests.conftest import make_key
 from tests.unit.l2.harness import Harness, payload
 

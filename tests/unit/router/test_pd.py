@@ -18,7 +18,7 @@ import pytest
 from aiohttp import web
 
 from kvtier.router.body import MAX_DEPTH
-from kvtier.router.pd import PDProxy
+from kvtier.router.pd.proxy import PDProxy
 from tests.unit.router.standin import tokenize
 
 PROMPT = [5, 6, 7, 8]

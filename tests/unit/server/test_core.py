@@ -12,7 +12,7 @@ from kvtier.protocol import messages as p
 from kvtier.server.core import CacheServer
 from kvtier.server.limits import ServerLimits
 from kvtier.server.requests import Awaiting, Deferred
-from kvtier.storage import StorageManager
+from kvtier.storage import L1, StorageManager
 from kvtier.tenancy.tenants import TenantTable
 from tests.conftest import FakeClock
 from tests.ledger import assert_clean
@@ -81,7 +81,7 @@ def test_lookup_query_retrieve_release(server: CacheServer, storage: StorageMana
     assert isinstance(err, p.Error) and err.code == "released"
     assert call(server, b"A", p.EndSession("r")) == p.Ack()  # releases chunks 2 and 3
     assert storage.status()["held_lookup_locks"] == 0
-    assert_clean(storage.l1)
+    assert_clean(storage)
 
 
 def test_ranks_count_only_chunks_every_rank_has(
@@ -90,15 +90,16 @@ def test_ranks_count_only_chunks_every_rank_has(
     hello(server, ranks=2)
     hs = hashes(3)
     store(server, b"A", hs, ranks=2)
-    rank1_chunk1 = [k for k in storage.l1._resident if k.chunk_hash == hs[1] and k.kv_rank == 1]
-    assert storage.l1.delete(rank1_chunk1) == [L1Result.SUCCESS]
+    held = [k for k, _ in storage.held_sizes(L1)]
+    rank1_chunk1 = [k for k in held if k.chunk_hash == hs[1] and k.kv_rank == 1]
+    assert storage.delete_l1(rank1_chunk1) == [L1Result.SUCCESS]
     call(server, b"A", p.Lookup("r", hs))
     assert call(server, b"A", p.Query("r")).hit_chunks == 1
     assert (
         storage.status()["held_lookup_locks"] == 2
     )  # chunk 0, both ranks; rank 0 of chunk 1 released
     call(server, b"A", p.EndSession("r"))
-    assert_clean(storage.l1)
+    assert_clean(storage)
 
 
 def test_store_reservation_commit_and_abort(server: CacheServer, storage: StorageManager) -> None:
@@ -106,13 +107,13 @@ def test_store_reservation_commit_and_abort(server: CacheServer, storage: Storag
     hs = hashes(2)
     reserved = call(server, b"A", p.StoreReserve("w", hs))
     assert isinstance(reserved, p.Reserved) and all(o >= 0 for o in reserved.offsets)
-    assert storage.l1.status()["staging_objects"] == 2
+    assert storage.l1_status()["staging_objects"] == 2
     assert call(server, b"A", p.StoreCommit(reserved.reservation)) == p.Committed(2)
     assert isinstance(call(server, b"A", p.StoreCommit(reserved.reservation)), p.Error)
     again = call(server, b"A", p.StoreReserve("w2", hs + hashes(1, seed=9)))
     assert isinstance(again, p.Reserved) and again.offsets[:2] == [-1, -1]  # resident already
     assert call(server, b"A", p.StoreAbort(again.reservation)) == p.Ack()
-    assert_clean(storage.l1)
+    assert_clean(storage)
 
 
 def test_vanished_client_is_reclaimed(
@@ -128,8 +129,8 @@ def test_vanished_client_is_reclaimed(
     clock.advance(31)  # no ping, no request: the client is gone
     server.tick()
     assert storage.status()["held_lookup_locks"] == 0
-    assert server.status()["store_reservations"] == 0
-    assert_clean(storage.l1)
+    assert server.status().store_reservations == 0
+    assert_clean(storage)
     err = call(server, b"A", p.Query("r"))
     assert isinstance(err, p.Error) and err.code == "no_hello"
 
@@ -147,8 +148,8 @@ def test_idle_session_expires_but_pinging_client_stays(
         call(server, b"A", p.Ping())
         server.tick()
     assert storage.status()["held_lookup_locks"] == 0  # the session's 10 s ran out
-    assert server.status()["clients"] == 1
-    assert_clean(storage.l1)
+    assert server.status().clients == 1
+    assert_clean(storage)
 
 
 def test_hello_errors(server: CacheServer, storage: StorageManager) -> None:
@@ -193,8 +194,8 @@ def test_refused_lookup_leaves_no_session(server: CacheServer, storage: StorageM
     h = hashes(1)
     err = call(server, b"A", p.Lookup("r", h + h))  # the same chunk twice
     assert isinstance(err, p.Error) and err.code == "bad_request"
-    assert server.status()["sessions"] == 0
-    assert_clean(storage.l1)
+    assert server.status().sessions == 0
+    assert_clean(storage)
 
 
 def test_both_store_paths_count_resident_objects_as_stored(
@@ -208,7 +209,7 @@ def test_both_store_paths_count_resident_objects_as_stored(
     reserved = call(server, b"A", p.StoreReserve("w", more))
     assert isinstance(reserved, p.Reserved) and reserved.offsets[:2] == [-1, -1]
     assert call(server, b"A", p.StoreCommit(reserved.reservation)) == p.Committed(3)
-    assert_clean(storage.l1)
+    assert_clean(storage)
 
 
 # ------------------------------------------------------- hostile clients
@@ -247,8 +248,8 @@ def test_hello_bounds_every_layout_field_and_the_object_size(
     err = hello_layout(server, **changes)
     assert isinstance(err, p.Error) and err.code == "bad_request", err
     assert message in err.message
-    assert server.status()["clients"] == 0
-    assert server.status()["chunk_size_frozen"] is False
+    assert server.status().clients == 0
+    assert server.status().chunk_size_frozen is False
 
 
 def test_hello_cannot_freeze_an_absurd_chunk_size(server: CacheServer) -> None:
@@ -256,9 +257,9 @@ def test_hello_cannot_freeze_an_absurd_chunk_size(server: CacheServer) -> None:
     msg = p.Hello(p.PROTOCOL_VERSION, "c", "org/m", [LAYOUT], 1, block_alignment=2**40)
     err = call(server, b"A", msg)
     assert isinstance(err, p.Error) and "block_alignment 1099511627776 is outside" in err.message
-    assert server.status()["chunk_size_frozen"] is False
+    assert server.status().chunk_size_frozen is False
     assert isinstance(hello(server), p.Welcome)  # a sane engine after it sets the size
-    assert server.status()["chunk_size"] == 16
+    assert server.status().chunk_size == 16
 
 
 @pytest.mark.parametrize(
@@ -316,12 +317,12 @@ def test_an_answered_lookup_keeps_only_its_hit(
     hs = hashes(3)
     store(server, b"A", hs)
     call(server, b"A", p.Lookup("r", hs + hashes(1000, seed=4)))
-    assert server.status()["session_objects"] == 1003
+    assert server.status().session_objects == 1003
     assert call(server, b"A", p.Query("r")).hit_chunks == 3  # type: ignore[union-attr]
-    assert server.status()["session_objects"] == 3
+    assert server.status().session_objects == 3
     call(server, b"A", p.EndSession("r"))
-    assert server.status()["session_objects"] == 0
-    assert_clean(storage.l1)
+    assert server.status().session_objects == 0
+    assert_clean(storage)
 
 
 def test_session_limits_are_clear_errors(storage: StorageManager, clock: FakeClock) -> None:
@@ -353,7 +354,7 @@ def test_session_limits_are_clear_errors(storage: StorageManager, clock: FakeClo
     err = hello(server, peer=b"B")
     assert isinstance(err, p.Error) and err.code == "busy" and "clients" in err.message
     server.close()
-    assert_clean(storage.l1)
+    assert_clean(storage)
 
 
 def test_a_store_reported_stored_is_kept_while_others_hold_most_of_l1(
@@ -382,7 +383,7 @@ def test_a_store_reported_stored_is_kept_while_others_hold_most_of_l1(
         call(server, b"B", p.Lookup(f"r{i}", new))
         assert call(server, b"B", p.Query(f"r{i}")).hit_chunks == 1  # type: ignore[union-attr]
         call(server, b"B", p.EndSession(f"r{i}"))
-    assert storage.l1.status()["evictions"] == 0
+    assert storage.l1_status()["evictions"] == 0
     call(server, b"A", p.EndSession("hold"))
     server.close()
-    assert_clean(storage.l1)
+    assert_clean(storage)

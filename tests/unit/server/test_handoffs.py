@@ -1,4 +1,4 @@
-"""Hand-offs through the cache server (``kvtier.server.handoffs``): a producer
+"""Hand-offs through the cache server (``kvtier.server.handoff.table``): a producer
 offers committed chunks, one consumer takes them once and loads them with an
 ordinary lookup, and the lease reclaims whatever a dead party leaves; every
 scenario ends with nothing locked."""
@@ -13,8 +13,9 @@ import pytest
 
 from kvtier.l1 import L1Config
 from kvtier.protocol import messages as p
+from kvtier.protocol.status import HandoffHolds
 from kvtier.server.core import CacheServer
-from kvtier.server.handoffs import MAX_HELD, REMEMBERED
+from kvtier.server.handoff.table import MAX_HELD, REMEMBERED
 from kvtier.server.limits import ServerLimits
 from kvtier.storage import StorageConfig, StorageManager
 from tests.conftest import FakeClock
@@ -73,7 +74,7 @@ def test_offer_take_load_done_releases_everything(
     assert take(server, b"D", hs) == "pending"  # before the offer: ask again
     store(server, b"P", hs)
     assert offer(server, hs) == p.HandoffState("offered")
-    assert storage.l1.status()["locked_objects"] == 3  # held for the consumer
+    assert storage.l1_status()["locked_objects"] == 3  # held for the consumer
     assert take(server, b"D", hs) == "granted"
     assert take(server, b"D", hs) == "granted"  # the same taker asking again (a lost reply)
     call(server, b"D", p.Lookup("r", hs))
@@ -82,10 +83,10 @@ def test_offer_take_load_done_releases_everything(
     call(server, b"D", p.EndSession("r"))
     assert done(server, b"D") == "released"
     assert take(server, b"D", hs) == "consumed"  # ended: its outcome is remembered
-    assert server.status()["handoffs"] == {"held": 0, "held_bytes": 0, "taken": 0}
+    assert server.status().handoffs == HandoffHolds(held=0, held_bytes=0, taken=0)
     counters = server.counters.snapshot()
     assert counters["handoffs.offered"] == counters["handoffs.consumed"] == 1
-    assert_clean(storage.l1)
+    assert_clean(storage)
 
 
 def test_the_hold_keeps_the_chunks_in_l1_against_eviction(clock: FakeClock) -> None:
@@ -99,13 +100,13 @@ def test_the_hold_keeps_the_chunks_in_l1_against_eviction(clock: FakeClock) -> N
         assert offer(server, hs) == p.HandoffState("offered")
         for seed in range(1, 5):  # 4 x 32 chunks (4 KiB slots) through a 256 KiB arena
             store(server, b"P", hashes(32, seed=seed))
-        assert small.l1.status()["evictions"] > 0
+        assert small.l1_status()["evictions"] > 0
         assert take(server, b"D", hs) == "granted"
         call(server, b"D", p.Lookup("r", hs))
         assert call(server, b"D", p.Query("r")).hit_chunks == 2
         call(server, b"D", p.EndSession("r"))
         assert done(server, b"D") == "released"
-        assert_clean(small.l1)
+        assert_clean(small)
     finally:
         small.close()
 
@@ -120,7 +121,7 @@ def test_two_consumers_racing_one_wins_the_other_is_told(
     assert done(server, b"E") == "wrong_consumer"  # not its hand-off to end
     assert done(server, b"D") == "released"
     assert take(server, b"E", parties) == "consumed"
-    assert_clean(storage.l1)
+    assert_clean(storage)
 
 
 def test_a_take_that_names_its_token_is_its_takers_over_any_connection(
@@ -138,7 +139,7 @@ def test_a_take_that_names_its_token_is_its_takers_over_any_connection(
     err = call(server, b"D", p.HandoffTake("h1", parties, taker="t" * 257))
     assert isinstance(err, p.Error) and "taker token" in err.message
     assert done(server, b"E", taker="t1") == "released"
-    assert_clean(storage.l1)
+    assert_clean(storage)
 
 
 def test_an_expected_consumer_is_the_only_taker(
@@ -151,7 +152,7 @@ def test_an_expected_consumer_is_the_only_taker(
     assert take(server, b"E", parties, consumer="decode-0") == "granted"
     assert done(server, b"E", consumer="decode-0") == "released"
     assert server.counters.snapshot()["handoffs.refused.wrong_consumer"] == 2
-    assert_clean(storage.l1)
+    assert_clean(storage)
 
 
 def test_the_lease_reclaims_what_a_dead_consumer_leaves(
@@ -162,14 +163,14 @@ def test_the_lease_reclaims_what_a_dead_consumer_leaves(
     assert take(server, b"D", parties) == "granted"  # ... and the consumer dies here
     clock.advance(4)
     server.tick()
-    assert server.status()["handoffs"]["held"] == 1
+    assert server.status().handoffs.held == 1
     clock.advance(1)
     server.tick()
-    assert server.status()["handoffs"]["held"] == 0
+    assert server.status().handoffs.held == 0
     assert take(server, b"E", parties) == "expired"
     assert done(server, b"D") == "expired"
     assert server.counters.snapshot()["handoffs.expired"] == 1
-    assert_clean(storage.l1)
+    assert_clean(storage)
     # The chunks stay in L1 as ordinary cache entries, for later requests' prefixes.
     call(server, b"E", p.Lookup("later", parties))
     assert call(server, b"E", p.Query("later")).hit_chunks == 3
@@ -183,7 +184,7 @@ def test_an_offer_of_chunks_not_all_in_l1_holds_nothing_and_is_remembered(
     reply = offer(server, parties)
     assert reply == p.HandoffState("incomplete", "1 of 3 objects are not in L1")
     assert take(server, b"D", parties) == "incomplete"  # the consumer's wait ends at once
-    assert_clean(storage.l1)
+    assert_clean(storage)
 
 
 def test_a_take_of_another_prompt_namespace_or_layout_is_refused(
@@ -202,7 +203,7 @@ def test_a_take_of_another_prompt_namespace_or_layout_is_refused(
     assert take(server, b"X", parties) == "layout_mismatch"
     assert take(server, b"D", parties) == "granted"  # refusals took nothing
     assert done(server, b"D") == "released"
-    assert_clean(storage.l1)
+    assert_clean(storage)
 
 
 def test_bad_offers_are_refused_with_the_field_to_change(
@@ -228,15 +229,15 @@ def test_an_offer_sent_again_is_answered_with_its_state_and_held_once(
     while the first was out: the server may see it twice."""
     store(server, b"P", parties)
     assert offer(server, parties) == p.HandoffState("offered")
-    locked = storage.l1.status()["locked_objects"]
+    locked = storage.l1_status()["locked_objects"]
     assert offer(server, parties) == p.HandoffState("offered", "offered already")
-    assert storage.l1.status()["locked_objects"] == locked  # not held twice
+    assert storage.l1_status()["locked_objects"] == locked  # not held twice
     assert take(server, b"D", parties) == "granted"
     assert done(server, b"D") == "released"
     assert offer(server, parties) == p.HandoffState("consumed", "it ended already")
     counters = server.counters.snapshot()
     assert counters["handoffs.offered"] == 1 and counters["handoffs.offered_again"] == 2
-    assert_clean(storage.l1)
+    assert_clean(storage)
 
 
 def test_held_and_remembered_hand_offs_are_bounded(
@@ -248,7 +249,7 @@ def test_held_and_remembered_hand_offs_are_bounded(
     err = offer(server, parties[:1], hid="one-more")
     assert isinstance(err, p.Error) and err.code == "busy"
     server.close()  # a stopping server drops every hold
-    assert_clean(storage.l1)
+    assert_clean(storage)
     assert len(server.handoffs._ended) == min(MAX_HELD, REMEMBERED)
 
 
@@ -260,7 +261,7 @@ def test_a_draining_server_takes_no_offers(storage: StorageManager, clock: FakeC
     server.draining = True
     err = offer(server, hs)
     assert isinstance(err, p.Error) and err.code == "draining"
-    assert_clean(storage.l1)
+    assert_clean(storage)
 
 
 # A model of 4 KV heads, head dim 8, one layer: TP 1, 2 and 4 hold 4, 2 and 1 heads a rank.
@@ -306,9 +307,9 @@ def test_a_consumer_of_another_tp_size_loads_its_own_rank_split(
     )
     assert take_tp(server, b"D", own, source) == p.HandoffState("granted")
     assert take_tp(server, b"D", own, source) == p.HandoffState("granted")  # asked again
-    held = server.status()["handoffs"]
+    held = server.status().handoffs
     chunk_bytes = 2 * HEADS * TOKENS * DIM * 4  # K and V of every head, fp32
-    assert held["held_bytes"] == 2 * 3 * chunk_bytes  # both splits of 3 chunks
+    assert held.held_bytes == 2 * 3 * chunk_bytes  # both splits of 3 chunks
     call(server, b"D", p.Lookup("r", own))
     assert call(server, b"D", p.Query("r")).hit_chunks == 3  # type: ignore[union-attr]
     objects, got = answer(server, b"D", p.Retrieve("r", 0, 3))
@@ -318,7 +319,7 @@ def test_a_consumer_of_another_tp_size_loads_its_own_rank_split(
     call(server, b"D", p.EndSession("r"))
     assert done(server, b"D") == "released"
     assert server.counters.snapshot()["handoffs.resharded"] == 1
-    assert_clean(storage.l1)
+    assert_clean(storage)
 
 
 @pytest.mark.parametrize(("producer", "consumer"), [((1, 8), (2, 16)), ((2, 16), (2, 8))])
@@ -345,7 +346,7 @@ def test_a_consumer_of_another_block_size_loads_its_own_pages(
     assert [bytes(g) for g in got] == want
     call(server, b"D", p.EndSession("r"))
     assert done(server, b"D") == "released"
-    assert_clean(storage.l1)
+    assert_clean(storage)
 
 
 def test_what_cannot_be_resharded_is_refused_naming_why(
@@ -370,10 +371,10 @@ def test_what_cannot_be_resharded_is_refused_naming_why(
     reply = take_tp(server, b"F", own, source)
     assert reply.outcome == "layout_mismatch"  # type: ignore[union-attr]
     assert "page formats differ ('canonical' vs 'vllm-cuda-NHD-bs16')" in reply.message  # type: ignore[union-attr]
-    assert server.status()["handoffs"]["taken"] == 0  # refusals took nothing
+    assert server.status().handoffs.taken == 0  # refusals took nothing
     assert take_tp(server, b"D", own, source) == p.HandoffState("granted")
     assert done(server, b"D") == "released"
-    assert_clean(storage.l1)
+    assert_clean(storage)
 
 
 def test_a_hand_off_that_ends_while_it_is_resharded_grants_nothing(
@@ -392,7 +393,7 @@ def test_a_hand_off_that_ends_while_it_is_resharded_grants_nothing(
     server.tick()  # the lease ends first
     reply, _ = deferred.finish(deferred.work())
     assert reply == p.HandoffState("expired", "it ended while its objects were re-sharded")
-    assert_clean(storage.l1)
+    assert_clean(storage)
 
 
 @pytest.fixture
@@ -443,9 +444,9 @@ def test_a_hand_off_offered_on_another_node_is_found_through_the_shared_l2(
     assert done(b, b"D") == "released"
     assert find(b, b"D", hs) == p.HandoffState("consumed")
     assert b.counters.snapshot()["handoffs.found"] == 1
-    assert_clean(b.storage.l1)
+    assert_clean(b.storage)
     a.close()  # the producer's own hold ends with its lease (here: its server stops)
-    assert_clean(a.storage.l1)
+    assert_clean(a.storage)
 
 
 def test_found_hand_offs_are_not_resharded_and_their_lease_reclaims_them(
@@ -464,14 +465,14 @@ def test_found_hand_offs_are_not_resharded_and_their_lease_reclaims_them(
     clock.advance(b.handoffs.max_lease_s)
     b.tick()
     assert find(b, b"D", hs) == p.HandoffState("expired")
-    assert_clean(b.storage.l1)
+    assert_clean(b.storage)
     # A lookup whose consumer stops asking is abandoned after the lease, its locks released.
     other = hashes(2, seed=time.monotonic_ns() % 2**32)
     store(a, b"P", other)
     assert a.storage.flush(timeout=10)
     b.handle(b"D", p.HandoffTake("h2", other, find=True), [])  # ... and the consumer is gone
-    locked = wait_for(lambda: b.storage.l1.status()["locked_objects"], lambda n: n == 2)
+    locked = wait_for(lambda: b.storage.l1_status()["locked_objects"], lambda n: n == 2)
     assert locked == 2  # the lookup came back, holding both objects, and nobody asks
     clock.advance(b.handoffs.max_lease_s)
     b.tick()
-    assert_clean(b.storage.l1)
+    assert_clean(b.storage)

@@ -5,9 +5,11 @@ two, so every product and sum below is exact."""
 
 from __future__ import annotations
 
-from kvtier.tenancy.ledger import SavingsLedger, prefill_rate
+from kvtier.keys import NamespaceLabel
+from kvtier.protocol.messages import prefill_rate
+from kvtier.tenancy.ledger import SavingsLedger
 
-NS = "llama@acme"
+NS = NamespaceLabel("llama", "acme")
 
 
 def test_each_report_is_credited_its_loaded_tokens_at_its_own_rate() -> None:
@@ -18,7 +20,7 @@ def test_each_report_is_credited_its_loaded_tokens_at_its_own_rate() -> None:
     (row,) = ledger.report()["namespaces"]
     assert row == {
         "tenant": "acme",
-        "namespace": NS,
+        "namespace": "llama@acme",
         "served_tokens": {"L1": 1024},
         "loaded_tokens": 140,
         "prefill_s_per_token": 0.8 * 0.5 + 0.2 * 0.25,  # the mean that lookups are priced at
@@ -54,7 +56,7 @@ def test_a_report_without_a_rate_is_priced_at_the_namespaces_then_waits() -> Non
     (row,) = ledger.report()["namespaces"]
     assert row["loaded_tokens"] == 64 and row["prefill_s_per_token"] is None
     assert row["saved_s"] is None and row["net_s"] is None
-    assert ledger.status() == {f"loaded_tokens.acme/{NS}": 64, f"load_seconds.acme/{NS}": 0.5}
+    assert row["load_s"] == 0.5
 
     ledger.reported("acme", NS, 0.25, 0.0, 0)  # the first rate prices the waiting tokens
     assert ledger.report()["namespaces"][0]["saved_s"] == 64 * 0.25
@@ -72,24 +74,17 @@ def test_without_reported_rates_the_default_prices_the_loads() -> None:
     assert ledger.measured_rate("acme", NS) is None
 
 
-def test_metrics_name_served_by_tier_and_loaded_saved_and_net_by_namespace() -> None:
+def test_rows_give_served_by_tier_and_loaded_saved_and_net_by_namespace() -> None:
     ledger = SavingsLedger()
     ledger.served("acme", NS, "L1", 256)
     ledger.served("acme", NS, "fs", 512)
     ledger.reported("acme", NS, 0.5, 4.0, 256)
     ledger.served("globex", NS, "L1", 256)  # no report: nothing loaded, nothing saved
-    assert ledger.status() == {
-        f"served_tokens.acme/{NS}/L1": 256,
-        f"served_tokens.acme/{NS}/fs": 512,
-        f"loaded_tokens.acme/{NS}": 256,
-        f"load_seconds.acme/{NS}": 4.0,
-        f"saved_seconds.acme/{NS}": 128.0,
-        f"net_seconds.acme/{NS}": 124.0,
-        f"served_tokens.globex/{NS}/L1": 256,
-        f"loaded_tokens.globex/{NS}": 0,
-        f"load_seconds.globex/{NS}": 0.0,
-        f"saved_seconds.globex/{NS}": 0.0,
-        f"net_seconds.globex/{NS}": 0.0,
+    rows = {row["tenant"]: row for row in ledger.report()["namespaces"]}
+    numbers = ("served_tokens", "loaded_tokens", "load_s", "saved_s", "net_s")
+    assert {t: tuple(row[n] for n in numbers) for t, row in rows.items()} == {
+        "acme": ({"L1": 256, "fs": 512}, 256, 4.0, 128.0, 124.0),
+        "globex": ({"L1": 256}, 0, 0.0, 0.0, 0.0),
     }
 
 

@@ -19,6 +19,7 @@ from kvtier.server.core import CacheServer
 from kvtier.storage import StorageConfig, StorageManager
 from kvtier.tenancy.purge import PurgeConfig, Purger
 from kvtier.tenancy.tenants import ANY_SALT, Quota, Tenant, TenantTable, token_digest
+from tests import storage_parts
 from tests.integration.harness import wait_for
 
 GOOD = """
@@ -121,11 +122,12 @@ OBJECT = 2 * 8 * 4 * 16
 
 @pytest.fixture
 def server() -> Iterator[CacheServer]:
-    storage = StorageManager(StorageConfig(l1=L1Config(size_bytes=1 << 20, populate=False)))
     tenants = TenantTable([
         Tenant("acme", (token_digest("a"),), ("acme",), read=("public",)),
         Tenant("ops", (token_digest("o"),), ("public",), admin=True),
     ])  # fmt: skip
+    config = StorageConfig(l1=L1Config(size_bytes=1 << 20, populate=False))
+    storage = StorageManager(config, owners=tenants.owners())
     yield CacheServer(storage, 16, tenants)
     storage.close()
 
@@ -190,7 +192,7 @@ def test_a_saved_purge_of_a_salt_that_is_not_a_label_resumes(
     finally:
         purger.close()
     assert done is not None and done["tiers"]["L1"]["deleted"] == 1, done
-    assert not storage.l1.contains(key)
+    assert not storage.in_l1(key)
 
 
 def test_only_the_last_finished_purges_are_kept(storage: StorageManager) -> None:
@@ -210,7 +212,7 @@ def test_a_purge_is_done_only_after_the_loads_in_flight_landed(storage: StorageM
     """A load from L2 that began before the purge publishes into L1 after
     its passes: the last pass waits for it and purges it too."""
     key = ObjectKey(bytes(32), "m", 0, 0, "acme")
-    l1 = storage.l1
+    l1 = storage_parts.l1(storage)  # a load's own steps, as the prefetch controller takes them
     (placement,) = l1.reserve_write([key], [64], WriterTag("load"))
     assert placement.result is L1Result.SUCCESS
     purger = Purger(storage, None, PurgeConfig(settle_s=0.0))

@@ -1,9 +1,12 @@
 """The server loop in process: nothing a request, the tick or a reply does can
-end it; parked WAITs are bounded and never wait on a NaN."""
+end it; parked WAITs are bounded and never wait on a NaN; other threads run
+work on it (``call``) and it serves the descriptors it watches."""
 
 from __future__ import annotations
 
 import math
+import os
+import queue
 import threading
 from collections.abc import Iterator
 from typing import Any
@@ -14,8 +17,9 @@ import zmq
 from kvtier.l1 import L1Config
 from kvtier.protocol import messages as p
 from kvtier.server.core import CacheServer
-from kvtier.server.transport import ServerTransport
+from kvtier.server.transport import LoopStopped, ServerTransport
 from kvtier.storage import StorageConfig, StorageManager
+from tests import storage_parts
 from tests.integration import workload as w
 from tests.integration.harness import wait_for
 
@@ -47,7 +51,7 @@ def loop() -> Iterator[Loop]:
     storage = StorageManager(StorageConfig(l1=l1, l2=({"type": "mock"},)))
     gate = threading.Event()
     gate.set()
-    adapter: Any = storage.adapters[0]
+    adapter: Any = storage_parts.adapters(storage)[0]
     real_lookup = adapter._lookup
 
     def gated_lookup(keys: Any) -> list[bool]:
@@ -138,3 +142,87 @@ def test_an_oversized_message_closes_its_connection_and_is_counted(loop: Loop) -
     counters = wait_for(loop.counters, lambda c: c.get("disconnects", 0) >= 1)
     assert counters["disconnects"] >= 1
     assert isinstance(loop.call(p.Ping()), p.Pong)  # the DEALER reconnected
+
+
+# ------------------------------------------- other threads, through the loop
+
+
+def test_a_connection_is_named_on_the_loop(loop: Loop) -> None:
+    """The ZAP handler has no thread: the loop answers it, once per connection."""
+    assert isinstance(loop.call(p.Ping()), p.Pong)
+    assert isinstance(loop.call(p.Ping()), p.Pong)
+    assert loop.counters()["connections"] == 1
+
+
+def test_call_runs_on_the_loop_and_returns_what_it_returns(loop: Loop) -> None:
+    assert loop.transport.call(threading.get_ident, 10) == loop.thread.ident
+    assert loop.transport.call(lambda: 6 * 7, 10) == 42
+
+
+def test_call_raises_what_the_call_raised(loop: Loop) -> None:
+    def unknown() -> None:
+        raise LookupError("no tenant 'x'")
+
+    with pytest.raises(LookupError, match="no tenant 'x'"):
+        loop.transport.call(unknown, 10)
+    assert "loop_errors" not in loop.counters()  # the caller's failure, not the loop's
+    assert isinstance(loop.call(p.Ping()), p.Pong)
+
+
+def test_a_call_the_loop_does_not_get_to_in_time_fails_and_never_runs(loop: Loop) -> None:
+    busy, release = threading.Event(), threading.Event()
+
+    def block() -> None:
+        busy.set()
+        assert release.wait(30), "the test never released the loop"
+
+    blocker = threading.Thread(target=loop.transport.call, args=(block, 30))
+    blocker.start()
+    assert busy.wait(10)  # the loop runs ``block`` now: nothing else runs there
+    ran: list[int] = []
+    with pytest.raises(TimeoutError, match=r"did not get to this call within 0\.2 s; it was not"):
+        loop.transport.call(lambda: ran.append(1), 0.2)
+    release.set()
+    blocker.join(10)
+    assert loop.transport.call(lambda: "after", 10) == "after"  # the loop went past it
+    assert ran == []
+
+
+def test_a_call_still_running_at_its_deadline_says_so(loop: Loop) -> None:
+    release = threading.Event()
+    with pytest.raises(TimeoutError, match=r"within 0\.2 s; it still runs and may take effect"):
+        loop.transport.call(lambda: release.wait(30), 0.2)
+    release.set()
+    assert loop.transport.call(lambda: "after", 10) == "after"
+
+
+@pytest.mark.parametrize("timeout", [0.0, -1.0, math.nan])
+def test_a_call_needs_a_positive_timeout(loop: Loop, timeout: float) -> None:
+    with pytest.raises(ValueError, match=f"call: timeout_s must be > 0 seconds, got {timeout}"):
+        loop.transport.call(lambda: None, timeout)
+
+
+def test_a_call_after_the_loop_stopped_fails_at_once(loop: Loop) -> None:
+    loop.stop.set()
+    loop.transport.wake()
+    loop.thread.join(10)
+    assert not loop.thread.is_alive()
+    with pytest.raises(LoopStopped, match="the server loop has stopped"):
+        loop.transport.call(lambda: None, 10)
+
+
+def test_a_watched_descriptor_is_served_on_the_loop(loop: Loop) -> None:
+    read, write = os.pipe()
+    seen: queue.SimpleQueue[tuple[bytes, int]] = queue.SimpleQueue()
+
+    def readable() -> None:
+        seen.put((os.read(read, 16), threading.get_ident()))
+
+    try:
+        loop.transport.call(lambda: loop.transport.watch(read, readable), 10)
+        os.write(write, b"x")
+        assert seen.get(timeout=10) == (b"x", loop.thread.ident)
+        loop.transport.call(lambda: loop.transport.unwatch(read), 10)
+    finally:
+        os.close(read)
+        os.close(write)

@@ -13,6 +13,7 @@ from kvtier.l1 import L1Config
 from kvtier.storage import StorageConfig, StorageManager
 from kvtier.tenancy.tenants import Quota, Tenant, TenantTable
 from kvtier.tenancy.usage import L2Usage
+from tests import storage_parts
 from tests.conftest import make_key
 
 OBJECT = 4096
@@ -32,35 +33,34 @@ def test_local_caps_evict_the_tenants_own_oldest_and_shared_caps_stop_write_back
             {"type": "mock", "name": "shared", "shared": True},
         ),
     )
-    with StorageManager(config) as storage:
-        fs, shared = storage.adapters
-        tenants = TenantTable([
-            # room for three objects on disk and two in the shared store, headers included
-            Tenant("acme", salts=("acme",), quota=Quota(l2_bytes={"fs": CAP(3), "shared": CAP(2)})),
-            Tenant("globex", salts=("globex",)),
-        ])  # fmt: skip
-        usage = L2Usage(storage, tenants, refresh_s=3600)
-        storage.store_controller.gate = usage.gate
-        storage.on_stored = usage.on_stored
-        try:
-            mine = [make_key(i, salt="acme") for i in range(5)]
-            theirs = [make_key(i, salt="globex") for i in range(4)]
-            for key in [*theirs[:2], *mine, *theirs[2:]]:  # one at a time: oldest first
-                storage.store([key], [np.zeros(OBJECT, np.uint8)])
-                assert storage.flush(10)
-            # the shared store took acme's first two, then the cap held
-            assert set(_keys(shared)) == {*mine[:2], *theirs}
-            assert storage.store_controller.status()["over_quota.shared"] == 3
-            # the local disk: acme's two oldest went as its stores landed, globex's stay
-            assert set(fs.held_keys()) == {*mine[2:], *theirs}
-            assert fs.status()["quota_evictions"] == 2
-            usage.refresh()
-            by_tenant = usage.by_tenant()
-            assert by_tenant["acme"]["fs"] == sum(s for k, s in fs.held_sizes() if k in mine)
-            assert 2 * OBJECT < by_tenant["acme"]["shared"] <= CAP(2)  # what it wrote there
-            assert 4 * OBJECT < by_tenant["globex"]["shared"] <= CAP(4)
-        finally:
-            usage.close()
+    tenants = TenantTable([
+        # room for three objects on disk and two in the shared store, headers included
+        Tenant("acme", salts=("acme",), quota=Quota(l2_bytes={"fs": CAP(3), "shared": CAP(2)})),
+        Tenant("globex", salts=("globex",)),
+    ])  # fmt: skip
+    usage = L2Usage(tenants, refresh_s=3600)
+    hooks = {"store_gate": usage.gate, "on_stored": usage.on_stored}
+    with StorageManager(config, owners=tenants.owners(), **hooks) as storage:
+        usage.watch(storage)
+        assert storage.self_capped_tiers() == {"fs"}  # the shared store is gated instead
+        fs, shared = storage_parts.adapters(storage)
+        mine = [make_key(i, salt="acme") for i in range(5)]
+        theirs = [make_key(i, salt="globex") for i in range(4)]
+        for key in [*theirs[:2], *mine, *theirs[2:]]:  # one at a time: oldest first
+            storage.store([key], [np.zeros(OBJECT, np.uint8)])
+            assert storage.flush(10)
+        # the shared store took acme's first two, then the cap held
+        assert set(_keys(shared)) == {*mine[:2], *theirs}
+        store_status = storage.status()["store"]
+        assert isinstance(store_status, dict) and store_status["over_quota.shared"] == 3
+        # the local disk: acme's two oldest went as its stores landed, globex's stay
+        assert set(fs.held_keys()) == {*mine[2:], *theirs}
+        assert fs.status()["quota_evictions"] == 2
+        usage.refresh()  # no thread of its own: the server's upkeep calls it
+        by_tenant = usage.by_tenant()
+        assert by_tenant["acme"]["fs"] == sum(s for k, s in fs.held_sizes() if k in mine)
+        assert 2 * OBJECT < by_tenant["acme"]["shared"] <= CAP(2)  # what it wrote there
+        assert 4 * OBJECT < by_tenant["globex"]["shared"] <= CAP(4)
 
 
 def _keys(adapter: object) -> list[object]:
@@ -76,25 +76,22 @@ def test_a_tenant_past_its_local_cap_never_costs_another_tenant_a_file(tmp_path:
         l1=L1Config(size_bytes=4 << 20, populate=False),
         l2=({"type": "fs", "path": str(tmp_path / "fs"), "capacity_bytes": 6 * size},),
     )
-    with StorageManager(config) as storage:
-        (fs,) = storage.adapters
-        tenants = TenantTable([
-            Tenant("acme", salts=("acme",), quota=Quota(l2_bytes={"fs": 2 * size})),
-            Tenant("globex", salts=("globex",)),
-        ])  # fmt: skip
-        usage = L2Usage(storage, tenants, refresh_s=3600)
-        storage.store_controller.gate = usage.gate
-        try:
-            theirs = [make_key(i, salt="globex") for i in range(3)]
-            mine = [make_key(i, salt="acme") for i in range(6)]
-            for batch in (theirs, mine):
-                storage.store(batch, [np.zeros(OBJECT, np.uint8)] * len(batch))
-                assert storage.flush(10)
-            held = set(fs.held_keys())
-            assert set(theirs) <= held
-            assert len(held & set(mine)) == 2
-            assert fs.status()["objects"] == 5
-            assert fs.status()["quota_evictions"] == 4
-            assert fs.status().get("evictions", 0) == 0
-        finally:
-            usage.close()
+    tenants = TenantTable([
+        Tenant("acme", salts=("acme",), quota=Quota(l2_bytes={"fs": 2 * size})),
+        Tenant("globex", salts=("globex",)),
+    ])  # fmt: skip
+    usage = L2Usage(tenants, refresh_s=3600)
+    with StorageManager(config, owners=tenants.owners(), store_gate=usage.gate) as storage:
+        usage.watch(storage)
+        (fs,) = storage_parts.adapters(storage)
+        theirs = [make_key(i, salt="globex") for i in range(3)]
+        mine = [make_key(i, salt="acme") for i in range(6)]
+        for batch in (theirs, mine):
+            storage.store(batch, [np.zeros(OBJECT, np.uint8)] * len(batch))
+            assert storage.flush(10)
+        held = set(fs.held_keys())
+        assert set(theirs) <= held
+        assert len(held & set(mine)) == 2
+        assert fs.status()["objects"] == 5
+        assert fs.status()["quota_evictions"] == 4
+        assert fs.status().get("evictions", 0) == 0

@@ -5,6 +5,11 @@ connector that serves several tenants (requests with different ``cache_salt``)
 keeps one client per salt, made on first use. Both sides of the connector use
 this: the scheduler's clients speak for every TP rank (a lookup hits only
 chunks all ranks have), each worker's for its own rank.
+
+A salt here is the tenant's salt as the request gave it (``salt_for``); the
+engine identity labels it, once, for the client's registration
+(``ModelIdentity.label``) and for its hashes (``ModelIdentity.namespace``),
+as the transformers integration and the router do.
 """
 
 from __future__ import annotations
@@ -16,7 +21,7 @@ from kvtier.engine.identity import ModelIdentity
 from kvtier.engine.identity import model_identity as identity_of
 from kvtier.engine.vllm.pages import engine_kv_layout
 from kvtier.engine.vllm.settings import ConnectorSettings
-from kvtier.keys import TokenHasher, model_label
+from kvtier.keys import TokenHasher
 from kvtier.layout import KVLayout
 from kvtier.layout.reshard import tp_layout
 from kvtier.protocol.client import CacheClient, ClientConfig
@@ -63,17 +68,18 @@ class ClientPool:
         client reconnects on its own I/O thread: nothing here waits for it)."""
         client = self._clients.get(salt)
         if client is None:
+            label = self._identity(salt).label
             client = self._clients[salt] = CacheClient(
                 ClientConfig(
                     address=self.settings.address,
-                    model=model_label(self.identity.model),
+                    model=label.model,
                     hash_model=self.identity.model,
                     layouts=(self.spec,),
                     num_ranks=self.num_ranks,
                     rank=self.rank,
                     block_alignment=self.block_size,
                     revision=self.identity.revision,
-                    salt=salt,
+                    salt=label.salt,
                     auth_token=self.settings.auth_token,
                     client_id=self.client_id,
                     request_timeout_s=self.settings.request_timeout_s,
@@ -107,9 +113,7 @@ class ClientPool:
         own = self.layout(chunk_size)
         key = (salt, chunk_size, ranks or self.num_ranks, page_format or own.format)
         if key not in self._hashers:
-            identity = ModelIdentity(
-                model=self.identity.model, revision=self.identity.revision, salt=salt
-            )
+            identity = self._identity(salt)
             layout = own
             if ranks and ranks != self.num_ranks:
                 layout = tp_layout(layout, self.kv_heads, ranks)
@@ -117,6 +121,10 @@ class ClientPool:
                 layout = dataclasses.replace(layout, format=page_format)
             self._hashers[key] = TokenHasher(identity.namespace(layout), chunk_size)
         return self._hashers[key]
+
+    def _identity(self, salt: str) -> ModelIdentity:
+        """This engine's identity for the tenant of ``salt`` (as given)."""
+        return dataclasses.replace(self.identity, salt=salt)
 
     def close(self) -> None:
         for client in self._clients.values():

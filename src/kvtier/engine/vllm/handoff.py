@@ -1,5 +1,6 @@
 """Prefill/decode disaggregation through the cache server: the connector's two
-roles in a hand-off (``kvtier.server.handoffs`` holds it in between).
+roles in a hand-off (``kvtier.server.handoff.table`` holds it in between;
+``kvtier.protocol.handoff`` names its parameters and outcomes).
 
 A request's ``kv_transfer_params`` decide, as a proxy (``kvtier pd-proxy``)
 sets them:
@@ -48,28 +49,33 @@ from typing import Any
 
 from kvtier.protocol import messages as p
 from kvtier.protocol.client import CacheClient, PendingReply
-from kvtier.server.handoffs import WAITING, HandoffOutcome
+from kvtier.protocol.handoff import (
+    BAD_PARAMS,
+    CAUSE,
+    CONSUME,
+    CONSUMER,
+    ERROR,
+    FAIL,
+    HANDOFF_ID,
+    INCOMPLETE_LOAD,
+    LOADED,
+    NOT_OFFERED,
+    ON_FAILURE,
+    OUTCOME,
+    PAGES,
+    POLICIES,
+    PRODUCE,
+    PROMPT_TOKENS,
+    RANKS,
+    RECOMPUTED,
+    REFUSED,
+    SERVER,
+    SERVER_AWAY,
+    WAITING,
+    HandoffOutcome,
+)
 
 log = logging.getLogger(__name__)
-
-PRODUCE = "do_remote_decode"  # vLLM's names for the two sides of a P/D request
-CONSUME = "do_remote_prefill"
-HANDOFF_ID = "kvtier_handoff"
-PROMPT_TOKENS = "kvtier_prompt_tokens"
-CONSUMER = "kvtier_consumer"  # the decode engine's id that alone may take it ("" any)
-RANKS = "kvtier_ranks"  # the producer's TP size: a consumer of another has its objects re-sharded
-SERVER = "kvtier_server"  # the boot id of the producer's cache server: another's is found in L2
-PAGES = "kvtier_page_format"  # the producer's page format: another block size is re-paged
-ON_FAILURE = "kvtier_on_failure"  # "recompute" or "error", for this request
-OUTCOME = "kvtier_handoff_outcome"  # the consumer's response: "loaded", "recomputed", "error"
-CAUSE = "kvtier_handoff_cause"  # why it was not loaded
-POLICIES = ("recompute", "error")
-# The consumer's own reasons, beside the server's ``HandoffOutcome`` values:
-NOT_OFFERED = "not_offered"  # nothing offered within handoff_wait_s: the producer is gone
-SERVER_AWAY = "server_away"
-REFUSED = "refused"  # the server refused the TAKE itself (an error reply)
-BAD_PARAMS = "bad_params"
-INCOMPLETE_LOAD = "incomplete_load"  # granted, but not every chunk came back
 
 
 @dataclass(slots=True)
@@ -245,7 +251,7 @@ def handoff_params(
 def consumer_outcome(consume: Consume, loaded: bool) -> dict[str, Any]:
     """What the consumer's response says about its hand-off."""
     if loaded:
-        return {HANDOFF_ID: consume.handoff_id, OUTCOME: "loaded"}
-    outcome = "error" if consume.policy == "error" else "recomputed"
+        return {HANDOFF_ID: consume.handoff_id, OUTCOME: LOADED}
+    outcome = ERROR if consume.policy == FAIL else RECOMPUTED
     cause = consume.outcome if consume.outcome != HandoffOutcome.GRANTED else INCOMPLETE_LOAD
     return {HANDOFF_ID: consume.handoff_id, OUTCOME: outcome, CAUSE: cause}

@@ -15,17 +15,11 @@ from typing import Any
 
 from kvtier.counters import Counters
 from kvtier.engine.vllm.clients import ClientPool
-from kvtier.engine.vllm.handoff import (
-    NOT_OFFERED,
-    Consume,
-    Produce,
-    consumer_outcome,
-    handoff_params,
-)
+from kvtier.engine.vllm.handoff import Consume, Produce, consumer_outcome, handoff_params
 from kvtier.engine.vllm.settings import ConnectorSettings
 from kvtier.engine.vllm.tracked import Tracked
 from kvtier.protocol import messages as p
-from kvtier.server.handoffs import HandoffOutcome
+from kvtier.protocol.handoff import FAIL, NOT_OFFERED, HandoffOutcome
 
 log = logging.getLogger(__name__)
 FINISHED_NORMALLY = ("FINISHED_STOPPED", "FINISHED_LENGTH_CAPPED")  # vLLM's RequestStatus names
@@ -60,9 +54,9 @@ class HandoffSteps:
                 role.handoff_id,
                 role.outcome,
                 f": {role.cause}" if role.cause else "",
-                "the request fails" if role.policy == "error" else "recomputing its prompt",
+                "the request fails" if role.policy == FAIL else "recomputing its prompt",
             )
-        if role.policy == "error":
+        if role.policy == FAIL:
             offered = max(0, request.num_tokens - 1 - num_computed_tokens)
             return offered, self.settings.load_async and offered > 0
         return 0, False

@@ -59,14 +59,13 @@ from pathlib import Path
 from typing import Any
 
 from kvtier.config import load, read_toml, secret
-from kvtier.keys import salt_label
+from kvtier.protocol.handoff import POLICIES
 
 PREFIX = "kvtier."
 ENV_PREFIX = "KVTIER_"
 SALT_SOURCES = ("request", "fixed")
 STORE_POLICIES = ("prompt", "none")
 LOG_LEVELS = ("debug", "info", "warning", "error")
-HANDOFF_FAILURES = ("recompute", "error")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -96,8 +95,8 @@ class ConnectorSettings:
             raise ValueError(f"kvtier.salt_source must be one of {SALT_SOURCES}")
         if self.store not in STORE_POLICIES:
             raise ValueError(f"kvtier.store must be one of {STORE_POLICIES}")
-        if self.handoff_failure not in HANDOFF_FAILURES:
-            raise ValueError(f"kvtier.handoff_failure must be one of {HANDOFF_FAILURES}")
+        if self.handoff_failure not in POLICIES:
+            raise ValueError(f"kvtier.handoff_failure must be one of {POLICIES}")
         for name in ("lookup_wait_s", "request_timeout_s", "handoff_lease_s", "handoff_wait_s"):
             if not float(getattr(self, name)) > 0:
                 raise ValueError(f"kvtier.{name} must be a positive number of seconds")
@@ -150,7 +149,7 @@ class ConnectorSettings:
         return [tuple(p) for p in data]
 
     def salt_for(self, cache_salt: str | None) -> str:
-        """The salt label of a request: its ``cache_salt`` (when the source is
-        ``request``), else ``salt``; see ``salt_label``."""
-        salt = cache_salt if cache_salt and self.salt_source == "request" else self.salt
-        return salt_label(salt)
+        """The tenant salt of a request, as given: its ``cache_salt`` (when
+        the source is ``request``), else ``salt``. Not its label: the
+        connector's clients and hashers label it (``ModelIdentity``), once."""
+        return cache_salt if cache_salt and self.salt_source == "request" else self.salt

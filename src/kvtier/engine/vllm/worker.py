@@ -57,7 +57,7 @@ from kvtier.engine.vllm.metadata import (
 from kvtier.engine.vllm.pages import PagedKV
 from kvtier.engine.vllm.settings import ConnectorSettings
 from kvtier.layout.repage import page_block
-from kvtier.tenancy.ledger import prefill_rate
+from kvtier.protocol.messages import prefill_rate
 
 log = logging.getLogger(__name__)
 

@@ -1,9 +1,10 @@
 """``kvtier pd-proxy``: prefill on one engine, decode on another, the KV handed
-over through the cache server (``kvtier.engine.vllm.handoff``).
+over through the cache server (``kvtier.engine.vllm.handoff``; the parameters
+and outcomes are named in ``kvtier.protocol.handoff``).
 
 Each ``POST /v1/completions`` or ``/v1/chat/completions`` (vLLM's
 disaggregated-serving proxy API; the two bodies' shapes:
-``kvtier.router.pd_api``):
+``kvtier.router.pd.api``):
 
 1. the least busy prefill engine gets the request with ``max_tokens`` 1,
    ``return_token_ids`` and ``kv_transfer_params: {"do_remote_decode":
@@ -48,9 +49,9 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
-from kvtier.engine.vllm.handoff import CAUSE, HANDOFF_ID, ON_FAILURE, OUTCOME, POLICIES
+from kvtier.protocol.handoff import CAUSE, FAIL, HANDOFF_ID, LOADED, ON_FAILURE, OUTCOME, POLICIES
 from kvtier.router.body import BadRequest, read_body
-from kvtier.router.pd_api import API_PATHS, Api, streamed_usage, usage
+from kvtier.router.pd.api import API_PATHS, Api, streamed_usage, usage
 from kvtier.router.relay import error, stream_error
 from kvtier.router.serving import serve_app
 
@@ -171,7 +172,7 @@ class PDProxy:
             return await self._answer_alone(request, body, api.alone(first, return_ids))
         params = first.get("kv_transfer_params") or {}
         if HANDOFF_ID not in params:  # the producer could not publish its KV
-            if policy == "error":
+            if policy == FAIL:
                 self._count("error.not_offered")
                 message = "the hand-off failed: the prefill engine could not publish its KV"
                 return error(502, f"{message} (cache server away or stores failed)", "engine_error")
@@ -354,7 +355,7 @@ def _outcome(decoded: dict[str, Any] | None, params: dict[str, Any]) -> str:
     if not decoded:
         return "unknown"
     outcome = str(decoded.get(OUTCOME, "unknown"))
-    return outcome if outcome == "loaded" else f"{outcome}.{decoded.get(CAUSE, '')}"
+    return outcome if outcome == LOADED else f"{outcome}.{decoded.get(CAUSE, '')}"
 
 
 def _patched(line: bytes, first: dict[str, Any]) -> bytes:

@@ -12,6 +12,14 @@ controllers between them.
   release of the same lock raises ValueError instead of stealing someone
   else's lock. Objects loaded for one request only (``retain_loaded=False``)
   are dropped from L1 at their last release.
+- What acts on one tier (L1's pins and locks a caller keeps, owners'
+  limits, retention, purges) comes from its base, ``StorageTiers``
+  (``kvtier.storage.tiers``). Owners (the cache server's tenants) are given
+  at construction, with the two hooks that keep their caps on shared
+  stores: ``store_gate`` and ``on_stored``.
+
+Callers use these operations, never L1, the adapters or the controllers
+themselves: their locks and leases are this manager's to keep consistent.
 
 Thread safety: ``_held`` and ``_temporary`` are guarded by ``_lock``; L1 and
 the controllers have their own.
@@ -40,12 +48,14 @@ from kvtier.controllers import (
     PrefetchHandle,
     StoreConfig,
     StoreController,
+    StoreGate,
 )
-from kvtier.events.residency import L1_TIER, Residency, Tier
+from kvtier.events.residency import Residency
 from kvtier.keys import ObjectKey
-from kvtier.l1 import IOFence, L1Config, L1Manager, L1Result, Placement, WriterTag
-from kvtier.l2 import L2Adapter, TaskKind, TaskResult, make_adapter
+from kvtier.l1 import IOFence, L1Config, L1Result, Placement, WriterTag
+from kvtier.l2 import TaskKind, TaskResult
 from kvtier.layout import KVLayout
+from kvtier.storage.tiers import L1, Owners, StorageTiers
 
 Buffer = npt.NDArray[np.generic] | bytes | bytearray | memoryview
 LOOKUP_GRACE_S = 5.0  # past a lookup's deadline before lookup_chunks gives up on it
@@ -78,7 +88,7 @@ class _Held:
     locks: int
 
 
-class StorageManager:
+class StorageManager(StorageTiers):
     """Store, look up and read chunk objects across tiers; see the module docstring."""
 
     def __init__(
@@ -86,54 +96,39 @@ class StorageManager:
         config: StorageConfig | None = None,
         residency: Residency | None = None,
         clock: Callable[[], float] = time.monotonic,
+        *,
+        owners: Owners | None = None,
+        store_gate: StoreGate | None = None,
+        on_stored: Callable[[TaskResult], None] | None = None,
     ) -> None:
-        """``clock``: L1's (leases, and the ages that retention reads)."""
+        """``clock``: L1's (leases, and the ages that retention reads).
+        ``owners``: see ``Owners`` (None: one owner, no limits). For each
+        adapter that does not keep its owners' caps itself, ``store_gate``
+        says whether an object may be written to it (on the store
+        controller's thread) and ``on_stored`` is told of each finished
+        store task (on the adapters' threads: it must only record)."""
         self.config = config or StorageConfig()
-        self.residency = residency
-        self._tiers: dict[str, Tier] = {}  # adapter name -> its tier in KV events
-        self.l1 = L1Manager(self.config.l1, clock=clock)
-        self.adapters: list[L2Adapter] = []
-        try:
-            for spec in self.config.l2:
-                adapter = make_adapter(spec, self._on_complete)
-                if any(a.name == adapter.name for a in self.adapters):
-                    adapter.close()
-                    raise ValueError(
-                        f"two L2 adapters are named {adapter.name!r}; give each a distinct 'name'"
-                    )
-                self.adapters.append(adapter)
-        except BaseException:
-            self._close_adapters()
-            self.l1.close()
-            raise
-        # Layouts by digest, for the adapters' codecs (they are told digests)
-        self.layouts: dict[str, KVLayout] = {}
-        self._digests: dict[KVLayout, str] = {}
-        for adapter in self.adapters:
-            adapter.register_memory(self.l1.memory)
-            adapter.share_layouts(self.layouts)
-        if residency is not None:
-            self._report_residency(residency)
-        self.store_controller = StoreController(
-            self.config.store, self.l1, [a for a in self.adapters if a.writable]
+        self._on_stored = on_stored  # before the adapters exist: they call _on_complete
+        super().__init__(
+            self.config.l1,
+            self.config.l2,
+            self._on_complete,
+            residency=residency,
+            clock=clock,
+            owners=owners,
         )
-        self.prefetch = PrefetchController(self.config.prefetch, self.l1, self.adapters)
-        # Told of every finished L2 store task, from the adapters' threads (the
-        # server's per-tenant L2 usage): must only record.
-        self.on_stored: Callable[[TaskResult], None] | None = None
+        self._store_controller = StoreController(
+            self.config.store,
+            self._l1,
+            [a for a in self._adapters if a.writable],
+            gate=None if store_gate is None else functools.partial(self._gate, store_gate),
+        )
+        self._prefetch = PrefetchController(self.config.prefetch, self._l1, self._adapters)
         self._lock = threading.Lock()
         self._held: dict[ObjectKey, _Held] = {}
         self._temporary: set[ObjectKey] = set()
         self._tags = itertools.count()
         self._lookup_timeouts = 0
-
-    def _remember(self, layout: KVLayout) -> str:
-        """``layout``'s digest, the layout kept for the adapters' codecs."""
-        digest = self._digests.get(layout)
-        if digest is None:
-            digest = self._digests[layout] = layout.digest()
-            self.layouts[digest] = layout
-        return digest
 
     # ---------------------------------------------------------------- write
 
@@ -160,7 +155,7 @@ class StorageManager:
         try:
             for placement, source in zip(placements, sources, strict=True):
                 if placement.result is L1Result.SUCCESS:
-                    np.copyto(self.l1.view(placement), source)
+                    np.copyto(self._l1.view(placement), source)
         except BaseException:
             self.abort_store(tag, fence)
             raise
@@ -184,9 +179,9 @@ class StorageManager:
         OUT_OF_MEMORY. Finish with ``commit_store`` or ``abort_store``."""
         tag = WriterTag(f"store-{next(self._tags)}")
         digest = self._remember(layout) if layout else ""
-        placements = self.l1.reserve_write(keys, sizes, tag, layout=digest)
+        placements = self._l1.reserve_write(keys, sizes, tag, layout=digest)
         staged = [k for k, p in zip(keys, placements, strict=True) if p.result is L1Result.SUCCESS]
-        _, fence = self.l1.fence(staged, tag)
+        _, fence = self._l1.fence(staged, tag)
         return tag, placements, fence
 
     def commit_store(
@@ -196,23 +191,23 @@ class StorageManager:
         it for L2, and return the keys this call admitted. Objects the store
         controller will write back are published with a read lock it owns, so
         L1 cannot evict them before they are in L2."""
-        self.l1.unfence(fence)
+        self._l1.unfence(fence)
         staged = [obj.key for obj in fence.objects]
-        pin = self.store_controller.pins_admissions
+        pin = self._store_controller.pins_admissions
         if pin:
-            results = [p.result for p in self.l1.finish_write_and_reserve_read(staged, tag)]
+            results = [p.result for p in self._l1.finish_write_and_reserve_read(staged, tag)]
         else:
-            results = self.l1.finish_write(staged, tag)
+            results = self._l1.finish_write(staged, tag)
         admitted = [k for k, r in zip(staged, results, strict=True) if r is L1Result.SUCCESS]
         nbytes = fence.objects[0].size if fence.objects else 0
         digest = self._remember(layout) if layout else ""
-        self.store_controller.on_admitted(admitted, digest, nbytes, pinned=pin)
+        self._store_controller.on_admitted(admitted, digest, nbytes, pinned=pin)
         return admitted
 
     def abort_store(self, tag: WriterTag, fence: IOFence) -> None:
         """Drop what ``reserve_store`` staged."""
-        self.l1.unfence(fence)
-        self.l1.abort_write([obj.key for obj in fence.objects], tag)
+        self._l1.unfence(fence)
+        self._l1.abort_write([obj.key for obj in fence.objects], tag)
 
     # ----------------------------------------------------------------- read
 
@@ -226,10 +221,10 @@ class StorageManager:
         """Start a lookup; take its result with ``collect``. With
         ``recompute_s_per_chunk`` (the engine's prefill seconds for a chunk)
         L2 chunks are loaded only as far as that beats recomputing them."""
-        if self.adapters:  # only their codecs need the book
+        if self._adapters:  # only their codecs need the book
             for layout in (layouts or {}).values():
                 self._remember(layout)
-        return self.prefetch.submit(chunks, layouts, deadline_s, recompute_s_per_chunk)
+        return self._prefetch.submit(chunks, layouts, deadline_s, recompute_s_per_chunk)
 
     def collect(self, handle: PrefetchHandle, timeout: float | None = None) -> LookupResult | None:
         """Wait for a lookup and take over its locks (for retrieve/release).
@@ -246,8 +241,8 @@ class StorageManager:
                     held.locks += 1
             self._temporary.update(result.temporary)
         hits = list(result.placements)  # prompt order: the prefix head ends most recent
-        self.l1.touch(hits)
-        self.store_controller.on_hits(hits)
+        self._l1.touch(hits)
+        self._store_controller.on_hits(hits)
         return result
 
     def lookup_chunks(
@@ -259,17 +254,29 @@ class StorageManager:
         """Lock the longest prefix of chunks whose every object L1 has or can
         load. The prefetch controller answers by the deadline; should it not
         (a bug), the lookup is a miss ``LOOKUP_GRACE_S`` later, never a hang."""
-        handle = self.submit_lookup(chunks, layouts, deadline_s)
-        wait = (deadline_s or self.config.prefetch.deadline_s) + LOOKUP_GRACE_S
-        result = self.collect(handle, wait)
-        if result is None:
-            late = handle.abandon()  # a result that comes later is released for us
-            result = self.collect(handle, 0) if late is not None else None
+        result = self.collect_or_abandon(
+            self.submit_lookup(chunks, layouts, deadline_s), deadline_s
+        )
         if result is None:
             with self._lock:
                 self._lookup_timeouts += 1
-            log.error("storage: a lookup was not answered %.1f s after its deadline", wait)
+            log.error(
+                "storage: a lookup was not answered %.1f s after its deadline", LOOKUP_GRACE_S
+            )
             return LookupResult(0, {}, {}, miss_reason=MissReason.ERROR)
+        return result
+
+    def collect_or_abandon(
+        self, handle: PrefetchHandle, deadline_s: float | None = None
+    ) -> LookupResult | None:
+        """``collect``, waiting until ``LOOKUP_GRACE_S`` past the lookup's
+        deadline (``deadline_s`` as given to ``submit_lookup``); None if it
+        is unanswered by then: the handle is abandoned, and a result that
+        comes later is released for the caller."""
+        wait = (deadline_s or self.config.prefetch.deadline_s) + LOOKUP_GRACE_S
+        result = self.collect(handle, wait)
+        if result is None and handle.abandon() is not None:  # answered just now
+            result = self.collect(handle, 0)
         return result
 
     def lookup(
@@ -290,7 +297,7 @@ class StorageManager:
             if missing:
                 raise ValueError(f"retrieve: {missing[0]} is not locked by a lookup")
             placements = [self._held[k].placement for k in keys]
-        return [self.l1.view(p) for p in placements]
+        return [self._l1.view(p) for p in placements]
 
     def release(self, keys: Sequence[ObjectKey]) -> None:
         """Drop one lookup lock per key; ValueError if none is held."""
@@ -307,15 +314,15 @@ class StorageManager:
                     if key in self._temporary:
                         self._temporary.discard(key)
                         drop.append(key)
-        self.l1.finish_read(keys)
+        self._l1.finish_read(keys)
         if drop:
-            self.l1.delete(drop)  # LOCKED if another reader holds it: it stays
+            self._l1.delete(drop)  # LOCKED if another reader holds it: it stays
 
     # ---------------------------------------------------------- management
 
     def flush(self, timeout: float | None = None) -> bool:
         """Wait until every queued L2 store has finished."""
-        return self.store_controller.flush(timeout)
+        return self._store_controller.flush(timeout)
 
     def held_locks(self) -> int:
         """Lookup locks this manager holds for callers (0 once all are released)."""
@@ -326,24 +333,24 @@ class StorageManager:
         return {
             "held_lookup_locks": self.held_locks(),
             "lookup_timeouts": self._lookup_timeouts,
-            "l1": self.l1.status(),
-            "l2": {a.name: a.status() for a in self.adapters},
-            "store": self.store_controller.status(),
-            "prefetch": self.prefetch.status(),
+            "l1": self._l1.status(),
+            "l2": {a.name: a.status() for a in self._adapters},
+            "store": self._store_controller.status(),
+            "prefetch": self._prefetch.status(),
         }
 
     def close(self) -> None:
         """Stop the controllers (waiting for I/O in flight), close the adapters,
         release every lock still held, and free L1."""
-        self.prefetch.stop()
-        self.store_controller.stop()
+        self._prefetch.stop()
+        self._store_controller.stop()
         self._close_adapters()
         with self._lock:
             leftover = [k for k, h in self._held.items() for _ in range(h.locks)]
             self._held.clear()
         if leftover:
-            self.l1.finish_read(leftover)
-        self.l1.close()
+            self._l1.finish_read(leftover)
+        self._l1.close()
 
     def __enter__(self) -> StorageManager:
         return self
@@ -354,47 +361,29 @@ class StorageManager:
     # ------------------------------------------------------------ internals
 
     def _on_complete(self, result: TaskResult) -> None:
-        if self.residency is not None:
-            self._note_residency(result)
+        self._note_residency(result)
         if result.kind is TaskKind.STORE:
-            if self.on_stored is not None:
-                self.on_stored(result)
-            self.store_controller.on_result(result)
+            if self._on_stored is not None and result.adapter not in self._self_capped:
+                self._on_stored(result)
+            self._store_controller.on_result(result)
         else:
-            self.prefetch.on_result(result)
-
-    def _report_residency(self, residency: Residency) -> None:
-        """Tell ``residency`` (KV events) what each tier holds and will hold:
-        what node-local adapters hold now, then every change."""
-        self._tiers = {a.name: Tier(a.name, a.shared) for a in self.adapters}
-        for adapter in self.adapters:
-            tier = self._tiers[adapter.name]
-            residency.added(tier, adapter.held_keys())
-            adapter.on_removed = functools.partial(residency.removed, tier)
-
-        def on_l1(stored: bool, keys: Sequence[ObjectKey]) -> None:
-            (residency.added if stored else residency.removed)(L1_TIER, keys)
-
-        self.l1.on_residency = on_l1
-
-    def _note_residency(self, result: TaskResult) -> None:
-        """Stores that landed; objects a shared store's lookup or load found
-        gone (a node-local adapter reports its own removals)."""
-        assert self.residency is not None
-        tier = self._tiers[result.adapter]
-        if result.kind is TaskKind.STORE:
-            self.residency.added(
-                tier, [k for k, ok in zip(result.keys, result.ok, strict=True) if ok]
-            )
-        elif tier.shared and not result.failure:
-            self.residency.removed(
-                tier, [k for k, ok in zip(result.keys, result.ok, strict=True) if not ok]
-            )
+            self._prefetch.on_result(result)
 
     def _held_locks(self, key: ObjectKey) -> int:
         held = self._held.get(key)
         return 0 if held is None else held.locks
 
-    def _close_adapters(self) -> None:
-        for adapter in self.adapters:
-            adapter.close()
+    def _gate(self, gate: StoreGate, adapter: str, key: ObjectKey, nbytes: int) -> bool:
+        """``gate``, for the adapters that do not keep their owners' caps themselves."""
+        return adapter in self._self_capped or gate(adapter, key, nbytes)
+
+
+__all__ = [
+    "L1",
+    "LOOKUP_GRACE_S",
+    "Buffer",
+    "Owners",
+    "StorageConfig",
+    "StorageManager",
+    "byte_view",
+]

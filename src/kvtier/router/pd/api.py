@@ -25,10 +25,10 @@ from typing import Annotated, Any, ClassVar, Generic, TypeVar
 
 import msgspec
 
-from kvtier.engine.vllm.handoff import CAUSE, HANDOFF_ID, OUTCOME
+from kvtier.protocol.handoff import CAUSE, HANDOFF_ID, NOT_OFFERED, OUTCOME, RECOMPUTED
 
 DEFAULT_MAX_TOKENS = 16  # vLLM's, for a completion that names none
-NOT_OFFERED = {OUTCOME: "recomputed", CAUSE: "not_offered"}
+NEVER_OFFERED = {OUTCOME: RECOMPUTED, CAUSE: NOT_OFFERED}
 KV_TRANSFER = "kv_transfer_params"
 SWITCHES = ("stream", "return_token_ids")  # booleans the proxy itself acts on
 
@@ -277,7 +277,7 @@ def usage(first: Body, rest: Body, decoded: Body | None) -> Body:
     joined: Body = {"prompt_tokens": prompt, "completion_tokens": generated}
     joined["total_tokens"] = prompt + generated
     handoff = {k: v for k, v in (decoded or {}).items() if k in (HANDOFF_ID, OUTCOME, CAUSE)}
-    joined["kvtier_handoff"] = handoff or dict(NOT_OFFERED)
+    joined["kvtier_handoff"] = handoff or dict(NEVER_OFFERED)
     return joined
 
 

@@ -1,5 +1,5 @@
 """``HandoffRequests``: the cache server's HANDOFF_OFFER, HANDOFF_TAKE and
-HANDOFF_DONE handlers, over the hand-off table (``kvtier.server.handoffs``,
+HANDOFF_DONE handlers, over the hand-off table (``kvtier.server.handoff.table``,
 which holds the states and the reasons).
 
 A take that converts (another TP size or block size) re-shards off the loop
@@ -15,7 +15,8 @@ from collections.abc import Callable, Sequence
 
 from kvtier.keys import ObjectKey
 from kvtier.protocol import messages as p
-from kvtier.server.handoffs import HandoffOutcome, HandoffTable
+from kvtier.protocol.handoff import HandoffOutcome
+from kvtier.server.handoff.table import HandoffTable
 from kvtier.server.requests import (
     Answer,
     Awaiting,

@@ -1,5 +1,5 @@
 """``Conversion``: a granted hand-off re-sharded for a taker of another TP
-size or block size (``kvtier.server.handoffs`` decides when). The
+size or block size (``kvtier.server.handoff.table`` decides when). The
 producer's objects are read under their own read locks, each chunk is split
 by KV heads and re-paged (``kvtier.layout.reshard``), and the taker's objects
 are stored in L1 as ordinary cache entries. It touches storage only, so the
@@ -36,19 +36,19 @@ class Conversion:
         only): the server runs it off its loop. Its own read locks keep the
         sources while it reads them; one no longer in L1 (the hand-off ended
         first) fails it, never reads other bytes."""
-        placements, missing = storage.l1.reserve_read_all(self.objects)
+        placements, missing = storage.reserve_read_all(self.objects)
         if missing:
             return [False] * len(self.keys), "its objects left L1 before they were re-sharded"
         try:
             ranks, converted = self.source.num_ranks, []
-            views = [storage.l1.view(pl) for pl in placements]
+            views = [storage.view(pl) for pl in placements]
             for start in range(0, len(views), ranks):
                 chunk = views[start : start + ranks]
                 converted += reshard(chunk, self.source, self.target, self.kv_heads)
         except ValueError as error:  # replicas that disagree: the source is inconsistent
             return [False] * len(self.keys), str(error)
         finally:
-            storage.l1.finish_read(self.objects)
+            storage.finish_read(self.objects)
         results = storage.store(self.keys, converted, self.target)
         stored = [r is L1Result.SUCCESS for r in results]
         missing = len(stored) - sum(stored)

@@ -31,7 +31,7 @@ the producer's layout (its hashes must be the offer's) and the model's KV
 heads (the offer's). The server re-shards each chunk by KV heads, re-paging
 it if the block sizes differ (``kvtier.layout.reshard``), into objects
 under the consumer's keys, off the loop thread
-(``kvtier.server.handoff_conversion``), holds them with the hand-off, and
+(``kvtier.server.handoff.conversion``), holds them with the hand-off, and
 grants it; the taker then loads its own objects. The converted objects are
 ordinary cache entries afterwards: engines of the consumer's TP size reuse
 them.
@@ -58,42 +58,21 @@ import math
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from enum import StrEnum
 
 from kvtier.controllers import PrefetchHandle
 from kvtier.counters import Counters
 from kvtier.keys import ObjectKey
-from kvtier.l1 import L1Manager
 from kvtier.layout import KVLayout
 from kvtier.layout.reshard import check_convertible
-from kvtier.server.handoff_conversion import Conversion
+from kvtier.protocol.handoff import HandoffOutcome
+from kvtier.server.handoff.conversion import Conversion
 from kvtier.server.limits import RequestError
 from kvtier.server.sessions import Client, shown
+from kvtier.storage import StorageManager
 
 REMEMBERED = 4096  # ended hand-offs whose outcome a late taker is told
 Taker = tuple[bytes, str, str]  # (peer, connection, consumer name) or (b"", token, consumer name)
 MAX_HELD = 4096  # hand-offs held at once
-
-
-class HandoffOutcome(StrEnum):
-    OFFERED = "offered"  # held for its consumer
-    INCOMPLETE = "incomplete"  # some of its objects were not in L1 when offered: nothing held
-    PENDING = "pending"  # not offered (yet): ask again
-    GRANTED = "granted"  # this taker has it: load the chunks, then DONE
-    TAKEN = "taken"  # another consumer has it
-    CONSUMED = "consumed"  # taken and done
-    EXPIRED = "expired"  # the lease ended before it was taken and done
-    WRONG_CONSUMER = "wrong_consumer"  # it is held for another consumer
-    NAMESPACE_MISMATCH = "namespace_mismatch"  # another model or tenant
-    LAYOUT_MISMATCH = "layout_mismatch"  # another TP size, block size or page format
-    PROMPT_MISMATCH = "prompt_mismatch"  # other chunks than the taker's prompt
-    RELEASED = "released"  # DONE's answer: its hold is dropped
-    CONVERTING = "converting"  # (internal) granted once its objects are re-sharded
-    FINDING = "finding"  # (internal) granted if its chunks are found in this server's tiers
-
-
-# What a consumer may still wait for; every other outcome of a TAKE ends its wait.
-WAITING = frozenset({HandoffOutcome.PENDING})
 
 
 @dataclass(eq=False, slots=True)
@@ -118,12 +97,12 @@ class Handoff:
 class HandoffTable:
     def __init__(
         self,
-        l1: L1Manager,
+        storage: StorageManager,
         counters: Counters,
         clock: Callable[[], float],
         max_lease_s: float,
     ) -> None:
-        self._l1 = l1
+        self._storage = storage
         self._counters = counters
         self._clock = clock
         self.max_lease_s = max_lease_s  # within L1's read lease: the hold never lapses first
@@ -154,7 +133,7 @@ class HandoffTable:
             return again
         if len(self._held) >= MAX_HELD:
             raise RequestError("busy", f"{MAX_HELD} hand-offs are held: take or expire some first")
-        placements, missing = self._l1.reserve_read_all(keys)
+        placements, missing = self._storage.reserve_read_all(keys)
         if missing:
             self._end(handoff_id, HandoffOutcome.INCOMPLETE)
             return HandoffOutcome.INCOMPLETE, f"{missing} of {len(keys)} objects are not in L1"
@@ -268,7 +247,7 @@ class HandoffTable:
         if not all(stored):
             self._counters.add("handoffs.reshard_failed")
             return HandoffOutcome.INCOMPLETE, why
-        placements, missing = self._l1.reserve_read_all(conversion.keys)
+        placements, missing = self._storage.reserve_read_all(conversion.keys)
         if missing:
             self._counters.add("handoffs.reshard_failed")
             return HandoffOutcome.INCOMPLETE, "re-sharded objects were evicted before the take"
@@ -300,7 +279,7 @@ class HandoffTable:
             )
         if len(self._held) >= MAX_HELD:
             return HandoffOutcome.PENDING, f"{MAX_HELD} hand-offs are held here: ask again"
-        placements, missing = self._l1.reserve_read_all(keys)  # the lookup's locks keep them
+        placements, missing = self._storage.reserve_read_all(keys)  # the lookup's locks keep them
         if missing:
             return HandoffOutcome.PENDING, "its chunks left L1 as soon as they were found"
         self._held[handoff_id] = Handoff(
@@ -440,7 +419,7 @@ class HandoffTable:
 
     def _release(self, handoff: Handoff, outcome: HandoffOutcome) -> None:
         del self._held[handoff.handoff_id]
-        self._l1.finish_read(handoff.keys)
+        self._storage.finish_read(handoff.keys)
         self._end(handoff.handoff_id, outcome)
 
     def _end(self, handoff_id: str, outcome: HandoffOutcome) -> None:

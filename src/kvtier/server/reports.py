@@ -1,0 +1,81 @@
+"""``EngineReports``: what engines report to the cache server, counted.
+
+Two requests carry an engine's own measurements, and each feeds one part of
+``/status``:
+
+- ``SHADOW_REPORT``: its shadow checks of loaded KV against recomputation
+  (``server.shadow_chunks``: checked, mismatched, unavailable); a mismatch is
+  logged, since it means kvtier served KV that differs from the model's;
+- ``USAGE_REPORT``: its prefill rate, and the seconds and tokens it spent
+  loading KV, for the savings ledger (``ledger``).
+
+Numbers out of range are a ``bad_request`` that names the bound. Runs on the
+server's loop thread, like every handler; ``Counters`` and the ledger lock
+for themselves.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Sequence
+
+from kvtier.counters import Counters
+from kvtier.keys import NamespaceLabel
+from kvtier.protocol import messages as p
+from kvtier.server.limits import RequestError
+from kvtier.server.requests import Buffer, Outcome
+from kvtier.server.sessions import Client, shown
+from kvtier.tenancy.ledger import SavingsLedger
+
+log = logging.getLogger(__name__)
+
+MAX_SHADOW_REPORT = 1 << 32  # chunks (or tokens) in one report
+MAX_REPORT_S = 1e6  # seconds in one usage report
+
+
+class EngineReports:
+    """The handlers of the two reports; see the module docstring."""
+
+    def __init__(self, counters: Counters, ledger: SavingsLedger) -> None:
+        self._counters = counters
+        self._ledger = ledger
+
+    def shadow(self, client: Client, req: p.ShadowReport, frames: Sequence[Buffer]) -> Outcome:
+        counts = {"checked": req.checked, "mismatched": req.mismatched}
+        counts["unavailable"] = req.unavailable
+        if not all(0 <= n <= MAX_SHADOW_REPORT for n in counts.values()):
+            raise RequestError(
+                "bad_request", f"shadow report counts must be in [0, {MAX_SHADOW_REPORT}]"
+            )
+        if req.mismatched > req.checked:
+            raise RequestError("bad_request", "a shadow report has more mismatches than checks")
+        if req.mismatched:
+            log.warning(
+                "client %s reports %d shadow-check mismatches: kvtier served KV that differs "
+                "from the engine's recomputation",
+                shown(client.client_id),
+                req.mismatched,
+            )
+        for name, n in counts.items():
+            self._counters.add(f"shadow_chunks.{name}", n)
+        return p.Ack(), []
+
+    def usage(self, client: Client, req: p.UsageReport, frames: Sequence[Buffer]) -> Outcome:
+        values = (req.prefill_s_per_token, req.load_s)
+        if not all(math.isfinite(v) and 0 <= v <= MAX_REPORT_S for v in values):
+            message = f"usage report seconds must be in [0, {MAX_REPORT_S}]"
+            raise RequestError("bad_request", message)
+        if not 0 <= req.loaded_tokens <= MAX_SHADOW_REPORT:
+            raise RequestError("bad_request", "usage report tokens out of range")
+        self._ledger.reported(
+            client.tenant,
+            NamespaceLabel.of(client),
+            req.prefill_s_per_token,
+            req.load_s,
+            req.loaded_tokens,
+        )
+        return p.Ack(), []
+
+
+__all__ = ["MAX_REPORT_S", "MAX_SHADOW_REPORT", "EngineReports"]
