@@ -12,9 +12,11 @@ from __future__ import annotations
 
 import contextlib
 import json
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -121,11 +123,13 @@ class Engine:
 class Engines:
     def __init__(self, model: Path, tmp: Path) -> None:
         self.model, self.tmp, self.started = model, tmp, list[Engine]()
+        self.scratch: list[str] = []
 
     def start(self, *args: str) -> Engine:
         log = self.tmp / f"engine-{len(self.started)}.log"
-        scratch = self.tmp / f"engine-{len(self.started)}.tmp"  # vLLM's rendezvous files
-        scratch.mkdir()
+        # vLLM's rendezvous files and IPC sockets (a short path: at most 107 bytes)
+        scratch = tempfile.mkdtemp(prefix="kvtier-vllm-")
+        self.scratch.append(scratch)
         with log.open("w") as log_file:
             proc = subprocess.Popen(
                 [PYTHON, "-m", "tests.integration.vllm_engine", "--model", str(self.model), *args],
@@ -134,7 +138,7 @@ class Engines:
                 stderr=log_file,
                 text=True,
                 cwd=ROOT,
-                env=clean_env({"TMPDIR": str(scratch)}),
+                env=clean_env({"TMPDIR": scratch}),
             )
         engine = Engine(proc, log)
         self.started.append(engine)
@@ -155,6 +159,8 @@ class Engines:
     def close(self) -> None:
         for engine in self.started:
             self.stop(engine)
+        for scratch in self.scratch:
+            shutil.rmtree(scratch, ignore_errors=True)
 
 
 @pytest.fixture(scope="module")

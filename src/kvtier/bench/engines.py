@@ -19,6 +19,7 @@ import json
 import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
@@ -128,7 +129,8 @@ def vllm_servers(
     """Start several vLLM OpenAI servers at once (each ``(options, transfer,
     log)``), wait until every one is healthy, stop them all at exit."""
     started: list[tuple[GroupProcess, str, Path]] = []
-    scratch = [log.with_name(f"{log.name}.tmp") for _, _, log in configs]
+    # Short paths: vLLM binds ZeroMQ IPC sockets there (at most 107 bytes)
+    scratch = [Path(tempfile.mkdtemp(prefix="kvtier-vllm-")) for _ in configs]
     try:
         for (options, transfer, log), tmp in zip(configs, scratch, strict=True):
             started.append(_launch(options, transfer, log, python, tmp))
@@ -185,7 +187,6 @@ def _launch(
         }
     )
     env.pop("VLLM_CPU_KVCACHE_SPACE", None)
-    tmp.mkdir(parents=True, exist_ok=True)
     env["TMPDIR"] = str(tmp)
     if options.cpus:
         env["VLLM_CPU_OMP_THREADS_BIND"] = options.cpus
