@@ -1,4 +1,4 @@
-"""Read or recompute (seed Q42): the one cost model behind ``kvtier plan``'s
+"""Read or recompute: the one cost model behind ``kvtier plan``'s
 verdict and the prefetch controller's choice per request.
 
 Loading ``n`` bytes from a tier costs ``latency + n / bandwidth`` (decode

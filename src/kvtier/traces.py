@@ -3,13 +3,13 @@
 Two generators, each a pure function of its spec (the same ``seed``, the same
 trace):
 
-- ``rag_trace`` (seed §1.1): one shared system prompt, a pool of documents
+- ``rag_trace``: one shared system prompt, a pool of documents
   picked with Zipf popularity, questions that put 1-3 of them after the system
   prompt, Poisson arrivals at ``rate`` per second, output lengths drawn
   uniformly from a range. With ``prime`` (the default) the trace starts with
   one warm request per document (the system prompt and that document): the
   documents are hot, as popular documents are in a service that has been
-  running (seed §1.1), while each question and each combination of documents
+  running, while each question and each combination of documents
   after the first is still new.
 - ``chat_trace``: sessions arriving at ``rate`` per second; each turn's prompt
   is the previous prompt, the previous answer and a new user message, sent

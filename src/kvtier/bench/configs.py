@@ -1,4 +1,4 @@
-"""The configurations seed §1.6 compares, and how each one is started.
+"""The configurations the bench compares, and how each one is started.
 
 ============== ============================================================
 apc            vLLM's own prefix cache only (no connector)

@@ -1,5 +1,5 @@
-"""The bench's results as JSON and as a Markdown report, and the targets of
-issue 9 checked on them (reported, never asserted: a missed target is a
+"""The bench's results as JSON and as a Markdown report, and its targets
+checked on them (reported, never asserted: a missed target is a
 finding, not a crash)."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from typing import Any
 from kvtier.units import format_size
 
 TARGET_SPEEDUP = 2.0  # apc+l1 TTFT p50 and p95 at least this much better than apc
-REMOTE_P50_WITHIN = 1.1  # apc+l1+remote TTFT p50 at most this many times apc+l1's (issue 20)
+REMOTE_P50_WITHIN = 1.1  # apc+l1+remote TTFT p50 at most this many times apc+l1's
 
 
 def _ratio(numerator: float | None, denominator: float | None) -> float | None:

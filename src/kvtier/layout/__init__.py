@@ -6,13 +6,13 @@ latent...). Per token and per rank, an object group stores::
     kind "kv":     2 x layers x kv_heads x head_dim x dtype_bytes   (K and V)
     kind "latent": 1 x layers x 1        x head_dim x dtype_bytes   (MLA latent)
 
-(seed Q3: 32 layers, 8 KV heads, head dim 128, bf16 -> 128 KiB per token).
+(for example 32 layers, 8 KV heads, head dim 128, bf16 -> 128 KiB per token).
 ``kv_heads`` is per rank: with TP 4 and 8 KV heads each rank holds 2; when TP
-exceeds the KV heads (or for MLA) every rank holds a replica (seed Q5). One
+exceeds the KV heads (or for MLA) every rank holds a replica. One
 object is one chunk of one rank, so ``object_bytes() = bytes_per_token() x
 tokens_per_chunk``. ``digest()`` is a stable blake3 of the canonical
 description; it goes into the namespace, so any layout change is a miss, never
-a misread (seed §1.5).
+a misread.
 
 An object's bytes are, by default, kvtier's canonical order
 ``[num_layers][K, V][kv_heads][tokens_per_chunk][head_dim]`` (C order), which

@@ -1,5 +1,5 @@
-"""``kvtier plan``: capacity, bandwidth and read-or-recompute arithmetic (seed
-§1.2-§1.3, Q3-Q6, Q42, Q43) for any model shape. Pure functions over frozen
+"""``kvtier plan``: capacity, bandwidth and read-or-recompute arithmetic for any
+model shape. Pure functions over frozen
 inputs; depends only on ``kvtier.layout``. Formulas: ``docs/planning.md``."""
 
 from kvtier.planner.hf_config import read_shape_fields, shape_fields

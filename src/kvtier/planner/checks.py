@@ -8,10 +8,10 @@ from kvtier.planner.terms import Plan
 
 # Below this an object's fixed costs (a directory look-up, an RPC, a lease, a
 # header check) rival its transfer: 1 MiB at 25 GB/s moves in 42 us, about one
-# metadata round trip. Bigger chunks trade this for coarser hits (seed Q43).
+# metadata round trip. Bigger chunks trade this for coarser hits.
 SMALL_OBJECT_BYTES = 1 << 20
 # Reads should leave this much of the NIC free for bursts, failures and
-# re-replication (seed §1.3: 16.3 GiB/s for 15 GiB/s "cannot carry" them).
+# re-replication (16.3 GiB/s for 15 GiB/s "cannot carry" them).
 MIN_READ_HEADROOM = 1.3
 
 

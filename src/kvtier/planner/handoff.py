@@ -1,6 +1,6 @@
 """Prefill/decode hand-off budgets, kept apart from cross-request reuse.
 
-Seed design exercise 2 asks for the two needs' capacity separately. The rest
+The two needs are sized separately. The rest
 of ``kvtier plan`` sizes cross-request reuse (prefixes kept for later
 requests); this sizes the hand-off of *this* request's KV from a prefill
 engine to a decode engine through the cache:

@@ -4,10 +4,10 @@ Pure arithmetic over frozen inputs, in bytes and seconds, no rounding: a
 ``ModelShape`` (what the model keeps per token), a ``Deployment`` (TP, PP,
 chunk, replicas, utilisation), a ``Workload`` (prefixes and traffic), a
 ``Network`` (the NIC) and a ``Compute`` (the GPU, for read-or-recompute).
-``docs/planning.md`` writes every formula down and works seed §1.2-§1.3
-through them.
+``docs/planning.md`` writes every formula down and works an example through
+them.
 
-Parallelism follows what engines do (seed Q5): TP splits KV heads across ranks
+Parallelism follows what engines do: TP splits KV heads across ranks
 while there are at least as many heads as ranks, and replicates them when TP
 exceeds the heads (an MLA latent is replicated on every rank); PP splits the
 layers. One object is one chunk of one (rank, object group), so a chunk of a
@@ -16,8 +16,8 @@ TP 4 model is 4 objects.
 Assumptions, stated once: a cached prefix is reused whole (a sliding-window
 group stores only the chunks covering its window, a recurrent-state group one
 snapshot at the prefix's end); every request looks up every object of its
-prefix and reads ``read_fraction`` of it from the pool (1.0, the seed's worst
-case: all of it); only full chunks are cached.
+prefix and reads ``read_fraction`` of it from the pool (1.0, the worst case:
+all of it); only full chunks are cached.
 """
 
 from __future__ import annotations
@@ -42,8 +42,8 @@ from kvtier.read_or_recompute import LinkCost, Verdict, verdict
 
 def transfer_seconds(nbytes: float, nic_gbps: float, efficiency: float = 1.0) -> float:
     """Seconds to move ``nbytes`` over a ``nic_gbps`` link at ``efficiency`` of line
-    rate; with the default 1.0 it is the lower bound (seed Q42: 1 GiB over
-    200 Gbit/s takes at least ~43 ms)."""
+    rate; with the default 1.0 it is the lower bound (1 GiB over 200 Gbit/s
+    takes at least ~43 ms)."""
     return nbytes / (nic_gbps * BYTES_PER_GBIT * efficiency)
 
 

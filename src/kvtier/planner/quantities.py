@@ -1,5 +1,5 @@
-"""Bytes for people, in decimal and binary units side by side (seed Q3: say
-both GB and GiB; 25 GB/s of line rate is 23.28 GiB/s)."""
+"""Bytes for people, in decimal and binary units side by side (25 GB/s of line
+rate is 23.28 GiB/s)."""
 
 from __future__ import annotations
 

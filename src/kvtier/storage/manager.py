@@ -55,7 +55,7 @@ from kvtier.keys import ObjectKey
 from kvtier.l1 import IOFence, L1Config, L1Result, Placement, WriterTag
 from kvtier.l2 import TaskKind, TaskResult
 from kvtier.layout import KVLayout
-from kvtier.storage.tiers import L1, Owners, StorageTiers
+from kvtier.storage.tiers import Owners, StorageTiers
 
 Buffer = npt.NDArray[np.generic] | bytes | bytearray | memoryview
 LOOKUP_GRACE_S = 5.0  # past a lookup's deadline before lookup_chunks gives up on it
@@ -379,10 +379,8 @@ class StorageManager(StorageTiers):
 
 
 __all__ = [
-    "L1",
     "LOOKUP_GRACE_S",
     "Buffer",
-    "Owners",
     "StorageConfig",
     "StorageManager",
     "byte_view",
