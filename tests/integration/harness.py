@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from kvtier.process import ServerProcess, clean_env, read_line, stop_process
+from kvtier.protocol.status import ServerStatus
 
 ROOT = Path(__file__).resolve().parents[2]
 SHM_DIR = Path("/dev/shm")
@@ -189,7 +190,7 @@ class Server(ServerProcess):
 
     def fresh_status(self) -> dict[str, Any]:
         """The status from a snapshot taken after this call began: the
-        server refreshes it once a tick (``kvtier.server.transport``), so
+        server's may be a tick old (``kvtier.server.transport``), so
         ``status()`` may not show yet what a reply just confirmed."""
         began = self.status()["uptime_s"]
         status = wait_for(self.status, lambda s: s["uptime_s"] > began, timeout_s=10.0)
@@ -340,21 +341,20 @@ def spawn_args(**options: object) -> Sequence[str]:
     return out
 
 
-def wait_written_back(probe: Callable[[], dict[str, Any] | None], objects: int) -> dict[str, Any]:
+def wait_written_back(probe: Callable[[], ServerStatus | None], objects: int) -> ServerStatus:
     """Wait until the fs L2 has stored ``objects`` objects in all and the store
     controller has let go of them (it counts a write before it unlocks).
     ``probe`` must read the live tables (``CacheClient.status``), so that the
     second wait sees a state later than the first."""
 
-    def written(s: dict[str, Any] | None) -> int:
-        return 0 if s is None else int(s["storage"]["store"]["stored_objects"].get("fs", 0))
+    def written(s: ServerStatus | None) -> int:
+        return 0 if s is None else s.storage.store.stored_objects.get("fs", 0)
 
     status = wait_for(probe, lambda s: written(s) >= objects)
     assert written(status) == objects, status
 
-    def let_go(s: dict[str, Any] | None) -> bool:
-        l1 = {} if s is None else s["storage"]["l1"]
-        return l1.get("locked_objects") == 0 and l1.get("fenced_objects") == 0
+    def let_go(s: ServerStatus | None) -> bool:
+        return s is not None and s.storage.l1.locked_objects == s.storage.l1.fenced_objects == 0
 
     status = wait_for(probe, let_go)
     assert status is not None and let_go(status), status

@@ -89,14 +89,14 @@ def test_admin_clear_needs_the_bearer_token(auth_server: Server) -> None:
         # locked, and /clear skips it.
         live = client.status()
         assert live is not None
-        resident = live["storage"]["l1"]["resident_objects"]
+        resident = live.storage.l1.resident_objects
         assert resident >= 1
         wait_written_back(client.status, resident)
 
         assert auth_server.http_get("/clear", token="", method="POST")[0] == 401
         assert auth_server.http_get("/clear", token="wrong", method="POST")[0] == 401
         live = client.status()
-        assert live is not None and live["storage"]["l1"]["resident_objects"] == resident
+        assert live is not None and live.storage.l1.resident_objects == resident
 
         expected = json.dumps({"cleared": resident}).encode()
         assert auth_server.http_get("/clear", token=TOKEN, method="POST") == (200, expected)

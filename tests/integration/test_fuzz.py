@@ -22,6 +22,7 @@ from hypothesis import strategies as st
 
 from kvtier.protocol import messages as p
 from kvtier.protocol.client import CacheClient
+from kvtier.protocol.status import ServerStatus
 from tests.integration import hostile
 from tests.integration import workload as w
 from tests.integration.harness import Server, ServerFactory, wait_for
@@ -245,7 +246,7 @@ cases = st.one_of(
 )
 
 
-def run_case(server: Server, case: Case, tables: Callable[[], Any]) -> p.Error:
+def run_case(server: Server, case: Case, tables: Callable[[], ServerStatus | None]) -> p.Error:
     with w.raw_dealer(server.rpc) as socket:
         if case.register:
             welcome, _ = w.call(socket, w.hello(client_id="fuzz"))
@@ -262,10 +263,10 @@ def run_case(server: Server, case: Case, tables: Callable[[], Any]) -> p.Error:
         assert w.call(socket, p.Ping())[0] == p.Pong(server.boot_id)
         # Refused requests leave nothing behind (the lookup "fz" holds HIT locks).
         status = tables()
-        assert status["store_reservations"] == 0, case
-        storage = status["storage"]
-        assert storage["held_lookup_locks"] == (HIT if case.lookup else 0), case
-        assert storage["l1"]["staging_objects"] == 0, case
+        assert status is not None and status.store_reservations == 0, case
+        storage = status.storage
+        assert storage.held_lookup_locks == (HIT if case.lookup else 0), case
+        assert storage.l1.staging_objects == 0, case
         if case.lookup:
             assert w.call(socket, p.EndSession("fz"))[0] == p.Ack()
         return reply

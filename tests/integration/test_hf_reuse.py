@@ -36,6 +36,7 @@ from kvtier.engine.shadow import ShadowCheck
 from kvtier.keys import TokenHasher, salt_label
 from kvtier.l1 import L1Config
 from kvtier.process import clean_env, read_line, stop_process
+from kvtier.protocol.status import ServerStatus
 from kvtier.storage import StorageConfig, StorageManager
 from tests.hf_helpers import (
     FAMILIES,
@@ -108,8 +109,8 @@ class Backend:
         assert isinstance(link, ServerLink)
         status = link.client.status()
         assert status is not None
-        assert status["storage"]["held_lookup_locks"] == 0
-        assert (status["store_reservations"], status["sessions"]) == (0, 0)
+        assert status.storage.held_lookup_locks == 0
+        assert (status.store_reservations, status.sessions) == (0, 0)
 
     def close(self) -> None:
         for engine in self.engines:
@@ -333,8 +334,11 @@ def test_shadow_check_confirms_reuse_and_catches_wrong_kv(
 
     def reported() -> dict[str, int]:  # the server's counts (shared by the module's tests)
         assert isinstance(link, ServerLink)
-        counters = (link.client.status() or {}).get("server", {})
-        return {f"shadow_chunks.{k}": v for k, v in counters.get("shadow_chunks", {}).items()}
+        status = link.client.status()
+        if status is None:
+            return {}
+        counts = status.server.shadow_chunks
+        return {f"shadow_chunks.{k}": getattr(counts, k) for k in counts.__struct_fields__}
 
     before = reported() if isinstance(link, ServerLink) else {}
     ids = prompt(seed, 70)
@@ -361,7 +365,7 @@ def test_shadow_check_confirms_reuse_and_catches_wrong_kv(
 # ------------------------------------------------- server failures and L2
 
 
-def engine_status(engine: KVTierModel) -> dict[str, Any] | None:
+def engine_status(engine: KVTierModel) -> ServerStatus | None:
     link = engine.link
     assert isinstance(link, ServerLink)
     return link.client.status()
@@ -420,7 +424,7 @@ def test_corrupted_l2_object_is_a_miss(
         got = run(engine, model, ids, hit=hit, stored=64 - hit)
         assert got.prefill.tokens_by_tier == ({"fs": hit} if hit else {})
         status = engine_status(engine)
-        assert status is not None and status["storage"]["held_lookup_locks"] == 0
+        assert status is not None and status.storage.held_lookup_locks == 0
         run(engine, model, ids, hit=64, stored=0)
 
 

@@ -6,12 +6,12 @@ from __future__ import annotations
 import signal
 import threading
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 
 from kvtier.protocol import messages as p
 from kvtier.protocol.client import CacheClient
+from kvtier.protocol.status import ServerStatus
 from tests.integration import workload as w
 from tests.integration.harness import (
     SHM_DIR,
@@ -70,16 +70,13 @@ def test_client_degrades_while_down_then_hits_after_restart(
             assert np.array_equal(got, want)
 
         # The prefetcher counts a lookup's hits just after it answers it: wait for them.
-        def fs_hits(status: dict[str, Any] | None) -> bool:
-            return (
-                status is not None
-                and status["storage"]["prefetch"]["hit_objects"].get("fs") == CHUNKS
-            )
+        def fs_hits(status: ServerStatus | None) -> bool:
+            return status is not None and status.storage.prefetch.hit_objects.get("fs") == CHUNKS
 
         status = wait_for(client.status, fs_hits)
         assert status is not None
-        assert status["storage"]["prefetch"]["hit_objects"].get("fs") == CHUNKS
-        assert status["storage"]["held_lookup_locks"] == 0
+        assert status.storage.prefetch.hit_objects.get("fs") == CHUNKS
+        assert status.storage.held_lookup_locks == 0
 
         # Stores work again too (a chunk never stored before).
         new = w.chunk_hashes(256, 32, 1)

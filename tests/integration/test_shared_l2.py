@@ -50,7 +50,7 @@ def written_back(client: CacheClient) -> int:
     status = client.status()
     if status is None:
         return 0
-    return int(status["storage"]["store"]["stored_objects"].get("shared", 0))
+    return status.storage.store.stored_objects.get("shared", 0)
 
 
 def test_node_b_hits_what_node_a_stored_and_other_tenants_miss(

@@ -70,9 +70,9 @@ def test_in_process_clients_share_objects(server: Server, shm: bool) -> None:
         # The locks went with the retrieve's release (and the fs write-back,
         # which locks objects while it copies them, is waited for).
         status = wait_written_back(reader.status, 5)
-        assert status["storage"]["held_lookup_locks"] == 0
-        assert status["storage"]["l1"]["locked_bytes"] == 0
-        assert status["storage"]["l1"]["resident_objects"] == 5
+        assert status.storage.held_lookup_locks == 0
+        assert status.storage.l1.locked_bytes == 0
+        assert status.storage.l1.resident_objects == 5
         assert writer.stats.errors == reader.stats.errors == {}
         assert writer.stats.degraded_requests == reader.stats.degraded_requests == 0
     finally:
@@ -128,14 +128,14 @@ def test_hit_needs_every_rank_live(server: Server) -> None:
         status = both.status()
         assert status is not None
         # Two chunks x two ranks stay locked; chunk 2's rank-0 lock was dropped.
-        assert status["storage"]["held_lookup_locks"] == 4
+        assert status.storage.held_lookup_locks == 4
         out = w.empty_buffers(4, size)
         assert both.retrieve_into("b", 0, 2, out)
         for got, want in zip(out, chunk_major, strict=True):
             assert np.array_equal(got, want)
         status = both.status()
         assert status is not None
-        assert status["storage"]["held_lookup_locks"] == 0
+        assert status.storage.held_lookup_locks == 0
     finally:
         rank0.close()
         both.close()

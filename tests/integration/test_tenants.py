@@ -60,7 +60,7 @@ def test_tenants_never_see_each_others_objects(
         assert globex.store("s2", hashes, w.payloads(6, 3, w.object_bytes(256))) == 3
         assert hits(globex, hashes, "g2") == 3  # its own objects, under its own salt
         status = ops.status()
-        assert status is not None and status["server"]["errors"]["forbidden"] == 1
+        assert status is not None and status.server.errors["forbidden"] == 1
         assert acme.status() is None  # STATUS is for admin tenants
         wait_written_back(ops.status, 6)
     finally:
@@ -94,7 +94,7 @@ def test_a_shared_namespace_is_read_only_for_its_readers(
             reader.store("s", w.chunk_hashes(256, 8, 1), w.payloads(8, 1, w.object_bytes(256))) == 0
         )
         status = owner.status()
-        assert status is not None and status["server"]["errors"]["read_only"] == 1
+        assert status is not None and status.server.errors["read_only"] == 1
     finally:
         owner.close()
         reader.close()
@@ -143,13 +143,13 @@ def test_quotas_evict_the_tenants_own_objects_and_refuse_past_a_hard_cap(
         assert hits(globex, w.chunk_hashes(256, 21, 3), "g") == 3
         status = ops.status()
         assert status is not None
-        l1 = status["storage"]["l1"]
-        assert l1["tenant_bytes"] == {"acme": 4 * size, "globex": 3 * size}
+        l1 = status.storage.l1
+        assert l1.tenant_bytes == {"acme": 4 * size, "globex": 3 * size}
         # refused: globex's 2 objects past its hard cap, and acme's third pin
-        assert l1["tenant_pinned_bytes"]["acme"] == 2 * size and l1["over_quota"] == 3
-        assert status["server"]["pins_refused"] == 1 and l1["quota_evictions"] == 2
+        assert l1.tenant_pinned_bytes["acme"] == 2 * size and l1.over_quota == 3
+        assert status.server.pins_refused == 1 and l1.quota_evictions == 2
         line = f'kvtier_storage_l1_tenant_bytes{{tenant="acme"}} {4 * size}.0'
-        metrics = wait_for(  # /metrics shows the snapshot the server loop takes each tick
+        metrics = wait_for(  # /metrics shows a snapshot at most a tick old
             lambda: server.http_get("/metrics", token="ops-token")[1].decode(),
             lambda text: line in text,
         )
@@ -175,8 +175,8 @@ def test_tenants_are_apart_in_every_shared_store_and_after_a_restart(
     acme, ops = client(server.rpc, "acme-token"), client(server.rpc, "ops-token", "public")
     try:
         assert acme.store("s", hashes, w.payloads(9, 3, w.object_bytes(256))) == 3
-        wait_for(ops.status, lambda s: bool(s) and sum(
-            s["storage"]["store"]["stored_objects"].values()
+        wait_for(ops.status, lambda s: s is not None and sum(
+            s.storage.store.stored_objects.values()
         ) >= 3)  # fmt: skip
     finally:
         acme.close()

@@ -10,6 +10,7 @@ from functools import partial
 from types import SimpleNamespace
 from typing import Any
 
+import msgspec
 import pytest
 
 from tests.integration.harness import Server, ServerFactory, wait_for
@@ -103,11 +104,13 @@ def handed_off(producer: SchedulerSide, seed: int) -> tuple[list[int], dict[str,
 
 
 def status(side: SchedulerSide) -> dict[str, Any]:
+    """The server's live status, as JSON would have it (whole sections compare)."""
     client = side.clients.client("")
     assert client is not None
     answer = client.status()
     assert answer is not None
-    return answer
+    as_json: dict[str, Any] = msgspec.to_builtins(answer)
+    return as_json
 
 
 def consumer_request(tokens: list[int], params: dict[str, Any], rid: str = "d") -> Any:

@@ -126,7 +126,7 @@ def held(side: SchedulerSide) -> int:
     client = side.clients.client("")
     status = client.status() if client is not None else None
     assert status is not None
-    return int(status["storage"]["held_lookup_locks"])
+    return status.storage.held_lookup_locks
 
 
 def test_offers_the_hit_beyond_the_engines_own_and_unlocks_everything(

@@ -62,7 +62,7 @@ MiB = 1 << 20
 SUCCESS = L1Result.SUCCESS
 StoreGate = Callable[[str, ObjectKey, int], bool]  # (adapter name, key, bytes) -> may it go
 _HIT_POLICY = re.compile(r"hit_count>=(\d+)")
-TICK_S = 0.5  # how often an idle worker looks for adapters that came back
+TICK_S = 0.5  # how often an idle worker looks for adapters that came back (re-seeding)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -223,8 +223,14 @@ class StoreController:
     # --------------------------------------------------------------- worker
 
     def _run(self) -> None:
+        # An adapter that comes back says so to nobody (its ``recoveries``
+        # grows in whatever task found it answering, a load or a lookup
+        # included), and a re-seed waits for its rate: an idle worker looks
+        # every TICK_S, where there is re-seeding to do, and sleeps otherwise.
+        reseeding = self.config.policy == "all" and self.config.reseed_bytes_per_s > 0
+        tick = TICK_S if reseeding and self._adapters else None
         while True:
-            timeout = TICK_S if not self._stopping else None
+            timeout = tick if not self._stopping else None
             try:
                 event = self._events.get(timeout=timeout)
             except queue.Empty:

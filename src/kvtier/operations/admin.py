@@ -15,13 +15,18 @@ snapshot the server loop refreshes every tick, so a request's thread never
 touches the loop's tables; writes (``/clear``, ``/prefetch``, the admin API's
 POSTs) run on the loop (``ServerTransport.call``), a 503 when it does not
 get to them within ``LOOP_CALL_TIMEOUT_S``. The loop accepts connections
-(the listening socket is one it watches); each request runs on a thread of
-its own.
+(the listening socket is one it watches); each connection is served on a
+thread of its own, at most ``MAX_REQUEST_THREADS`` at once: one past them is
+answered 503 by the loop at once and closed, so no client can make the
+process start threads without bound.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
+import socket
+import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
@@ -39,6 +44,13 @@ MAX_PREFETCH_BODY = 1 << 20
 MAX_ADMIN_BODY = 4 << 20
 BODY_TIMEOUT_S = 30.0
 MAX_NESTING = 32  # the admin API's bodies are flat: two levels suffice
+MAX_REQUEST_THREADS = 16  # connections served at once; one more is answered 503
+THREAD_NAME = "kvtier-admin"  # the threads that serve them
+_BUSY = (
+    b"HTTP/1.0 503 Service Unavailable\r\nContent-Type: text/plain\r\n"
+    b"Content-Length: 38\r\nConnection: close\r\n\r\n"
+    b"busy: too many admin requests at once\n"
+)
 
 
 def json_object(raw: bytes) -> dict[str, Any]:
@@ -197,14 +209,61 @@ class AdminHTTP:
             # until this (seconds); then its connection is dropped.
             timeout = BODY_TIMEOUT_S
 
-        self._server = ThreadingHTTPServer((host, port), Handler)
+        self._server = _BoundedHTTPServer((host, port), Handler, MAX_REQUEST_THREADS)
         self.port = self._server.server_address[1]
         # No thread waits on the listening socket: the server loop accepts when
-        # it is readable (timeout 0: never wait there) and each request gets a
-        # thread of its own, which ends with it.
+        # it is readable (timeout 0: never wait there) and each connection gets
+        # a thread of its own, which ends with it (at most MAX_REQUEST_THREADS).
         self._server.timeout = 0
         transport.watch(self._server.fileno(), self._server.handle_request)
 
     def close(self) -> None:
         """After the server loop has stopped: wait for requests in progress."""
         self._server.server_close()
+
+
+class _BoundedHTTPServer(ThreadingHTTPServer):
+    """Serves each connection on a thread of its own, at most ``max_threads``
+    at once. A connection past them is answered 503 on the accepting thread
+    (the server loop) without waiting for it: the reply is small enough for
+    the fresh socket's buffer, and what the client has sent so far is read
+    first, so that closing does not reset the connection under the reply
+    (a request still on its way may: that client sees a reset instead).
+
+    A slot is held until its thread ends: a client that stops sending keeps
+    one for ``BODY_TIMEOUT_S`` per read."""
+
+    # Connections the kernel holds until the loop accepts them: socketserver's
+    # 5 makes a burst of clients wait a second (a SYN retry) for the loop.
+    request_queue_size = 128
+
+    def __init__(self, address: tuple[str, int], handler: type, max_threads: int) -> None:
+        super().__init__(address, handler)
+        self._slots = threading.BoundedSemaphore(max_threads)
+
+    def process_request(self, request: Any, client_address: Any) -> None:
+        if not self._slots.acquire(blocking=False):
+            _refuse(request)
+            self.shutdown_request(request)
+            return
+        try:
+            super().process_request(request, client_address)
+        except BaseException:  # no thread started: it will not give the slot back
+            self._slots.release()
+            raise
+
+    def process_request_thread(self, request: Any, client_address: Any) -> None:
+        threading.current_thread().name = THREAD_NAME
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self._slots.release()
+
+
+def _refuse(request: socket.socket) -> None:
+    """Answer ``_BUSY`` without blocking: whatever fails, the connection closes."""
+    request.setblocking(False)
+    with contextlib.suppress(OSError):
+        request.recv(1 << 16)
+    with contextlib.suppress(OSError):
+        request.send(_BUSY)

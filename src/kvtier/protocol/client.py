@@ -25,11 +25,13 @@ import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
+import msgspec
 import numpy as np
 import numpy.typing as npt
 
 from kvtier.protocol import messages as p
 from kvtier.protocol.connection import Call, ClientConfig, Connection
+from kvtier.protocol.status import ServerStatus
 
 log = logging.getLogger(__name__)
 
@@ -308,9 +310,15 @@ class CacheClient:
         I/O thread)."""
         return isinstance(self._connection.submit(p.Ping()).wait(), p.Pong)
 
-    def status(self) -> dict[str, object] | None:
+    def status(self) -> ServerStatus | None:
+        """The server's status as its tables stand now (not the admin port's
+        snapshot); None when it did not answer or refused (STATUS is for admin
+        tenants). ``msgspec.ValidationError`` names a field of the server's
+        document that does not fit this client's ``ServerStatus``."""
         reply = self._connection.submit(p.Status()).wait()
-        return reply.status if isinstance(reply, p.StatusReply) else None
+        if not isinstance(reply, p.StatusReply):
+            return None
+        return msgspec.convert(reply.status, ServerStatus)
 
     def pin(
         self, hashes: Sequence[bytes], ttl_s: float, group: int = 0, wait: bool = True

@@ -6,7 +6,8 @@ uses) and ``prefetch(node, payload)`` posts a routing-time
 ``/prefetch``, both with the configured token (``cache_token``: an admin
 tenant's, when the servers have tokens). A server the router was told to use
 and cannot read (unreachable, silent, 401/403, a document that is not a
-``ServerStatus``: ``bad_answer``, the field named in the log) leaves the
+``ServerStatus``: ``bad_answer``, the field named in the log; one over
+``MAX_STATUS_BYTES`` is not read past that) leaves the
 router routing without its chunk hashes, so it is never silent:
 
 - every failed poll is counted (``kvtier_route_cache_server_errors_total``,
@@ -29,7 +30,7 @@ from typing import Any
 import aiohttp
 import msgspec
 
-from kvtier.protocol.status import ServerStatus, decode
+from kvtier.protocol.status import MAX_STATUS_BYTES, ServerStatus, decode
 from kvtier.router.core import Node
 from kvtier.router.metrics import Metrics
 from kvtier.router.relay import failure_reason
@@ -73,9 +74,11 @@ class CacheServers:
         """(error, detail, the status); error "" when read."""
         try:
             async with session.get(node.cache_url + "/status", headers=self._headers) as response:
-                status, data = response.status, await response.read()
+                status, data = response.status, await _read_at_most(response, MAX_STATUS_BYTES)
         except (TimeoutError, aiohttp.ClientError) as exc:
             return failure_reason(exc), str(exc), None
+        if data is None:
+            return "bad_answer", f"/status is over {MAX_STATUS_BYTES} bytes", None
         if status != 200:
             return f"http_{status}", data.decode(errors="replace")[:200], None
         try:
@@ -133,3 +136,16 @@ class CacheServers:
         elif state.error:
             log.warning("route: cache server %s of engine %s is read again", state.url, node.name)
         state.error = error
+
+
+async def _read_at_most(response: aiohttp.ClientResponse, limit: int) -> bytes | None:
+    """The body, or None once it is longer than ``limit`` bytes (announced or
+    sent: what is read past that is not kept)."""
+    if (response.content_length or 0) > limit:
+        return None
+    body = bytearray()
+    async for chunk in response.content.iter_chunked(1 << 16):
+        body += chunk
+        if len(body) > limit:
+            return None
+    return bytes(body)

@@ -240,7 +240,7 @@ class CacheServer:
         layout = group_layout(client, req.group)
         keys = self._keys(client, req.hashes, req.group)
         session = self.sessions.open_lookup(client, req.request_id, keys)
-        rate = self.ledger.measured_rate(client.tenant, NamespaceLabel.of(client))
+        rate = self.ledger.measured_rate(client.tenant, client.namespace)
         per_chunk = None if rate is None else rate * layout.tokens_per_chunk
         try:
             session.handle = self.storage.submit_lookup(
@@ -281,10 +281,9 @@ class CacheServer:
         chunk = self.chunks.frozen or self.chunks.minimum
         by_tier = result.chunks_by_tier()
         self.counters.add("hit_chunks", result.hit_chunks)
-        namespace = NamespaceLabel.of(client)
         for tier, chunks in by_tier.items():
             self.counters.add(f"hit_tokens.{tier}", chunks * chunk)
-            self.ledger.served(client.tenant, namespace, tier, chunks * chunk)
+            self.ledger.served(client.tenant, client.namespace, tier, chunks * chunk)
         self.counters.add("lookup_tokens", looked_up * chunk)
         return p.QueryResult(result.hit_chunks, by_tier, result.why), []
 
@@ -453,7 +452,7 @@ class CacheServer:
             raise RequestError("draining", "the server is draining: it takes no stores now")
         if self.purger.purging(client.model, client.salt):
             raise RequestError(
-                "purging", f"namespace {NamespaceLabel.of(client)} is being purged; store later"
+                "purging", f"namespace {client.namespace} is being purged; store later"
             )
 
     def _keys(self, client: Client, hashes: list[bytes], group: int) -> list[list[ObjectKey]]:

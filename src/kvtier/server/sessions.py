@@ -31,7 +31,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 from kvtier.controllers import LookupResult, PrefetchHandle
-from kvtier.keys import ObjectKey
+from kvtier.keys import NamespaceLabel, ObjectKey
 from kvtier.l1 import IOFence, WriterTag
 from kvtier.layout import KVLayout
 from kvtier.server.limits import MAX_TEXT_CHARS, RequestError, ServerLimits
@@ -78,6 +78,12 @@ class Client:
     objects: int = 0  # objects named by its sessions
     reservations: int = 0
     last_seen: float = 0.0
+    # ``model@salt``, made once at HELLO (which checked both labels) for the
+    # lookups, the ledger and the listings that name it.
+    namespace: NamespaceLabel = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.namespace = NamespaceLabel.of(self)
 
 
 @dataclass(eq=False)

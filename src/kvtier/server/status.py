@@ -9,8 +9,9 @@ field is a section, in that section's fields, recursively). A name the
 document has no field for is dropped from ``/status`` and ``/metrics``:
 logged once, and kept in ``unmapped()``, which the tests check is empty.
 
-Runs on the server's loop thread (the transport refreshes its snapshot every
-tick); every component's ``status()`` is thread-safe.
+Runs on the server's loop thread (the transport builds its snapshot when a
+reader finds the last one older than a tick, never for nobody); every
+component's ``status()`` is thread-safe.
 """
 
 from __future__ import annotations

@@ -11,8 +11,7 @@ dropped:
   replaced by one;
 - a reply to a peer that went away is dropped (``dropped_replies``), and a
   message over ``max_message_bytes`` makes ZeroMQ close that connection
-  before the loop sees it (counted with the other closed connections as
-  ``disconnects``, from the socket's monitor).
+  (counted as ``disconnects``, from the socket's monitor).
 
 The loop sleeps until something happens: a message, a lookup finishing (the
 prefetch controller's callback writes to a wake-up pipe), a bulk copy done
@@ -20,10 +19,8 @@ on the pool, a new connection to name (the ZAP handler's socket,
 ``ConnectionIds``), a watched file descriptor (``watch``: the admin port's
 listening socket, stdin), a ``call`` from another thread, ``wake()``, the
 next tick or the next parked WAIT's deadline. It never polls. The tick
-(every ``TICK_S``) is the server's one clock for upkeep: the core's expiries,
-the status snapshot, and the periodic jobs of ``core.upkeep``
-(``kvtier.server.upkeep``). ``stop`` is seen at the next wake-up: call
-``wake()`` after setting it, or it is seen within a tick.
+(every ``TICK_S``) is the server's one clock for upkeep: the core's expiries
+and ``core.upkeep``'s jobs. ``stop`` is seen at the next wake-up (``wake()``).
 
 A WAIT is parked until its lookup settles or its timeout passes, so it
 never blocks other clients; one WAIT per (peer, request) may be parked, at
@@ -35,8 +32,8 @@ lookup's callback wakes the loop, like a parked WAIT.
 
 Other threads change the server's state only through the loop: ``call(fn,
 timeout_s)`` queues ``fn``, wakes the loop, and waits for its result (the
-admin API's writes). They may read ``snapshot``, which the loop refreshes
-every tick.
+admin API's writes). They may read ``snapshot``, the status at most
+``TICK_S`` old, built on the loop for a reader (none while nobody reads).
 
 No exception in decode, dispatch, the tick, a parked WAIT, a copy or send
 ends the loop: each is logged (once per defect), counted (``loop_errors``)
@@ -77,6 +74,7 @@ MAX_PARKED = 1 << 16
 BATCH_MESSAGES = 1024  # messages handled between two looks at the other events
 COPY_THREADS = 2
 MAX_DEFERRED = 4 * COPY_THREADS  # copies queued for the pool; past it the loop copies itself
+SNAPSHOT_WAIT_S = 1.0  # a reader of ``snapshot`` waits this long for the loop to build one
 
 
 @dataclass(eq=False)
@@ -154,15 +152,13 @@ class ServerTransport:
         self._socket.setsockopt(zmq.LINGER, 0)
         self._socket.setsockopt(zmq.MAXMSGSIZE, max_message_bytes)
         self._socket.setsockopt(zmq.ZAP_DOMAIN, DOMAIN)
-        # Refuse (and count) a reply to a peer that is gone or not reading,
-        # instead of dropping it silently or blocking the loop on it.
+        # Refuse (and count) a reply to a peer gone or not reading, never block on it.
         self._socket.setsockopt(zmq.ROUTER_MANDATORY, 1)
         self._socket.bind(address)
         self.address = self._socket.getsockopt_string(zmq.LAST_ENDPOINT)
         self._monitor = self._socket.get_monitor_socket(zmq.EVENT_DISCONNECTED)
-        # Other threads hand events to the loop through this queue, and wake
-        # it with a byte on the pipe (the loop's own events need no wake-up:
-        # it takes them after every batch of requests).
+        # Other threads' events, each with a byte on the pipe to wake the loop
+        # (the loop's own need none: it takes them after every batch).
         self._loop_thread: int | None = None
         self._events: queue.SimpleQueue[Event] = queue.SimpleQueue()
         self._wake_read, self._wake_write = os.pipe()
@@ -180,8 +176,8 @@ class ServerTransport:
         self._deadlines: list[tuple[float, int, tuple[bytes, str]]] = []  # may be stale
         self._seq = 0
         core.on_lookup_done = self._lookup_done
-        # What other threads (admin HTTP) may read: refreshed by the loop each tick.
-        self.snapshot: ServerStatus = core.status()
+        # (built at, status): what ``snapshot`` serves; replaced on the loop only.
+        self._snapshot: tuple[float, ServerStatus] = (time.monotonic(), core.status())
 
     def serve(self, stop: threading.Event) -> None:
         next_tick = time.monotonic() + TICK_S
@@ -258,19 +254,43 @@ class ServerTransport:
             self._events.put(_Call(fn, future))
             with contextlib.suppress(BlockingIOError):  # full: the loop is awake
                 os.write(self._wake_write, b"\0")
-        try:
-            return future.result(timeout_s)
-        except TimeoutError:
-            if future.done():
-                raise  # what ``fn`` raised
-            if future.cancel():
-                raise TimeoutError(
-                    f"the server loop did not get to this call within {timeout_s} s; it was not run"
-                ) from None
+        with contextlib.suppress(TimeoutError):
+            future.exception(timeout_s)  # waits; what ``fn`` raises stays in the future
+        if future.cancel():
+            raise TimeoutError(
+                f"the server loop did not get to this call within {timeout_s} s; it was not run"
+            )
+        if not future.done():  # started, not finished (finished late: its result counts)
             raise TimeoutError(
                 f"the server loop did not finish this call within {timeout_s} s; "
                 "it still runs and may take effect"
-            ) from None
+            )
+        return future.result()
+
+    @property
+    def snapshot(self) -> ServerStatus:
+        """The status, at most ``TICK_S`` old, from any thread (the last one
+        built if the loop does not build one within ``SNAPSHOT_WAIT_S``)."""
+        try:
+            return self._fresh_snapshot() or self.call(self._build_snapshot, SNAPSHOT_WAIT_S)
+        except (TimeoutError, LoopStopped):
+            return self._snapshot[1]
+
+    def _fresh_snapshot(self) -> ServerStatus | None:
+        built_at, status = self._snapshot
+        return status if time.monotonic() - built_at < TICK_S else None
+
+    def _build_snapshot(self) -> ServerStatus:
+        """On the loop: a new snapshot unless another reader just built one
+        (a failed build is counted, and the last one kept for a tick)."""
+        if (status := self._fresh_snapshot()) is None:
+            status = self._snapshot[1]
+            try:
+                status = self.core.status()
+            except Exception:
+                self._failures.record("server: the status snapshot")
+            self._snapshot = (time.monotonic(), status)
+        return status
 
     def wake(self) -> None:
         """Make the loop look around now (at ``stop``, for one), from any thread."""
@@ -360,11 +380,7 @@ class ServerTransport:
             self.core.tick()
         except Exception:
             self._failures.record("server: the tick")
-        try:
-            self.snapshot = self.core.status()
-        except Exception:
-            self._failures.record("server: the status snapshot")
-        try:  # after the snapshot, which jobs may sample; each job's failure is counted apart
+        try:  # each job's failure is counted apart
             self.core.upkeep.run_due()
         except Exception:
             self._failures.record("server: upkeep")

@@ -9,7 +9,7 @@ wakes for its tick and nothing else. Two kinds of job::
     every(name, interval_s, job, on_loop=False)  on a thread started for the run
 
 - **On the loop**: short work over state the loop owns or reads cheaply
-  (the dashboard's sample of the status snapshot).
+  (the dashboard's sample of the status snapshot, which builds it).
 - **Off the loop**: work that may take long (a retention sweep deletes
   files, a usage count lists a disk) would stall every engine's requests on
   the loop; each run gets a thread that ends with it. A run still going when

@@ -109,6 +109,7 @@ class StorageManager(StorageTiers):
         store task (on the adapters' threads: it must only record)."""
         self.config = config or StorageConfig()
         self._on_stored = on_stored  # before the adapters exist: they call _on_complete
+        self._store_gate = store_gate
         super().__init__(
             self.config.l1,
             self.config.l2,
@@ -323,6 +324,13 @@ class StorageManager(StorageTiers):
     def flush(self, timeout: float | None = None) -> bool:
         """Wait until every queued L2 store has finished."""
         return self._store_controller.flush(timeout)
+
+    def has_store_hooks(
+        self, store_gate: StoreGate, on_stored: Callable[[TaskResult], None]
+    ) -> bool:
+        """Whether this manager was built with these ``store_gate`` and
+        ``on_stored`` hooks (which keep owners' caps on the other adapters)."""
+        return self._store_gate == store_gate and self._on_stored == on_stored
 
     def held_locks(self) -> int:
         """Lookup locks this manager holds for callers (0 once all are released)."""

@@ -66,11 +66,23 @@ class L2Usage:
 
     def watch(self, storage: StorageManager) -> None:
         """Count what ``storage``'s node-local adapters hold, from now on: the
-        storage built with this usage's hooks (see ``__init__``)."""
+        storage built with this usage's hooks (see ``__init__``). ValueError
+        if a tenant has a cap on one of its adapters that only those hooks
+        keep (one that does not keep caps itself) and it was built without
+        them."""
         if self._storage is not None:
             raise ValueError("L2Usage.watch: this usage already watches a storage")
+        local = storage.self_capped_tiers()
+        gated = sorted({a for _, a in self._caps if a in storage.tiers() and a not in local})
+        if gated and not storage.has_store_hooks(self.gate, self.on_stored):
+            # Without them the caps below would be shown but never kept.
+            raise ValueError(
+                f"L2Usage.watch: the tenants' l2_bytes caps on {', '.join(gated)} are kept "
+                "by this usage's hooks: build the storage with store_gate=usage.gate and "
+                "on_stored=usage.on_stored (and pass this usage to the server as l2_usage)"
+            )
         self._storage = storage
-        self._local = storage.self_capped_tiers()
+        self._local = local
         # Re-counting a disk of a million objects is not free: often only where
         # a tenant near its local cap wants to see it, else now and then.
         if not any(adapter in self._local for _, adapter in self._caps):

@@ -820,7 +820,7 @@ def test_a_lookup_the_worker_never_answers_is_a_miss_not_a_hang(
         admit(request)  # type: ignore[arg-type]
 
     monkeypatch.setattr(storage_parts.prefetch(storage), "_admit", stuck_admit)
-    monkeypatch.setattr("kvtier.storage.LOOKUP_GRACE_S", 0.05)
+    monkeypatch.setattr("kvtier.storage.manager.LOOKUP_GRACE_S", 0.05)
     result = storage.lookup(keys, LAYOUT, deadline_s=0.05)
     assert (result.hit_chunks, dict(result.placements)) == (0, {})
     assert result.miss_reason is MissReason.ERROR

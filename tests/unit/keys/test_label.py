@@ -85,6 +85,9 @@ def test_a_key_and_a_client_name_their_namespace() -> None:
     assert key.to_str().startswith(f"{NamespaceLabel.of_key(key)}@")
     client = Client(b"peer", "c0", "client", "org--llama", "acme", {}, 1, False)
     assert NamespaceLabel.of(client) == NamespaceLabel.of_key(key)
+    assert client.namespace == NamespaceLabel.of_key(key)  # made once, when it said hello
+    with pytest.raises(ValueError, match=r"NamespaceLabel\.salt"):
+        Client(b"peer", "c0", "client", "org--llama", "acme corp", {}, 1, False)
     client.salt = "acme corp"  # never accepted at HELLO: a client's labels are checked there
     with pytest.raises(ValueError, match=r"NamespaceLabel\.salt"):
         NamespaceLabel.of(client)

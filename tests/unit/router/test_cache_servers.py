@@ -39,11 +39,22 @@ def good_status() -> dict[str, object]:
     return out
 
 
-async def read(body: bytes) -> tuple[s.ServerStatus | None, CacheServers, Metrics]:
-    """``read_status`` against a server whose ``/status`` answers ``body``."""
+async def read(
+    body: bytes, streamed: bool = False
+) -> tuple[s.ServerStatus | None, CacheServers, Metrics]:
+    """``read_status`` against a server whose ``/status`` answers ``body``
+    (``streamed``: in chunks, its length not announced)."""
 
-    async def answer(request: web.Request) -> web.Response:
-        return web.Response(body=body, content_type="application/json")
+    async def answer(request: web.Request) -> web.StreamResponse:
+        if not streamed:
+            return web.Response(body=body, content_type="application/json")
+        response = web.StreamResponse(headers={"Content-Type": "application/json"})
+        response.enable_chunked_encoding()
+        await response.prepare(request)
+        for start in range(0, len(body), 1 << 14):
+            await response.write(body[start : start + (1 << 14)])
+        await response.write_eof()
+        return response
 
     app = web.Application()
     app.router.add_get("/status", answer)
@@ -103,3 +114,37 @@ def test_an_answer_that_is_not_json_is_a_bad_answer() -> None:
     assert status is None
     assert servers.states[0].error == "bad_answer"
     assert "not JSON" in servers.states[0].detail
+
+
+@pytest.mark.parametrize("streamed", [False, True])
+def test_a_status_over_the_bound_is_a_bad_answer_naming_it(
+    streamed: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    limit = 1 << 16
+    monkeypatch.setattr("kvtier.router.cache_servers.MAX_STATUS_BYTES", limit)
+    document = good_status()
+    fits = msgspec.json.encode(document)
+    assert len(fits) < limit
+    status, _, _ = asyncio.run(read(fits, streamed))
+    assert status is not None and status.boot_id == "boot-1"
+
+    document["padding"] = "x" * (4 * limit)  # a field the reader does not know
+    status, servers, metrics = asyncio.run(read(msgspec.json.encode(document), streamed))
+    assert status is None
+    state = servers.states[0]
+    assert state.error == "bad_answer" and state.detail == f"/status is over {limit} bytes"
+    counted = metrics.registry.get_sample_value(
+        "kvtier_route_cache_server_errors_total", {"engine": "e0", "reason": "bad_answer"}
+    )
+    assert counted == 1
+
+
+def test_a_status_nested_past_the_decoders_depth_is_a_bad_answer() -> None:
+    """An unknown field is skipped, but its nesting still recurses: the
+    RecursionError that raised out of the poll is a bad answer now."""
+    body = msgspec.json.encode(good_status())
+    deep = b'{"deep":' + b"[" * 100_000 + b"]" * 100_000 + b","
+    status, servers, _ = asyncio.run(read(deep + body[1:]))
+    assert status is None
+    state = servers.states[0]
+    assert state.error == "bad_answer" and "nests deeper" in state.detail

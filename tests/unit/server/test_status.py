@@ -125,6 +125,20 @@ def test_a_status_that_does_not_fit_is_refused_naming_the_field(server: CacheSer
         s.decode(msgspec.json.encode(document))
 
 
+def test_a_status_too_long_or_too_deep_is_refused_saying_so(
+    server: CacheServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    body = msgspec.json.encode(server.status())
+    with monkeypatch.context() as patched:
+        patched.setattr(s, "MAX_STATUS_BYTES", len(body))
+        assert s.decode(body).boot_id == server.boot_id
+        with pytest.raises(msgspec.DecodeError, match=f"over {len(body)} bytes"):
+            s.decode(body + b" ")
+    deep = b'{"deep":' + b"[" * 100_000 + b"]" * 100_000 + b","
+    with pytest.raises(msgspec.DecodeError, match="nests deeper"):
+        s.decode(deep + body[1:])
+
+
 def scrape(status: s.ServerStatus) -> dict[str, tuple[str, dict[tuple[str, ...], float]]]:
     """Metric family -> (type, {sorted label items of a sample: value})."""
     registry = CollectorRegistry()

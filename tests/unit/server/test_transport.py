@@ -9,6 +9,7 @@ import os
 import queue
 import threading
 from collections.abc import Iterator
+from concurrent.futures import Future
 from typing import Any
 
 import pytest
@@ -194,6 +195,75 @@ def test_a_call_still_running_at_its_deadline_says_so(loop: Loop) -> None:
         loop.transport.call(lambda: release.wait(30), 0.2)
     release.set()
     assert loop.transport.call(lambda: "after", 10) == "after"
+
+
+def test_many_concurrent_calls_each_run_once_on_the_loop(loop: Loop) -> None:
+    ran: list[tuple[int, int | None]] = []
+    answers: queue.SimpleQueue[object] = queue.SimpleQueue()
+
+    def caller(i: int) -> None:
+        def on_loop() -> int:
+            ran.append((i, threading.get_ident()))
+            return i
+
+        answers.put(loop.transport.call(on_loop, 10))
+
+    callers = [threading.Thread(target=caller, args=(i,)) for i in range(64)]
+    for t in callers:
+        t.start()
+    for t in callers:
+        t.join(30)
+    assert sorted(answers.get_nowait() for _ in range(64)) == list(range(64))  # type: ignore[type-var]
+    assert sorted(ran) == [(i, loop.thread.ident) for i in range(64)]
+
+
+def test_calls_that_time_out_on_a_busy_loop_never_run_later(loop: Loop) -> None:
+    busy, release = threading.Event(), threading.Event()
+
+    def block() -> None:
+        busy.set()
+        assert release.wait(30), "the test never released the loop"
+
+    blocker = threading.Thread(target=loop.transport.call, args=(block, 30))
+    blocker.start()
+    assert busy.wait(10)
+    ran: list[int] = []
+    errors: queue.SimpleQueue[BaseException] = queue.SimpleQueue()
+
+    def caller(i: int) -> None:
+        try:
+            loop.transport.call(lambda: ran.append(i), 0.2)
+        except TimeoutError as exc:
+            errors.put(exc)
+
+    callers = [threading.Thread(target=caller, args=(i,)) for i in range(64)]
+    for t in callers:
+        t.start()
+    for t in callers:
+        t.join(30)
+    release.set()
+    blocker.join(10)
+    assert loop.transport.call(lambda: "after", 10) == "after"  # past every queued call
+    assert ran == []
+    messages = {str(errors.get_nowait()) for _ in range(64)}
+    assert messages == {"the server loop did not get to this call within 0.2 s; it was not run"}
+
+
+def test_a_call_that_finishes_just_after_its_deadline_returns_its_result(
+    loop: Loop, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The loop finishes the call between the caller's deadline and its attempt
+    to cancel: the call took effect, so its caller gets its result."""
+    release = threading.Event()
+
+    class LateFuture(Future[Any]):
+        def cancel(self) -> bool:
+            release.set()  # the deadline passed: now let the call finish
+            self.exception(10)
+            return super().cancel()
+
+    monkeypatch.setattr("kvtier.server.transport.Future", LateFuture)
+    assert loop.transport.call(lambda: release.wait(30) and "done", 0.2) == "done"
 
 
 @pytest.mark.parametrize("timeout", [0.0, -1.0, math.nan])

@@ -8,8 +8,10 @@ from __future__ import annotations
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 from kvtier.l1 import L1Config
+from kvtier.server.core import CacheServer
 from kvtier.storage import StorageConfig, StorageManager
 from kvtier.tenancy.tenants import Quota, Tenant, TenantTable
 from kvtier.tenancy.usage import L2Usage
@@ -95,3 +97,35 @@ def test_a_tenant_past_its_local_cap_never_costs_another_tenant_a_file(tmp_path:
         assert fs.status()["objects"] == 5
         assert fs.status()["quota_evictions"] == 4
         assert fs.status().get("evictions", 0) == 0
+
+
+def test_a_shared_cap_without_the_usage_hooks_fails_at_construction(tmp_path: Path) -> None:
+    """A cap only the gate keeps, on a storage built without the gate, would be
+    shown and never kept: the server refuses to start instead."""
+    config = StorageConfig(
+        l1=L1Config(size_bytes=1 << 20, populate=False),
+        l2=(
+            {"type": "fs", "path": str(tmp_path / "fs")},
+            {"type": "mock", "name": "shared", "shared": True},
+        ),
+    )
+    tenants = TenantTable([
+        Tenant("acme", salts=("acme",), quota=Quota(l2_bytes={"fs": CAP(3), "shared": CAP(2)})),
+    ])  # fmt: skip
+    usage = L2Usage(tenants)
+    other = L2Usage(tenants)
+    with StorageManager(config, owners=tenants.owners()) as bare:
+        with pytest.raises(ValueError, match=r"caps on shared .*store_gate=usage\.gate"):
+            usage.watch(bare)
+        with pytest.raises(ValueError, match="l2_bytes caps on shared"):
+            CacheServer(bare, 16, tenants)  # the server's own usage: not the storage's hooks
+    owners = tenants.owners()
+    with StorageManager(
+        config, owners=owners, store_gate=other.gate, on_stored=other.on_stored
+    ) as storage:
+        with pytest.raises(ValueError, match="caps on shared"):
+            usage.watch(storage)  # another usage's hooks keep nothing of this one's
+        other.watch(storage)
+    only_local = TenantTable([Tenant("acme", salts=("acme",), quota=Quota(l2_bytes={"fs": 1}))])
+    with StorageManager(config, owners=only_local.owners()) as storage:
+        L2Usage(only_local).watch(storage)  # the fs adapter keeps its caps itself

@@ -62,6 +62,7 @@ from dataclasses import dataclass
 from kvtier.controllers import PrefetchHandle
 from kvtier.counters import Counters
 from kvtier.keys import ObjectKey
+from kvtier.l1 import Placement
 from kvtier.layout import KVLayout
 from kvtier.layout.reshard import check_convertible
 from kvtier.protocol.handoff import HandoffOutcome
@@ -137,19 +138,7 @@ class HandoffTable:
         if missing:
             self._end(handoff_id, HandoffOutcome.INCOMPLETE)
             return HandoffOutcome.INCOMPLETE, f"{missing} of {len(keys)} objects are not in L1"
-        self._held[handoff_id] = Handoff(
-            handoff_id,
-            (client.tenant, client.model, client.salt),
-            _layout_of(client),
-            list(hashes),
-            list(keys),
-            consumer,
-            self._clock() + lease_s,
-            sum(p.size for p in placements),
-            group,
-            client.layouts[group],
-            kv_heads,
-        )
+        self._hold(handoff_id, client, hashes, keys, placements, consumer, lease_s, group, kv_heads)
         self._counters.add("handoffs.offered")
         return HandoffOutcome.OFFERED, ""
 
@@ -282,6 +271,26 @@ class HandoffTable:
         placements, missing = self._storage.reserve_read_all(keys)  # the lookup's locks keep them
         if missing:
             return HandoffOutcome.PENDING, "its chunks left L1 as soon as they were found"
+        lease_s, taker = self.max_lease_s, taker_of(client, consumer, token)
+        self._hold(handoff_id, client, hashes, keys, placements, consumer, lease_s, group, 0, taker)
+        self._counters.add("handoffs.found")
+        return HandoffOutcome.GRANTED, ""
+
+    def _hold(
+        self,
+        handoff_id: str,
+        client: Client,
+        hashes: Sequence[bytes],
+        keys: Sequence[ObjectKey],
+        placements: Sequence[Placement],
+        consumer: str,
+        lease_s: float,
+        group: int,
+        kv_heads: int,
+        taker: Taker | None = None,
+    ) -> None:
+        """Hold ``keys`` (read-locked at ``placements``) as hand-off
+        ``handoff_id`` of ``client``'s namespace, for ``lease_s`` from now."""
         self._held[handoff_id] = Handoff(
             handoff_id,
             (client.tenant, client.model, client.salt),
@@ -289,15 +298,13 @@ class HandoffTable:
             list(hashes),
             list(keys),
             consumer,
-            self._clock() + self.max_lease_s,
-            sum(pl.size for pl in placements),
+            self._clock() + lease_s,
+            sum(p.size for p in placements),
             group,
             client.layouts[group],
-            0,
-            taker=taker_of(client, consumer, token),
+            kv_heads,
+            taker=taker,
         )
-        self._counters.add("handoffs.found")
-        return HandoffOutcome.GRANTED, ""
 
     def lookup_of(self, handoff_id: str) -> PrefetchHandle | None:
         """The lookup a FINDING take started for ``handoff_id`` (None: none yet)."""
