@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import numpy as np
 import pytest
 
@@ -32,6 +33,7 @@ from kvtier.l2.format import unpack_header
 from kvtier.l2.fs import SUFFIX
 from kvtier.l2.stored_value import encode_object
 from kvtier.process import clean_env, read_line, stop_process
+from kvtier.protocol.status import ServerStatus
 from tests.integration.harness import (
     ROOT,
     Server,
@@ -125,7 +127,7 @@ class Engines:
         self.model, self.tmp, self.started = model, tmp, list[Engine]()
         self.scratch: list[str] = []
 
-    def start(self, *args: str) -> Engine:
+    def start(self, *args: str, env: dict[str, str] | None = None) -> Engine:
         log = self.tmp / f"engine-{len(self.started)}.log"
         # vLLM's rendezvous files and IPC sockets (a short path: at most 107 bytes)
         scratch = tempfile.mkdtemp(prefix="kvtier-vllm-")
@@ -138,7 +140,7 @@ class Engines:
                 stderr=log_file,
                 text=True,
                 cwd=ROOT,
-                env=clean_env({"TMPDIR": scratch}),
+                env=clean_env({"TMPDIR": scratch, **(env or {})}),
             )
         engine = Engine(proc, log)
         self.started.append(engine)
@@ -186,12 +188,14 @@ def reference(engines: Engines) -> dict[str, list[Any]]:
         engines.stop(engine)
 
 
-def assert_same(reference: Sequence[Any], outputs: Sequence[Any]) -> None:
+def assert_same(
+    reference: Sequence[Any], outputs: Sequence[Any], tolerance: float = TOLERANCE
+) -> None:
     assert len(reference) == len(outputs)
     for i, (want, got) in enumerate(zip(reference, outputs, strict=True)):
         assert got["tokens"] == want["tokens"], f"prompt {i}: tokens differ"
         worst = max(abs(a - b) for a, b in zip(want["logprobs"], got["logprobs"], strict=True))
-        assert worst <= TOLERANCE, f"prompt {i}: |Δlogprob| {worst:.2e}"
+        assert worst <= tolerance, f"prompt {i}: |Δlogprob| {worst:.2e}"
 
 
 def held_locks(server: Server) -> int:
@@ -244,7 +248,7 @@ def test_server_killed_mid_run_then_back_without_restarting_vllm(
     try:
         assert_same(reference["prompts"][:2], engine.generate(PROMPTS[:2]))  # stores them
         # Their 3 chunks (two shared) on disk: the restarted server finds them there.
-        wait_written_back(server.fresh_status, 3)
+        wait_written_back(lambda: msgspec.convert(server.fresh_status(), ServerStatus), 3)
         first = engine.generate(PROMPTS[:1])
         assert_same(reference["prompts"][:1], first)
         assert first[0]["cached"] == kvtier_hit(len(PROMPTS[0]))

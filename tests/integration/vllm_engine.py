@@ -2,7 +2,7 @@
 
     python -m tests.integration.vllm_engine --model DIR [--kvtier RPC] [--no-prefix-caching]
         [--blend] [--kv-bytes N] [--max-model-len N] [--request-timeout S]
-        [--kvtier-option KEY=VALUE]...
+        [--tensor-parallel N] [--kvtier-option KEY=VALUE]...
 
 Prints ``{"ready": true}`` once the engine is up, then answers one JSON line
 per command line on stdin:
@@ -46,6 +46,7 @@ def main() -> None:
     parser.add_argument("--kv-bytes", type=int, help="KV cache bytes (else 1 GiB)")
     parser.add_argument("--max-model-len", type=int, default=4096)
     parser.add_argument("--request-timeout", type=float, default=0.5)
+    parser.add_argument("--tensor-parallel", type=int, default=1)
     parser.add_argument(
         "--kvtier-option",
         action="append",
@@ -89,6 +90,7 @@ def main() -> None:
         seed=0,
         max_model_len=args.max_model_len,
         enable_prefix_caching=not args.no_prefix_caching,
+        tensor_parallel_size=args.tensor_parallel,
         disable_log_stats=False,
         **options,
     )

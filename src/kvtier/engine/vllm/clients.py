@@ -50,7 +50,6 @@ class ClientPool:
     ) -> None:
         self.vllm_config = vllm_config
         self.settings = settings
-        self.rank = rank
         self.client_id = client_id
         self.connect_wait_s = connect_wait_s  # how long a new client may wait for its HELLO
         self.identity = model_identity(vllm_config, settings)
@@ -58,6 +57,11 @@ class ClientPool:
         probe = engine_kv_layout(vllm_config, self.block_size)  # validates the model up front
         self.spec = LayoutSpec.of(probe)
         self.num_ranks = probe.num_ranks
+        # The rank whose objects this pool's clients read and write (-1: every
+        # rank's). An MLA layout has one rank: every TP rank reads rank 0's
+        # objects, and only TP rank 0 writes them (the others are replicas).
+        self.rank = min(rank, probe.num_ranks - 1)
+        self.replica = self.rank != rank
         self.kv_heads: int = vllm_config.model_config.get_total_num_kv_heads()
         self._clients: dict[str, CacheClient] = {}
         self._hashers: dict[tuple[str, int, int, str], TokenHasher] = {}

@@ -16,6 +16,7 @@ from typing import Any
 from kvtier.counters import Counters
 from kvtier.engine.vllm.clients import ClientPool
 from kvtier.engine.vllm.handoff import Consume, Produce, consumer_outcome, handoff_params
+from kvtier.engine.vllm.pages import latent_format
 from kvtier.engine.vllm.settings import ConnectorSettings
 from kvtier.engine.vllm.tracked import Tracked
 from kvtier.protocol import messages as p
@@ -127,6 +128,10 @@ class HandoffSteps:
         ranks = role.producer_ranks or self.clients.num_ranks
         pages = role.producer_format or own
         if ranks == self.clients.num_ranks and pages == own:
+            return
+        if latent_format(pages) != latent_format(own):
+            role.outcome = HandoffOutcome.LAYOUT_MISMATCH
+            role.cause = f"the producer's pages ({pages}) and this engine's ({own}): one is MLA"
             return
         try:
             hasher = self.clients.hasher(salt, chunk_size, ranks, pages)

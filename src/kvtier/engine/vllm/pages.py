@@ -9,6 +9,13 @@ one rank) is ``[num_layers][blocks_per_chunk][page]``, and ``engine_format``
 names the packing in the layout's ``format``, which is in the namespace: pages
 are only read back by an engine that packs them the same way.
 
+An MLA model (DeepSeek-V2/V3-class) caches one latent per token and layer
+(``kv_lora_rank`` + ``qk_rope_head_dim`` values, 576 for DeepSeek): a page is
+``[block_size][latent]`` rows, the same on every TP rank. Its layout is of
+kind ``"latent"`` with one rank whatever the TP size, so a chunk is stored
+once (by rank 0, ``ClientPool.replica``) and loaded by every rank of any TP
+size; its format names the MLA backend (``vllm-cpu-cpu_mla-bs16``).
+
 ``PagedKV`` holds the registered tensors and copies pages between blocks and
 object buffers with bulk tensor operations: ``index_select`` (on CPU straight
 into the arena) and ``index_copy_``, one per layer. On a GPU the pages go
@@ -43,7 +50,9 @@ def engine_format(vllm_config: Any) -> str:
 
     cache = vllm_config.cache_config
     device = current_platform.device_type
-    if device == "cpu":
+    if vllm_config.model_config.use_mla:
+        packing = _mla_backend(vllm_config, device)
+    elif device == "cpu":
         from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
 
         packing = _get_attn_isa(
@@ -59,14 +68,38 @@ def engine_format(vllm_config: Any) -> str:
     return f"vllm-{device}-{packing}-bs{cache.block_size}"
 
 
+def _mla_backend(vllm_config: Any, device: str) -> str:
+    """The MLA backend vLLM 0.32 picks, by its own rule: on CPU, AMX_MLA where
+    the CPU has AMX tiles unless CPU_MLA is asked for (their pages have not
+    been checked to match, so they are different formats); elsewhere every
+    MLA backend keeps plain ``[block][latent]`` rows in the model's dtype."""
+    if device != "cpu":
+        return "mla"
+    import platform
+
+    asked = getattr(vllm_config.attention_config.backend, "name", None)
+    amx = platform.machine() in ("x86_64", "AMD64") and torch.cpu._is_amx_tile_supported()
+    return "amx_mla" if amx and asked != "CPU_MLA" else "cpu_mla"
+
+
+def latent_format(page_format: str) -> bool:
+    """Whether ``page_format`` (``engine_format``'s) holds MLA latents."""
+    parts = page_format.split("-")
+    return len(parts) > 2 and parts[2].endswith("mla")
+
+
 def engine_kv_layout(vllm_config: Any, chunk_size: int) -> KVLayout:
-    """The one place a vLLM engine's KV becomes a ``KVLayout`` (per TP rank);
-    ValueError for what the connector does not handle."""
+    """The one place a vLLM engine's KV becomes a ``KVLayout`` (per TP rank,
+    except MLA's: one for all ranks); ValueError for what the connector does
+    not handle."""
     model = vllm_config.model_config
     parallel = vllm_config.parallel_config
     cache = vllm_config.cache_config
-    if model.use_mla:
-        raise ValueError("the kvtier connector does not handle MLA models yet")
+    if model.use_mla and cache.cache_dtype != "auto":
+        raise ValueError(
+            f"the kvtier connector keeps MLA latents in the model's dtype only; kv_cache_dtype "
+            f"{cache.cache_dtype} packs them in a format it does not handle: use 'auto'"
+        )
     if parallel.pipeline_parallel_size != 1:
         raise ValueError("the kvtier connector does not handle pipeline parallelism yet")
     if chunk_size % cache.block_size:
@@ -77,6 +110,16 @@ def engine_kv_layout(vllm_config: Any, chunk_size: int) -> KVLayout:
     if cache.cache_dtype not in KV_DTYPES:
         raise ValueError(f"the kvtier connector does not handle kv_cache_dtype {cache.cache_dtype}")
     dtype = KV_DTYPES[cache.cache_dtype] or str(model.dtype).removeprefix("torch.")
+    if model.use_mla:
+        return KVLayout(
+            num_layers=model.get_num_layers(parallel),
+            kv_heads=1,
+            head_dim=model.get_head_size(),  # kv_lora_rank + qk_rope_head_dim
+            dtype=dtype,
+            tokens_per_chunk=chunk_size,
+            kind="latent",
+            format=engine_format(vllm_config),
+        )
     return KVLayout(
         num_layers=model.get_num_layers(parallel),
         kv_heads=model.get_num_kv_heads(parallel),

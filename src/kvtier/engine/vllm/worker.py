@@ -242,6 +242,8 @@ class WorkerSide:
         return sum(len(blocks) for blocks in spec.blocks[:loaded]) * self.block_size
 
     def _store(self, spec: StoreSpec) -> None:
+        if self.clients.replica:
+            return  # rank 0 stores the objects this rank holds a replica of
         client = self.clients.client(spec.salt)
         if client is None or client.chunk_size is None:
             return  # the server is away: a future miss

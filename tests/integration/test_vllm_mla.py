@@ -1,0 +1,176 @@
+"""MLA through the vLLM connector on vLLM's CPU build (slow: engines).
+
+A random-weight DeepSeek-V2-shaped model (2 layers, dense MLPs, the real
+latent: ``kv_lora_rank`` 512 + ``qk_rope_head_dim`` 64 = 576 values per token
+and layer, the only size vLLM's ``CPU_MLA`` backend takes) runs with kvtier's
+connector. On CPU vLLM turns its own prefix caching off for MLA, so every
+cached token is kvtier's. Outputs equal a no-connector engine's (same tokens,
+|Δlogprob| <= 1e-4) cold, warm from L1 and warm from the fs L2 after an L1
+wipe; a chunk is one object whatever the TP size (the latent is the same on
+every rank), so a TP 2 engine stores what a TP 1 engine loads (on demand:
+``KVTIER_TP_ENGINE_TESTS=1``, two TP ranks on two cores stall under load).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.integration.harness import Server, ServerFactory, wait_for
+
+pytest.importorskip("vllm")
+from tests.integration.test_vllm_connector import (
+    CHUNK,
+    Engine,
+    Engines,
+    assert_same,
+    held_locks,
+    kvtier_hit,
+    stored_objects,
+    tokens,
+)
+
+pytestmark = [pytest.mark.slow, pytest.mark.engine]
+
+LATENT = 512 + 64  # kv_lora_rank + qk_rope_head_dim
+LAYERS = 2
+PROMPTS = [tokens(200 + i, n) for i, n in enumerate((700, 530, 512))]
+OBJECT_BYTES = LAYERS * LATENT * 4 * CHUNK  # one chunk of every layer, fp32, one copy
+# vLLM's CPU MLA prefill of a suffix over cached latents (its context path) is
+# not its full prefill: measured up to 1.8e-3 apart in a logprob here. Loads are
+# checked against that bound, and against each other bit for bit: the same
+# bytes from L1, from the fs L2 and from a TP 2 engine give the same outputs.
+CONTEXT_TOLERANCE = 5e-3
+
+
+def one_by_one(engine: Engine) -> list[Any]:
+    """Each prompt alone: vLLM's CPU MLA backend is batch-variant (its decode
+    kernel and its prefill path differ by ~1e-2 in a logprob, measured without
+    kvtier), so every run keeps to the same batches, one request each."""
+    return [engine.generate([prompt])[0] for prompt in PROMPTS]
+
+
+@pytest.fixture(scope="module")
+def mla_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    import torch
+    from transformers import DeepseekV2Config, DeepseekV2ForCausalLM
+
+    from kvtier.models import word_tokenizer
+
+    directory = tmp_path_factory.mktemp("mla-model")
+    torch.manual_seed(0)
+    config = DeepseekV2Config(
+        vocab_size=1024,
+        hidden_size=256,
+        intermediate_size=512,
+        num_hidden_layers=LAYERS,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        kv_lora_rank=512,
+        qk_rope_head_dim=64,
+        qk_nope_head_dim=64,
+        v_head_dim=64,
+        q_lora_rank=None,
+        first_k_dense_replace=LAYERS,  # dense MLPs only
+        max_position_embeddings=4096,
+        tie_word_embeddings=False,
+    )
+    DeepseekV2ForCausalLM(config).save_pretrained(directory)
+    word_tokenizer(config.vocab_size).save_pretrained(directory)
+    return directory
+
+
+@pytest.fixture(scope="module")
+def engines(mla_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Engines]:
+    factory = Engines(mla_model, tmp_path_factory.mktemp("mla-engines"))
+    try:
+        yield factory
+    finally:
+        factory.close()
+
+
+@pytest.fixture(scope="module")
+def reference(engines: Engines) -> list[Any]:
+    engine = engines.start()
+    try:
+        return one_by_one(engine)
+    finally:
+        engines.stop(engine)
+
+
+def resident_bytes(server: Server) -> int:
+    return int(server.fresh_status()["storage"]["l1"]["used_bytes"])
+
+
+def full_chunks(prompts: list[list[int]]) -> int:
+    return len({tuple(p[: (i + 1) * CHUNK]) for p in prompts for i in range(len(p) // CHUNK)})
+
+
+def warm_run(engines: Engines, server: Server, reference: list[Any]) -> list[Any]:
+    """A fresh engine loads every full chunk from kvtier: its outputs, which
+    match the reference within the context path's tolerance."""
+    warm = engines.start("--kvtier", server.rpc)
+    try:
+        outputs = one_by_one(warm)
+        assert_same(reference, outputs, CONTEXT_TOLERANCE)
+        assert [o["cached"] for o in outputs] == [kvtier_hit(len(p)) for p in PROMPTS]
+    finally:
+        engines.stop(warm)
+    assert wait_for(lambda: held_locks(server), lambda n: n == 0) == 0
+    return outputs
+
+
+def test_mla_cold_warm_from_l1_and_from_disk_match_no_connector(
+    engines: Engines, reference: list[Any], kvtier_server: ServerFactory
+) -> None:
+    server = kvtier_server.start()  # L1 and an fs L2
+    cold = engines.start("--kvtier", server.rpc)
+    try:
+        outputs = one_by_one(cold)
+        assert_same(reference, outputs)
+        assert [o["cached"] for o in outputs] == [0] * len(PROMPTS)
+    finally:
+        engines.stop(cold)
+    chunks = full_chunks(PROMPTS)
+    assert wait_for(lambda: stored_objects(server), lambda n: n >= chunks) == chunks
+    assert resident_bytes(server) == chunks * OBJECT_BYTES  # the latent, not K and V
+
+    from_l1 = warm_run(engines, server, reference)
+
+    stored = wait_for(
+        lambda: server.fresh_status()["storage"]["store"]["stored_objects"].get("fs", 0),
+        lambda n: n >= chunks,
+    )
+    assert stored == chunks
+    assert server.http_get("/clear", method="POST")[0] == 200
+    assert wait_for(lambda: stored_objects(server), lambda n: n == 0) == 0
+    assert warm_run(engines, server, reference) == from_l1  # from the fs L2, bit for bit
+
+
+@pytest.mark.skipif(
+    not os.environ.get("KVTIER_TP_ENGINE_TESTS"),
+    reason="two TP ranks on two cores stall under load: KVTIER_TP_ENGINE_TESTS=1 runs it",
+)
+def test_mla_chunks_stored_at_tp2_take_tp1_bytes_and_load_exactly_at_tp1(
+    engines: Engines, reference: list[Any], kvtier_server: ServerFactory
+) -> None:
+    server = kvtier_server.start()
+    prefill = engines.start(
+        "--kvtier",
+        server.rpc,
+        "--tensor-parallel",
+        "2",
+        env={"VLLM_CPU_OMP_THREADS_BIND": "0|1"},  # one core per rank
+    )
+    try:
+        assert_same(reference, one_by_one(prefill))
+    finally:
+        engines.stop(prefill)
+    chunks = full_chunks(PROMPTS)
+    assert wait_for(lambda: stored_objects(server), lambda n: n >= chunks) == chunks
+    assert resident_bytes(server) == chunks * OBJECT_BYTES  # one copy, not one per rank
+    warm_run(engines, server, reference)  # TP 1 loads what TP 2 stored
