@@ -43,7 +43,7 @@ OBJECT_BYTES = LAYERS * LATENT * 4 * CHUNK  # one chunk of every layer, fp32, on
 # vLLM's CPU MLA prefill of a suffix over cached latents (its context path) is
 # not its full prefill: measured up to 1.8e-3 apart in a logprob here. Loads are
 # checked against that bound, and against each other bit for bit: the same
-# bytes from L1, from the fs L2 and from a TP 2 engine give the same outputs.
+# bytes from L1 and from the fs L2 give the same outputs.
 CONTEXT_TOLERANCE = 5e-3
 
 
