@@ -28,6 +28,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 import urllib.request
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -44,6 +45,7 @@ READY = re.compile(
 )
 START_TIMEOUT_S = 20.0
 STOP_TIMEOUT_S = 10.0
+GROUP_EXIT_S = 5.0  # a stopped server's group may take this long to exit on its own
 
 
 def read_line(stream: IO[str], timeout_s: float) -> str | None:
@@ -100,9 +102,16 @@ class GroupProcess:
         return self.proc.pid
 
     def stop(self, timeout_s: float) -> None:
-        """SIGTERM with a deadline, then SIGKILL what is left of the group."""
+        """SIGTERM with a deadline, then SIGKILL what is left of the group once
+        it had ``GROUP_EXIT_S`` to exit on its own: a child that outlives its
+        parent a moment (Python's resource tracker, which unlinks the named
+        semaphores in ``/dev/shm`` the others leave) is not killed mid-way."""
         stop_process(self.proc, signal.SIGTERM, timeout_s=timeout_s)
+        deadline = time.monotonic() + GROUP_EXIT_S
         with contextlib.suppress(ProcessLookupError, PermissionError):
+            while time.monotonic() < deadline:
+                os.killpg(self.proc.pid, 0)  # ProcessLookupError: the group is gone
+                time.sleep(0.05)
             os.killpg(self.proc.pid, signal.SIGKILL)
         release(self.reaper)
 

@@ -217,6 +217,7 @@ class ServerFactory:
         *extra: str,
         cache_dir: Path | None = None,
         port: int = 0,
+        http_port: int = 0,
         config: str | None = None,
         env: dict[str, str] | None = None,
         token: str = "",
@@ -227,7 +228,7 @@ class ServerFactory:
         --auth-token-file."""
         n = len(self.started)
         cache_dir = cache_dir or self.tmp_path / f"l2-{n}"
-        args = ["--host", "127.0.0.1", "--port", str(port), "--http-port", "0"]
+        args = ["--host", "127.0.0.1", "--port", str(port), "--http-port", str(http_port)]
         args += ["--l1-size", l1_size, "--cache-dir", str(cache_dir)]
         if config is not None:
             config_path = self.tmp_path / f"server-{n}.toml"
@@ -255,12 +256,14 @@ class ServerFactory:
 
     def restart(self, server: Server, *extra: str, kill: bool = True, **options: Any) -> Server:
         """Stop ``server`` (SIGKILL unless ``kill`` is False) and start another on
-        the same cache directory and RPC port, with the same flags by default."""
+        the same cache directory, RPC and HTTP ports, with the same flags by
+        default: a fixture holding ``server`` still reaches its successor."""
         if kill:
             self.kill(server)
         else:
             self.stop(server)
         options.setdefault("token", server.token)
+        options.setdefault("http_port", int(server.http.rsplit(":", 1)[1]))
         return self.start(*extra, cache_dir=server.cache_dir, port=server.port, **options)
 
     def close(self) -> list[str]:

@@ -57,14 +57,21 @@ def kvtier_lines(logs: Path) -> str:
     return "\n".join(lines)
 
 
+def prefill_config(
+    model_dir: Path, kv_server: Server, log: Path
+) -> tuple[EngineOptions, dict[str, Any], Path]:
+    """A prefill engine on core 0."""
+    options = EngineOptions(model_dir, 4096, 1 << 30, prefix_caching=False, cpus="0", name=MODEL)
+    return options, kvtier_transfer(kv_server.rpc), log
+
+
 @pytest.fixture(scope="module")
 def engines(model_dir: Path, kv_server: Server, logs: Path) -> Iterator[tuple[Engine, Engine]]:
     """A prefill engine on core 0 and a decode engine on core 1; the decode's
     failed loads fail their request (the error policy's errors)."""
-    prefill = (EngineOptions(model_dir, 4096, 1 << 30, prefix_caching=False, cpus="0", name=MODEL),)
     decode = (EngineOptions(model_dir, 4096, 1 << 30, prefix_caching=False, cpus="1", name=MODEL),)
     configs = [
-        (*prefill, kvtier_transfer(kv_server.rpc), logs / "prefill.log"),
+        prefill_config(model_dir, kv_server, logs / "prefill.log"),
         (
             *decode,
             # A hand-off never offered ends after 5 s (the default is 10 s); the restarted
@@ -191,6 +198,7 @@ def test_pd_outputs_equal_colocated_and_the_first_token_comes_once(
     engines: tuple[Engine, Engine], proxy: str, kv_server: Server, logs: Path
 ) -> None:
     prefill, _ = engines
+    before = consumed(kv_server.fresh_status())  # what the module's other tests consumed
     for i, prompt in enumerate(PROMPTS):
         # Colocated: the whole request on one engine (its own tenant salt, so the
         # P/D run below reuses nothing of it).
@@ -212,8 +220,8 @@ def test_pd_outputs_equal_colocated_and_the_first_token_comes_once(
     assert status == 200, short
     assert short["usage"]["kvtier_handoff"]["kvtier_handoff_outcome"] == "loaded"
     # The server's status is a snapshot taken each tick: wait for the last DONE in it.
-    seen = wait_for(kv_server.status, lambda s: consumed(s) == len(PROMPTS) + 1)
-    assert consumed(seen) == len(PROMPTS) + 1
+    seen = wait_for(kv_server.status, lambda s: consumed(s) == before + len(PROMPTS) + 1)
+    assert consumed(seen) == before + len(PROMPTS) + 1
     assert seen["handoffs"]["held"] == 0
     assert seen["storage"]["held_lookup_locks"] == 0
 
@@ -233,7 +241,7 @@ def test_a_chat_is_rendered_once_and_equals_colocated(
         "logprobs": True,
         "return_token_ids": True,
     }
-    before = consumed(kv_server.status())
+    before = consumed(kv_server.fresh_status())
     status, colocated = post_json(
         prefill.url + "/v1/chat/completions", {**chat, "cache_salt": "ref"}
     )
@@ -318,12 +326,17 @@ def test_a_hand_off_that_never_comes_recomputes_or_fails_as_asked(
 
 
 def test_the_prefill_engine_killed_after_its_answer_leaves_its_hand_off_loadable(
-    engines: tuple[Engine, Engine], kv_server: Server
+    engines: tuple[Engine, Engine], kv_server: Server, model_dir: Path, logs: Path
 ) -> None:
-    """Next to last in this module: it kills the prefill engine (SIGKILL, its whole
-    process group) once it has answered. The hand-off is the cache server's
-    by then: the decode engine loads it and gives the colocated tokens."""
-    prefill, decode = engines
+    """A prefill engine of its own is killed (SIGKILL, its whole process
+    group) once it has answered. The hand-off is the cache server's by then:
+    the decode engine loads it and gives the colocated tokens."""
+    _, decode = engines
+    with vllm_servers([prefill_config(model_dir, kv_server, logs / "doomed.log")]) as (prefill,):
+        killed_after_its_answer(prefill, decode, kv_server)
+
+
+def killed_after_its_answer(prefill: Engine, decode: Engine, kv_server: Server) -> None:
     prompt = tokens(90, 800)
     status, colocated = post_json(prefill.url + "/v1/completions", body(prompt, cache_salt="ref"))
     assert status == 200, colocated
@@ -347,13 +360,13 @@ def written_back(status: dict[str, Any]) -> int:
 def test_a_hand_off_outlives_its_cache_server_through_its_disk_tier(
     engines: tuple[Engine, Engine], kv_server: Server, module_servers: ServerFactory
 ) -> None:
-    """Last in this module (after the prefill engine's death): the decode
-    engine produces and consumes, and the cache server is killed (SIGKILL)
-    after the producer's answer and restarted on its port and cache
-    directory. The hand-off's record died with it, but its chunks had been
-    written back to the server's disk tier: the consumer sees another boot
-    id than the producer's, takes with ``find``, and the new server finds
-    them there. Same tokens and logprobs as the engine's own, nothing held."""
+    """The decode engine produces and consumes, and the cache server is
+    killed (SIGKILL) after the producer's answer and restarted on its ports
+    and cache directory (the module's fixture reaches the new one). The
+    hand-off's record died with it, but its chunks had been written back to
+    the server's disk tier: the consumer sees another boot id than the
+    producer's, takes with ``find``, and the new server finds them there.
+    Same tokens and logprobs as the engine's own, nothing held."""
     _, engine = engines
     prompt = tokens(120, 700)  # two chunks and a tail: three objects of one rank
     first = written_back(kv_server.fresh_status())
