@@ -165,13 +165,20 @@ class Engines:
             shutil.rmtree(scratch, ignore_errors=True)
 
 
-@pytest.fixture(scope="module")
-def engines(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Engines]:
-    factory = Engines(model_dir, tmp_path_factory.mktemp("engines"))
+@contextlib.contextmanager
+def engines_of(model: Path, tmp: Path) -> Iterator[Engines]:
+    """Engines of ``model``, every one stopped at the end."""
+    factory = Engines(model, tmp)
     try:
         yield factory
     finally:
         factory.close()
+
+
+@pytest.fixture(scope="module")
+def engines(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Engines]:
+    with engines_of(model_dir, tmp_path_factory.mktemp("engines")) as factory:
+        yield factory
 
 
 @pytest.fixture(scope="module")

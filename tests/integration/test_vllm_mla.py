@@ -29,6 +29,7 @@ from tests.integration.test_vllm_connector import (
     Engine,
     Engines,
     assert_same,
+    engines_of,
     held_locks,
     kvtier_hit,
     stored_objects,
@@ -88,11 +89,8 @@ def mla_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def engines(mla_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Engines]:
-    factory = Engines(mla_model, tmp_path_factory.mktemp("mla-engines"))
-    try:
+    with engines_of(mla_model, tmp_path_factory.mktemp("mla-engines")) as factory:
         yield factory
-    finally:
-        factory.close()
 
 
 @pytest.fixture(scope="module")

@@ -4,6 +4,7 @@ work on it (``call``) and it serves the descriptors it watches."""
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import queue
@@ -170,7 +171,9 @@ def test_call_raises_what_the_call_raised(loop: Loop) -> None:
     assert isinstance(loop.call(p.Ping()), p.Pong)
 
 
-def test_a_call_the_loop_does_not_get_to_in_time_fails_and_never_runs(loop: Loop) -> None:
+@contextlib.contextmanager
+def busy_loop(loop: Loop) -> Iterator[None]:
+    """The loop runs a call that blocks it until the block ends."""
     busy, release = threading.Event(), threading.Event()
 
     def block() -> None:
@@ -180,11 +183,18 @@ def test_a_call_the_loop_does_not_get_to_in_time_fails_and_never_runs(loop: Loop
     blocker = threading.Thread(target=loop.transport.call, args=(block, 30))
     blocker.start()
     assert busy.wait(10)  # the loop runs ``block`` now: nothing else runs there
+    try:
+        yield
+    finally:
+        release.set()
+        blocker.join(10)
+
+
+def test_a_call_the_loop_does_not_get_to_in_time_fails_and_never_runs(loop: Loop) -> None:
     ran: list[int] = []
-    with pytest.raises(TimeoutError, match=r"did not get to this call within 0\.2 s; it was not"):
+    not_run = r"did not get to this call within 0\.2 s; it was not"
+    with busy_loop(loop), pytest.raises(TimeoutError, match=not_run):
         loop.transport.call(lambda: ran.append(1), 0.2)
-    release.set()
-    blocker.join(10)
     assert loop.transport.call(lambda: "after", 10) == "after"  # the loop went past it
     assert ran == []
 
@@ -218,15 +228,6 @@ def test_many_concurrent_calls_each_run_once_on_the_loop(loop: Loop) -> None:
 
 
 def test_calls_that_time_out_on_a_busy_loop_never_run_later(loop: Loop) -> None:
-    busy, release = threading.Event(), threading.Event()
-
-    def block() -> None:
-        busy.set()
-        assert release.wait(30), "the test never released the loop"
-
-    blocker = threading.Thread(target=loop.transport.call, args=(block, 30))
-    blocker.start()
-    assert busy.wait(10)
     ran: list[int] = []
     errors: queue.SimpleQueue[BaseException] = queue.SimpleQueue()
 
@@ -236,13 +237,12 @@ def test_calls_that_time_out_on_a_busy_loop_never_run_later(loop: Loop) -> None:
         except TimeoutError as exc:
             errors.put(exc)
 
-    callers = [threading.Thread(target=caller, args=(i,)) for i in range(64)]
-    for t in callers:
-        t.start()
-    for t in callers:
-        t.join(30)
-    release.set()
-    blocker.join(10)
+    with busy_loop(loop):
+        callers = [threading.Thread(target=caller, args=(i,)) for i in range(64)]
+        for t in callers:
+            t.start()
+        for t in callers:
+            t.join(30)
     assert loop.transport.call(lambda: "after", 10) == "after"  # past every queued call
     assert ran == []
     messages = {str(errors.get_nowait()) for _ in range(64)}
