@@ -27,6 +27,13 @@ MiB = 1 << 20
 SPEC = LayoutSpec(group=0, num_layers=8, kv_heads=2, head_dim=128, dtype="bfloat16")
 
 
+def _stored_in_shared(client: CacheClient) -> int:
+    """Objects node A's write-back has put in the L2 named ``shared``."""
+    status = client.status()
+    assert status is not None, "node A did not answer STATUS"
+    return int(status.storage.store.stored_objects.get("shared", 0))
+
+
 def two_nodes(shared: dict[str, Any], tmp: Path, rounds: int) -> dict[str, float]:
     """Node A stores 32 chunks; node B's lookup-to-admitted latency, its L1
     cleared before every round. ``shared`` is the L2 spec (named ``shared``)."""
@@ -46,7 +53,7 @@ def two_nodes(shared: dict[str, Any], tmp: Path, rounds: int) -> dict[str, float
         hashes = TokenHasher(namespace, chunk).chunk_hashes(list(range(32 * chunk)))
         data = [np.full(layout.object_bytes(), i, np.uint8) for i in range(32)]
         assert on_a.store("s", hashes, data) == 32
-        while int(on_a.status()["storage"]["store"]["stored_objects"].get("shared", 0)) < 32:
+        while _stored_in_shared(on_a) < 32:
             time.sleep(0.05)
         latencies = []
         for r in range(rounds):
