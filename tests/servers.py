@@ -15,6 +15,7 @@ import signal
 import socket
 import subprocess
 import time
+from collections.abc import Collection
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -46,12 +47,12 @@ def weed_binary() -> str | None:
     return installed_binary("weed")
 
 
-def free_port_pair() -> int:
+def free_port_pair(taken: Collection[int] = ()) -> int:
     """A free port whose +10000 is free too (SeaweedFS's gRPC port for it, a
-    Redis Cluster node's bus port)."""
+    Redis Cluster node's bus port), neither of them in ``taken``."""
     for _ in range(100):
         port = free_port()
-        if port + 10000 < 65536:
+        if port + 10000 < 65536 and not {port, port + 10000} & {*taken}:
             with socket.socket() as s:
                 try:
                     s.bind(("127.0.0.1", port + 10000))
@@ -59,6 +60,16 @@ def free_port_pair() -> int:
                     continue
             return port
     raise RuntimeError("no free port pair")
+
+
+def free_port_pairs(count: int) -> list[int]:
+    """``count`` ports as ``free_port_pair`` picks them, no two of the
+    ``2 * count`` ports alike (nothing listens on them until the server
+    starts, so the system may offer a port twice)."""
+    ports: list[int] = []
+    for _ in range(count):
+        ports.append(free_port_pair([*ports, *(p + 10000 for p in ports)]))
+    return ports
 
 
 SOCKETS = Path("/tmp")  # where weed puts its local sockets
@@ -95,8 +106,7 @@ class SeaweedProcess:
     @classmethod
     def start(cls, binary: str, directory: Path, timeout_s: float = 90.0) -> SeaweedProcess:
         server = cls(binary, directory, directory / "weed.log")
-        master, volume, filer = free_port_pair(), free_port_pair(), free_port_pair()
-        server.s3_port = free_port_pair()
+        master, volume, filer, server.s3_port = free_port_pairs(4)
         server.ports = (master, volume, filer, server.s3_port)
         args = [binary, "server", f"-dir={directory}", "-ip=127.0.0.1", "-ip.bind=127.0.0.1"]
         args += [f"-master.port={master}", f"-volume.port={volume}", "-filer"]
@@ -162,6 +172,7 @@ __all__ = [
     "answers_ping",
     "free_port",
     "free_port_pair",
+    "free_port_pairs",
     "mooncake_binaries",
     "redis_binary",
     "valkey_binary",

@@ -80,6 +80,20 @@ TINY = {
         "--model-dir",
         "{tmp}",
     ],
+    "bench_save_itl.py": [
+        "--seconds",
+        "3",
+        "--streams",
+        "1",
+        "--decode-tokens",
+        "4",
+        "--long-tokens",
+        "300",
+        "--long-every-s",
+        "1",
+        "--model-dir",
+        "{tmp}",
+    ],
     "bench_codecs.py": ["--prompts", "2", "--speed-prompts", "1"],
     "bench_scheduler_wait.py": ["--steps", "5", "--l2-latency", "0.05"],
     "bench_shadow.py": ["--prompts", "2", "--prefix-chunks", "1", "--model-dir", "{tmp}"],
@@ -113,6 +127,7 @@ ENGINE_SCRIPTS = {
     "bench_scheduler_wait.py",
     "bench_handoff.py",
     "bench_pd_itl.py",
+    "bench_save_itl.py",
 }
 SLOW_SCRIPTS = {
     "bench_hf_ttft.py",

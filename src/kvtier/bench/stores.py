@@ -20,12 +20,21 @@ from pathlib import Path
 
 from kvtier.process import stop_process
 
+_HANDED_OUT: set[int] = set()  # ports free_port gave this process
+
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
+    """A port nothing listens on now that this process was not given before:
+    a server given a port may not listen on it yet, and the system may offer
+    the same port again."""
+    for _ in range(100):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port: int = s.getsockname()[1]
+        if port not in _HANDED_OUT:
+            _HANDED_OUT.add(port)
+            return port
+    raise RuntimeError("no free port that this process was not given before")
 
 
 def installed_binary(name: str) -> str | None:

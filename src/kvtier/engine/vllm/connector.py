@@ -142,12 +142,14 @@ class KVTierConnector(KVConnectorBase_V1):  # type: ignore[misc]
         self._worker.wait_for_save(meta)
 
     def handle_preemptions(self, kv_connector_metadata: Any) -> None:
-        return  # stores finish inside wait_for_save: no block of a preempted request is in use
+        if self._worker is not None and isinstance(kv_connector_metadata, KVTierMetadata):
+            self._worker.handle_preemptions(kv_connector_metadata)
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
-        # Stores finish inside wait_for_save; asynchronous loads finish here.
-        received = self._worker.get_finished() if self._worker is not None else set()
-        return None, received or None
+        if self._worker is None:
+            return None, None
+        sent, received = self._worker.get_finished(finished_req_ids)
+        return sent or None, received or None
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self._worker.get_block_ids_with_load_errors() if self._worker else set()

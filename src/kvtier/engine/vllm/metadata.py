@@ -29,12 +29,16 @@ class LoadSpec:
 @dataclass(slots=True)
 class StoreSpec:
     """Store chunks ``hashes`` of a request, computed by this step's forward,
-    from ``block_ids`` (``blocks_per_chunk`` per chunk, in order)."""
+    from ``block_ids`` (``blocks_per_chunk`` per chunk, in order): after the
+    step, on the worker's save thread (vLLM keeps the request's blocks until
+    every rank reports its saves done), or ``in_step``, before the step
+    returns (a prefill engine's hand-off, offered as the request finishes)."""
 
     request_id: str
     salt: str
     hashes: list[bytes]
     block_ids: list[int]
+    in_step: bool = False
 
 
 @dataclass(slots=True)
@@ -76,3 +80,4 @@ class KVTierMetadata(KVConnectorMetadata):  # type: ignore[misc]
     shadows: list[ShadowSpec] = field(default_factory=list)
     blends: list[BlendSpec] = field(default_factory=list)
     computed_tokens: int = 0  # tokens this step's forward computes, every request together
+    preempted: list[str] = field(default_factory=list)  # requests whose blocks vLLM freed

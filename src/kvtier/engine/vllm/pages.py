@@ -1,31 +1,45 @@
 """vLLM's paged KV as kvtier objects: the layout, and moving pages in bulk.
 
-vLLM 0.32 gives every attention layer one tensor ``[num_blocks, kv_heads,
-block_size, 2 * head_dim]`` (one block of one layer is a contiguous *page*).
-How K and V are packed inside a page is the attention backend's business: on
-CPU it depends on the instruction set (``amx``, ``vec``, ...), on CUDA on the
-KV-cache layout. So kvtier never looks inside a page: an object (one chunk of
-one rank) is ``[num_layers][blocks_per_chunk][page]``, and ``engine_format``
-names the packing in the layout's ``format``, which is in the namespace: pages
-are only read back by an engine that packs them the same way.
+vLLM 0.32 views every attention layer's KV as one logical tensor ``[num_blocks,
+kv_heads, block_size, C]`` over a shared allocation, with K and V packed in
+the last dimension (``C = 2 * head_dim``: K then V, as every dense backend
+splits it) or, for MLA, one latent per token (``C = kv_lora_rank +
+qk_rope_head_dim``, 576 for DeepSeek). Where the bytes lie is the KV-cache
+layout's business (``vllm.v1.kv_cache_layout.KVCacheLayout``): a layer's
+blocks may be contiguous pages (``LBHNC``, vLLM-CPU's only layout) or strided
+across layers (``BL*``) or heads (``LHBNC``, ``BHLNC``), and inside a block
+the heads come before the tokens (``HND``) or after them (``NHD``).
 
-An MLA model (DeepSeek-V2/V3-class) caches one latent per token and layer
-(``kv_lora_rank`` + ``qk_rope_head_dim`` values, 576 for DeepSeek): a page is
-``[block_size][latent]`` rows, the same on every TP rank. Its layout is of
-kind ``"latent"`` with one rank whatever the TP size, so a chunk is stored
-once (by rank 0, ``ClientPool.replica``) and loaded by every rank of any TP
-size; its format names the MLA backend (``vllm-cpu-cpu_mla-bs16``).
+kvtier copies one block of one layer as one *page*: its ``[H, N, C]`` bytes in
+the page order (``HND`` or ``NHD``), whatever the strides around it. An object
+(one chunk of one rank) is ``[num_layers][blocks_per_chunk][page]``, and
+``engine_format`` names what a page holds in the layout's ``format``, which
+is in the namespace: pages are only read back by an engine that packs them
+the same way. On CPU the format names the attention kernel's packing (``amx``,
+``vec``, ...); on CUDA the page order (``vllm-cuda-NHD-bs16``), which is all
+that differs between FlashAttention, FlashInfer, Triton and FlexAttention
+pages in the model's dtype or fp8; MLA's names its backend
+(``vllm-cpu-cpu_mla-bs16``, ``vllm-cuda-mla-bs64``). A tensor whose pages are
+not what its format says (another order, kernel blocks smaller than vLLM's
+blocks, padded or quantized contents) is refused when it is registered,
+naming its shape and strides.
+
+An MLA layout is of kind ``"latent"`` with one rank whatever the TP size (the
+latent is the same on every rank), so a chunk is stored once (by rank 0,
+``ClientPool.replica``) and loaded by every rank of any TP size.
 
 ``PagedKV`` holds the registered tensors and copies pages between blocks and
 object buffers with bulk tensor operations: ``index_select`` (on CPU straight
-into the arena) and ``index_copy_``, one per layer. On a GPU the pages go
-through a pinned host buffer with non-blocking copies; the copy into the arena
-waits on an event recorded after them, and a load waits for its copies before
-attention can read the blocks.
+into the arena) and ``index_copy_``, one per layer. On a GPU the copies run on
+a side stream through pinned host buffers (one per direction): a store's
+copies wait on an event recorded after the forward (``ready``), and a load's
+landing is an event the engine's stream waits on, so the step never
+synchronizes the device.
 """
 
 from __future__ import annotations
 
+import threading
 import warnings
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -62,10 +76,22 @@ def engine_format(vllm_config: Any) -> str:
             cache.cache_dtype,
         )
     else:
-        from vllm.v1.attention.backends.utils import get_kv_cache_layout
-
-        packing = str(get_kv_cache_layout())
+        packing = layout_page_order(cache.get_resolved_kv_cache_layout())
     return f"vllm-{device}-{packing}-bs{cache.block_size}"
+
+
+def layout_page_order(layout: Any) -> str:
+    """The order of a block's heads, tokens and values in memory under one of
+    vLLM's ``KVCacheLayout`` members: ``NHD`` where the tokens are outside the
+    heads, else ``HND``."""
+    inside = [dim for dim in layout.layer_view_order if dim != 0]  # the block's own dims
+    return "NHD" if inside.index(2) < inside.index(1) else "HND"
+
+
+def page_order(page_format: str) -> str:
+    """The page order ``page_format`` stands for: ``NHD`` where it says so,
+    else ``HND`` (vLLM-CPU's pages, and MLA's, which have one head)."""
+    return "NHD" if "NHD" in page_format.split("-") else "HND"
 
 
 def _mla_backend(vllm_config: Any, device: str) -> str:
@@ -160,35 +186,33 @@ class PagedKV:
         self.device = first.device
         self.block_size = block_size
         self.blocks_per_chunk = layout.tokens_per_chunk // block_size
-        self.page_bytes = first[0].numel() * first.element_size()
-        expected = layout.object_bytes() // (layout.num_layers * self.blocks_per_chunk)
-        for tensor in self.layers:
-            if not tensor.is_contiguous() or tensor[0].numel() * tensor.element_size() != expected:
-                raise ValueError(
-                    f"a KV tensor {tuple(tensor.shape)} ({tensor.dtype}) does not hold contiguous "
-                    f"pages of {expected} bytes, as the layout {layout} says"
-                )
-        # byte views [num_blocks, page_bytes] of each layer
-        self.pages = [t.view(torch.uint8).view(t.shape[0], -1) for t in self.layers]
+        page_bytes = layout.object_bytes() // (layout.num_layers * self.blocks_per_chunk)
+        order = page_order(layout.format)
+        # byte views [num_blocks, ., ., bytes] of each layer, a block's page in `order`
+        self.pages = [page_view(t, order, page_bytes, layout.format) for t in self.layers]
+        self.page_bytes = page_bytes
         self.object_bytes = layout.object_bytes()
-        self._pinned: torch.Tensor | None = None
+        self._cuda = _CudaCopies() if self.device.type == "cuda" else None
 
-    def copy_out(self, block_ids: Sequence[int], dst: npt.NDArray[np.uint8]) -> None:
+    def ready(self) -> Any:
+        """A mark, on the engine's stream, that this step's forward has written
+        its pages (an event on a GPU, None on CPU): a later ``copy_out``
+        (from any thread) copies after it."""
+        return self._cuda.ready() if self._cuda is not None else None
+
+    def copy_out(
+        self, block_ids: Sequence[int], dst: npt.NDArray[np.uint8], ready: Any = None
+    ) -> None:
         """Write the pages of one chunk's blocks (``blocks_per_chunk`` of them, in
-        order) into an object's bytes ``dst``: ``[layers][block][page]``."""
+        order) into an object's bytes ``dst``: ``[layers][block][page]``. On a
+        GPU the copies start after ``ready`` (``ready()``'s; now if None)."""
         ids = torch.tensor(list(block_ids), dtype=torch.long, device=self.device)
-        out = torch.from_numpy(dst).view(len(self.pages), self.blocks_per_chunk, -1)
-        if self.device.type == "cpu":
+        out = torch.from_numpy(dst).view(len(self.pages), len(block_ids), *self.pages[0].shape[1:])
+        if self._cuda is None:
             for layer, pages in enumerate(self.pages):
                 torch.index_select(pages, 0, ids, out=out[layer])  # straight into the arena
             return
-        host = self._host_buffer(out.numel()).view(out.shape)
-        for layer, pages in enumerate(self.pages):
-            host[layer].copy_(pages.index_select(0, ids), non_blocking=True)
-        done = torch.cuda.Event()
-        done.record()
-        done.synchronize()  # the forward's writes, then these copies, have landed
-        out.copy_(host)
+        self._cuda.gather(self.pages, ids, out, ready)
 
     def values(self, chunk: npt.NDArray[np.uint8]) -> torch.Tensor:
         """An object's bytes as the engine's KV values, one row per layer."""
@@ -196,26 +220,120 @@ class PagedKV:
 
     def scatter(self, chunk: npt.NDArray[np.uint8], blocks: Mapping[int, int]) -> None:
         """Write pages of one object into the engine: ``blocks`` maps a block's
-        position in the chunk to the engine block it goes to."""
+        position in the chunk to the engine block it goes to. On a GPU the
+        engine's stream waits for them (``landed`` waits on the host)."""
         with warnings.catch_warnings():  # frames from the wire are read-only: only read them
             warnings.simplefilter("ignore", UserWarning)
-            source = torch.from_numpy(chunk).view(len(self.pages), self.blocks_per_chunk, -1)
+            source = torch.from_numpy(chunk).view(
+                len(self.pages), self.blocks_per_chunk, *self.pages[0].shape[1:]
+            )
         positions = sorted(blocks)
         ids = torch.tensor([blocks[j] for j in positions], dtype=torch.long, device=self.device)
         picked = source[:, positions]
-        if self.device.type != "cpu":
-            host = self._host_buffer(picked.numel()).view(picked.shape)
-            host.copy_(picked)
-            picked = host.to(self.device, non_blocking=True)
+        if self._cuda is not None:
+            self._cuda.put(self.pages, ids, picked)
+            return
         for layer, pages in enumerate(self.pages):
             pages.index_copy_(0, ids, picked[layer])
-        if self.device.type != "cpu":
-            torch.cuda.current_stream().synchronize()  # visible before attention reads it
 
-    def _host_buffer(self, nbytes: int) -> torch.Tensor:
-        if self._pinned is None or self._pinned.numel() < nbytes:
-            self._pinned = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
-        return self._pinned[:nbytes]
+    def landed(self) -> None:
+        """Wait (on the host) until every page ``scatter`` wrote has landed:
+        for loads the engine's stream does not wait on (another thread's)."""
+        if self._cuda is not None:
+            self._cuda.landed()
+
+
+def page_view(tensor: torch.Tensor, order: str, page_bytes: int, page_format: str) -> torch.Tensor:
+    """One layer's ``[B, H, N, C]`` tensor as bytes ``[B, ., ., C bytes]`` with a
+    block's dims in ``order`` (``HND``: ``[B, H, N, .]``; ``NHD``: ``[B, N, H, .]``);
+    ValueError naming the shape and strides when its pages are not pages of
+    ``page_bytes`` bytes in that order."""
+    shape, strides = tuple(tensor.shape), tensor.stride()
+
+    def refuse(why: str) -> ValueError:
+        return ValueError(
+            f"the kvtier connector cannot copy pages of format {page_format} from a KV tensor "
+            f"{shape} ({tensor.dtype}, strides {strides}): {why}"
+        )
+
+    if tensor.dim() != 4 or tensor.stride(-1) != 1:
+        raise refuse("it is not [blocks, heads, tokens, values] with the values contiguous")
+    _, heads, tokens, _ = shape
+    if heads > 1 and tokens > 1 and (strides[1] > strides[2]) != (order == "HND"):
+        actual = "HND" if strides[1] > strides[2] else "NHD"
+        raise refuse(f"its blocks are {actual} inside, the format says {order}")
+    if tensor[0].numel() * tensor.element_size() != page_bytes:
+        raise refuse(
+            f"a block holds {tensor[0].numel() * tensor.element_size()} bytes, the layout's pages "
+            f"{page_bytes} (kernel blocks smaller than vLLM's, or padded or quantized values)"
+        )
+    paged = tensor.view(torch.uint8)
+    return paged if order == "HND" else paged.transpose(1, 2)
+
+
+class _CudaCopies:
+    """Page copies on a GPU: a side stream, a pinned host buffer per direction
+    (each reused only once its last copy has left it), and events."""
+
+    def __init__(self) -> None:
+        self.stream = torch.cuda.Stream()
+        self._out = _Pinned()
+        self._in = _Pinned()
+        self._landing: Any = None  # the last load's event
+
+    def ready(self) -> Any:
+        event = torch.cuda.Event()
+        event.record()  # on the engine's stream, after the forward's writes
+        return event
+
+    def gather(
+        self, pages: list[torch.Tensor], ids: torch.Tensor, out: torch.Tensor, ready: Any
+    ) -> None:
+        ready = ready if ready is not None else self.ready()
+        with self._out.lock:
+            host = self._out.take(out.numel()).view(out.shape)
+            with torch.cuda.stream(self.stream):
+                self.stream.wait_event(ready)
+                for layer, layer_pages in enumerate(pages):
+                    host[layer].copy_(layer_pages.index_select(0, ids), non_blocking=True)
+                done = torch.cuda.Event()
+                done.record(self.stream)
+            done.synchronize()  # this thread waits on the copies' event, not the device
+            out.copy_(host)
+
+    def put(self, pages: list[torch.Tensor], ids: torch.Tensor, picked: torch.Tensor) -> None:
+        with self._in.lock:
+            host = self._in.take(picked.numel()).view(picked.shape)
+            host.copy_(picked)
+            with torch.cuda.stream(self.stream):
+                moved = host.to(ids.device, non_blocking=True)
+                for layer, layer_pages in enumerate(pages):
+                    layer_pages.index_copy_(0, ids, moved[layer])
+                done = torch.cuda.Event()
+                done.record(self.stream)
+            self._in.in_flight = self._landing = done
+        torch.cuda.current_stream().wait_event(done)  # attention reads the blocks after it
+
+    def landed(self) -> None:
+        if self._landing is not None:
+            self._landing.synchronize()
+
+
+class _Pinned:
+    """A pinned host buffer, grown as needed, and the event of its last copy."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.in_flight: Any = None
+        self._buffer: torch.Tensor | None = None
+
+    def take(self, nbytes: int) -> torch.Tensor:
+        if self.in_flight is not None:
+            self.in_flight.synchronize()  # its last copy has left it
+            self.in_flight = None
+        if self._buffer is None or self._buffer.numel() < nbytes:
+            self._buffer = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+        return self._buffer[:nbytes]
 
 
 def write_tokens(

@@ -104,6 +104,7 @@ class SchedulerSide:
         self.shadow = ShadowCheck(settings.shadow_fraction, settings.shadow_tolerance)
         self.block_size = self.clients.block_size
         self._store_all = settings.store != "none"  # else only a producer's chunks
+        self._saving = (self._store_all, settings.save_async)  # what `Tracked.stores` asks
         self.requests: dict[str, Tracked] = {}
         self._loads: list[LoadSpec] = []
         self._blends: list[BlendSpec] = []
@@ -260,6 +261,7 @@ class SchedulerSide:
     def _build(self, scheduler_output: Any) -> KVTierMetadata:
         scheduled = scheduler_output.num_scheduled_tokens
         meta = KVTierMetadata(loads=self._loads, computed_tokens=sum(scheduled.values()))
+        meta.preempted = sorted(getattr(scheduler_output, "preempted_req_ids", None) or ())
         meta.blends, self._loads, self._blends = self._blends, [], []
         step: list[tuple[str, int, int]] = []
         for spec in meta.loads:
@@ -276,7 +278,7 @@ class SchedulerSide:
             if tracked is not None:
                 tracked.block_ids = list(new.block_ids[0])
                 done = new.num_computed_tokens + scheduled.get(new.req_id, 0)
-                meta.stores += tracked.stores(done, self.block_size, self._store_all)
+                meta.stores += tracked.stores(done, self.block_size, *self._saving)
                 meta.shadows += tracked.shadows(done, self.block_size)
         cached = scheduler_output.scheduled_cached_reqs
         for i, request_id in enumerate(cached.req_ids):
@@ -289,7 +291,7 @@ class SchedulerSide:
             elif new_ids:
                 tracked.block_ids.extend(new_ids[0])
             done = cached.num_computed_tokens[i] + scheduled.get(request_id, 0)
-            meta.stores += tracked.stores(done, self.block_size, self._store_all)
+            meta.stores += tracked.stores(done, self.block_size, *self._saving)
             meta.shadows += tracked.shadows(done, self.block_size)
         return meta
 
@@ -316,7 +318,9 @@ class SchedulerSide:
     ) -> tuple[bool, dict[str, Any] | None]:
         """End the request's session; for a hand-off, offer it (producer) or
         say how it went (consumer), in the response's ``kv_transfer_params``.
-        Blocks are never held back: every store is committed already."""
+        Its blocks are held back (True) while stores of it that left their
+        step may still read them: until every worker names it finished
+        sending (``get_finished``)."""
         with self.timer:
             tracked = self.requests.pop(request.request_id, None)
             self._receiving.pop(request.request_id, None)  # the session's end releases it
@@ -324,12 +328,12 @@ class SchedulerSide:
                 return False, None
             if tracked.client is not None and _looked_up(tracked.lookup):
                 tracked.client.end_session(request.request_id, wait=False)
-            role = tracked.role
+            held, role = tracked.saves_after_step, tracked.role
             if isinstance(role, Produce):
-                return False, self.handoffs.offer(tracked, role)
+                return held, self.handoffs.offer(tracked, role)
             if isinstance(role, Consume):
-                return False, self.handoffs.finished(tracked, role, request)
-        return False, None
+                return held, self.handoffs.finished(tracked, role, request)
+        return held, None
 
     def close(self) -> None:
         self.timer.report()
@@ -382,6 +386,7 @@ class SchedulerSide:
             request.num_preemptions,
             role=role,
             blend=blend,
+            saves_after_step=old is not None and old.saves_after_step,  # the workers know it
         )
         if self._pins.prefixes:
             tracked.pin = self._pins.listed_prefix(prompt, chunk_size or 0)

