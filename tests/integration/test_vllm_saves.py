@@ -68,7 +68,7 @@ def gate(monkeypatch: pytest.MonkeyPatch) -> Iterator[threading.Event]:
 
 def store_spec(worker: WorkerSide, request_id: str, seed: int) -> StoreSpec:
     hashes = worker.clients.hasher("", CHUNK).chunk_hashes(prompt(2 * CHUNK, seed))
-    return StoreSpec(request_id, "", hashes, list(range(2 * PER_CHUNK)))
+    return StoreSpec(request_id, "", hashes, [list(range(2 * PER_CHUNK))])
 
 
 def resident(worker: WorkerSide, spec: StoreSpec) -> bool:
@@ -139,7 +139,7 @@ def test_stored_pages_are_the_blocks_the_forward_wrote(worker: WorkerSide) -> No
     assert client is not None
     paged = worker._paged_kv(CHUNK)
     expected = np.zeros(paged.object_bytes, np.uint8)
-    paged.copy_out(spec.block_ids[PER_CHUNK:], expected)
+    paged.copy_out([spec.block_ids[0][PER_CHUNK:]], expected)
     read: list[bytes] = []
     state = client.lookup("read", spec.hashes, wait_s=30)
     assert state.hit_chunks == 2

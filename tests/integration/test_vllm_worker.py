@@ -75,7 +75,7 @@ def test_an_asynchronous_load_fills_its_blocks_on_the_load_thread(worker: Worker
     tokens = prompt(600, seed=21)
     assert store_chunks(worker, tokens) == 2  # chunk i's bytes are all i
     hashes = worker.clients.hasher("", 256).chunk_hashes(tokens)
-    spec = LoadSpec("r", "", 0, hashes, [{1: 1}, {0: 2, 1: 3}], asynchronous=True)
+    spec = LoadSpec("r", "", 0, hashes, [[{1: 1}], [{0: 2, 1: 3}]], asynchronous=True)
     assert run_async(worker, spec) == set()
     assert [pages(worker, b) for b in range(5)] == [{0}, {0}, {1}, {1}, {0}]
     assert worker.stats["loaded_chunks"] == 2
@@ -85,7 +85,7 @@ def test_chunks_that_do_not_come_back_are_failed_blocks(worker: WorkerSide) -> N
     tokens = prompt(600, seed=22)
     hashes = worker.clients.hasher("", 256).chunk_hashes(tokens)
     store_chunks(worker, tokens[:256])  # only chunk 0 is in kvtier
-    spec = LoadSpec("half", "", 0, hashes, [{0: 4, 1: 5}, {0: 6, 1: 7}], asynchronous=True)
+    spec = LoadSpec("half", "", 0, hashes, [[{0: 4, 1: 5}], [{0: 6, 1: 7}]], asynchronous=True)
     assert run_async(worker, spec) == {6, 7}
     assert (worker.stats["loaded_chunks"], worker.stats["failed_chunks"]) == (1, 1)
 
@@ -95,7 +95,7 @@ def test_with_the_server_away_every_block_fails_and_the_load_still_finishes(
 ) -> None:
     side = worker_side(monkeypatch, "tcp://127.0.0.1:9")
     try:
-        spec = LoadSpec("away", "", 0, [b"\x01" * 16], [{0: 1, 1: 2}], asynchronous=True)
+        spec = LoadSpec("away", "", 0, [b"\x01" * 16], [[{0: 1, 1: 2}]], asynchronous=True)
         assert run_async(side, spec) == {1, 2}
     finally:
         side.close()
@@ -129,7 +129,7 @@ def test_the_reported_forward_excludes_the_loads_whichever_side_of_it_they_run(
         return 256
 
     monkeypatch.setattr(worker, "_load", load)
-    spec = LoadSpec("timed", "", 0, [b"\x02" * 16], [{0: 1, 1: 2}], asynchronous=asynchronous)
+    spec = LoadSpec("timed", "", 0, [b"\x02" * 16], [[{0: 1, 1: 2}]], asynchronous=asynchronous)
     meta = KVTierMetadata(loads=[spec], computed_tokens=1000)
     worker.begin_step()
     if asynchronous:  # the forward (2 s), then the loads start on the load thread

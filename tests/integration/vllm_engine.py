@@ -2,7 +2,7 @@
 
     python -m tests.integration.vllm_engine --model DIR [--kvtier RPC] [--no-prefix-caching]
         [--blend] [--kv-bytes N] [--max-model-len N] [--request-timeout S]
-        [--tensor-parallel N] [--kvtier-option KEY=VALUE]...
+        [--tensor-parallel N] [--no-hybrid-kv-cache] [--kvtier-option KEY=VALUE]...
 
 Prints ``{"ready": true}`` once the engine is up, then answers one JSON line
 per command line on stdin:
@@ -48,6 +48,11 @@ def main() -> None:
     parser.add_argument("--request-timeout", type=float, default=0.5)
     parser.add_argument("--tensor-parallel", type=int, default=1)
     parser.add_argument(
+        "--no-hybrid-kv-cache",
+        action="store_true",
+        help="vLLM's hybrid KV-cache manager off: every layer in one group of full blocks",
+    )
+    parser.add_argument(
         "--kvtier-option",
         action="append",
         default=[],
@@ -82,6 +87,8 @@ def main() -> None:
         }
     if args.kv_bytes:
         options["kv_cache_memory_bytes"] = args.kv_bytes
+    if args.no_hybrid_kv_cache:
+        options["disable_hybrid_kv_cache_manager"] = True
     llm = LLM(
         model=args.model,
         skip_tokenizer_init=True,

@@ -22,6 +22,13 @@ as they are and names that with ``format`` (e.g. ``"vllm-cpu-vec-bs128"``):
 the format is in the digest, so such objects are only ever read back by an
 engine with the same format.
 
+A sliding-window model's layers that attend only to the last ``W`` tokens
+need, for a hit ending at a chunk's end, only that chunk's last blocks: of
+``num_layers``, ``window_layers`` keep only the last ``window_tokens`` tokens
+of each chunk (whole engine blocks), the rest every token. Such an object is
+``[num_layers][kept blocks][page]`` in the engine's format, and
+``object_bytes()`` counts what is kept.
+
 ``lossy_codec`` (``"int8"``, ``"int4"``; ``""`` for none) lets slower tiers
 store the group's KV with that lossy codec (``kvtier.l2.codecs``); it is in
 the digest, so KV that may come back lossy has keys of its own.
@@ -70,6 +77,8 @@ class KVLayout:
     num_ranks: int = 1
     format: str = ""  # "": the canonical byte order; else an engine's own page format
     lossy_codec: str = ""  # a lossy codec slower tiers may store this KV with
+    window_layers: int = 0  # layers that keep only the last window_tokens of a chunk
+    window_tokens: int = 0
 
     def __post_init__(self) -> None:
         for name in ("num_layers", "kv_heads", "head_dim", "tokens_per_chunk", "num_ranks"):
@@ -85,6 +94,21 @@ class KVLayout:
             )
         if self.lossy_codec:
             self._check_lossy()
+        if self.window_layers or self.window_tokens:
+            self._check_window()
+
+    def _check_window(self) -> None:
+        if not 0 < self.window_layers <= self.num_layers:
+            raise ValueError(
+                f"KVLayout.window_layers must be in [1, num_layers {self.num_layers}] with "
+                f"window_tokens, got {self.window_layers}"
+            )
+        if not 0 < self.window_tokens < self.tokens_per_chunk or not self.format:
+            raise ValueError(
+                "KVLayout.window_tokens must be in [1, tokens_per_chunk "
+                f"{self.tokens_per_chunk}) with window_layers, in an engine's page format; "
+                f"got {self.window_tokens}, format {self.format!r}"
+            )
 
     def _check_lossy(self) -> None:
         if self.lossy_codec not in LOSSY_CODECS:
@@ -103,7 +127,7 @@ class KVLayout:
         return DTYPE_BYTES[self.dtype]
 
     def bytes_per_token(self) -> int:
-        """Bytes one token takes in this group on one rank."""
+        """Bytes one token takes in this group on one rank (every layer's)."""
         return (
             _KIND_FACTOR[self.kind]
             * self.num_layers
@@ -113,8 +137,10 @@ class KVLayout:
         )
 
     def object_bytes(self) -> int:
-        """Bytes of one object: one chunk of one rank."""
-        return self.bytes_per_token() * self.tokens_per_chunk
+        """Bytes of one object: one chunk of one rank (a window layer's kept tokens only)."""
+        tokens = self.num_layers * self.tokens_per_chunk
+        tokens -= self.window_layers * (self.tokens_per_chunk - self.window_tokens)
+        return self.bytes_per_token() // self.num_layers * tokens
 
     def chunk_bytes(self) -> int:
         """Bytes of one chunk over all ranks (replicas included)."""
@@ -122,7 +148,7 @@ class KVLayout:
 
     def canonical_json(self) -> bytes:
         fields = dataclasses.asdict(self)
-        for name in ("format", "lossy_codec"):
+        for name in ("format", "lossy_codec", "window_layers", "window_tokens"):
             if not fields[name]:
                 del fields[name]  # layouts without them keep the digests they always had
         return json.dumps(fields, sort_keys=True, separators=(",", ":")).encode("utf-8")
@@ -132,4 +158,17 @@ class KVLayout:
         return blake3(b"kvtier-layout-v1\x00" + self.canonical_json()).hexdigest(length=16)
 
 
-__all__ = ["DTYPE_BYTES", "LOSSY_CODECS", "KVLayout", "LayoutKind"]
+def windowed(layout: KVLayout, window_layers: int, window_tokens: int) -> KVLayout:
+    """``layout`` whose ``window_layers`` keep the last ``window_tokens`` of
+    each chunk: unchanged when that is the whole chunk."""
+    if not 0 < window_layers <= layout.num_layers or window_tokens <= 0:
+        raise ValueError(
+            f"KVLayout window: window_layers must be in [1, num_layers {layout.num_layers}] "
+            f"and window_tokens positive, got {window_layers} and {window_tokens}"
+        )
+    if window_tokens >= layout.tokens_per_chunk:
+        return layout
+    return dataclasses.replace(layout, window_layers=window_layers, window_tokens=window_tokens)
+
+
+__all__ = ["DTYPE_BYTES", "LOSSY_CODECS", "KVLayout", "LayoutKind", "windowed"]

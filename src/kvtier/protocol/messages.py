@@ -46,11 +46,16 @@ class LayoutSpec(msgspec.Struct, forbid_unknown_fields=True):
     kind: str = "kv"
     format: str = ""  # KVLayout.format
     lossy_codec: str = ""  # KVLayout.lossy_codec
+    window_layers: int = 0  # KVLayout.window_layers
+    window_tokens: int = 0  # KVLayout.window_tokens, before the server's chunk size caps it
 
     @classmethod
-    def of(cls, layout: KVLayout, group: int = 0) -> LayoutSpec:
+    def of(
+        cls, layout: KVLayout, group: int = 0, window_layers: int = 0, window_tokens: int = 0
+    ) -> LayoutSpec:
         """The one conversion from an engine's ``KVLayout`` (the server sets
-        the chunk size and the ranks come with HELLO)."""
+        the chunk size and the ranks come with HELLO; ``window_layers`` keep
+        ``window_tokens`` of a chunk whatever its size)."""
         return cls(
             group,
             layout.num_layers,
@@ -60,6 +65,8 @@ class LayoutSpec(msgspec.Struct, forbid_unknown_fields=True):
             layout.kind,
             layout.format,
             layout.lossy_codec,
+            window_layers or layout.window_layers,
+            window_tokens or layout.window_tokens,
         )
 
 

@@ -19,7 +19,7 @@ import numpy.typing as npt
 
 from kvtier.controllers import PrefetchHandle
 from kvtier.keys import HASH_BYTES, ObjectKey, chunk_keys
-from kvtier.layout import KVLayout
+from kvtier.layout import KVLayout, windowed
 from kvtier.protocol import messages as p
 from kvtier.server.limits import RequestError
 from kvtier.server.sessions import Client, Session
@@ -88,7 +88,7 @@ def group_layout(client: Client, group: int) -> KVLayout:
 def hello_layout(spec: p.LayoutSpec, chunk_size: int, num_ranks: int) -> KVLayout:
     """A HELLO's layout; a refusal naming the field when it is not one."""
     try:
-        return KVLayout(
+        layout = KVLayout(
             spec.num_layers,
             spec.kv_heads,
             spec.head_dim,
@@ -99,6 +99,9 @@ def hello_layout(spec: p.LayoutSpec, chunk_size: int, num_ranks: int) -> KVLayou
             format=spec.format,
             lossy_codec=spec.lossy_codec,
         )
+        if spec.window_layers or spec.window_tokens:
+            layout = windowed(layout, spec.window_layers, spec.window_tokens)
+        return layout
     except ValueError as exc:
         raise RequestError("bad_request", f"layout of group {spec.group}: {exc}") from None
 

@@ -95,6 +95,11 @@ def test_identity_parts() -> None:
         config_fingerprint(config)
     )
     assert config_fingerprint({**config, "rope_theta": 5e5}) != config_fingerprint(config)
+    # a model whose window, or whose choice of sliding layers, changes never reuses KV
+    windowed = {**config, "sliding_window": 128, "layer_types": ["sliding_attention"] * 2}
+    assert config_fingerprint({**windowed, "sliding_window": 256}) != config_fingerprint(windowed)
+    other_layers = {**windowed, "layer_types": ["sliding_attention", "full_attention"]}
+    assert config_fingerprint(other_layers) != config_fingerprint(windowed)
     assert hub_commit("/c/models--org--m/snapshots/" + "a" * 40) == "a" * 40
     assert hub_commit("/tmp/m") is None
     with pytest.raises(ValueError, match="pass the model's revision"):

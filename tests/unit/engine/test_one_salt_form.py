@@ -72,7 +72,7 @@ def connector_pool(
     transformers engine's, so that only the namespace's identity and salt
     can tell the two apart (no client is made: nothing connects)."""
 
-    def layout(vllm_config: object, chunk_size: int) -> KVLayout:
+    def layout(vllm_config: object, chunk_size: int, groups: object = None) -> KVLayout:
         return kv_layout(llama, chunk_size)
 
     monkeypatch.setattr(clients, "engine_kv_layout", layout)

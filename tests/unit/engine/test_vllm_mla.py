@@ -88,9 +88,9 @@ def test_latent_pages_round_trip_through_an_object() -> None:
     caches = {f"model.layers.{i}.self_attn.attn": torch.randn(9, 1, BLOCK, LATENT) for i in (0, 1)}
     paged = PagedKV(caches, layout, BLOCK)
     chunk = torch.empty(layout.object_bytes(), dtype=torch.uint8).numpy()
-    paged.copy_out([3, 1, 7, 5], chunk)
+    paged.copy_out([[3, 1, 7, 5]], chunk)
     target = {f"model.layers.{i}.self_attn.attn": torch.zeros(9, 1, BLOCK, LATENT) for i in (0, 1)}
-    PagedKV(target, layout, BLOCK).scatter(chunk, dict(enumerate([0, 2, 4, 6])))
+    PagedKV(target, layout, BLOCK).scatter(chunk, [dict(enumerate([0, 2, 4, 6]))])
     for name, source in caches.items():
         assert torch.equal(target[name][[0, 2, 4, 6]], source[[3, 1, 7, 5]])
 

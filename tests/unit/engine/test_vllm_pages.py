@@ -18,12 +18,19 @@ import torch
 pytest.importorskip("vllm")
 from vllm.v1.attention.backends.utils import get_flashinfer_layout_string
 from vllm.v1.core.kv_cache_utils import get_kv_cache_config_from_groups
-from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheGroupSpec, MLAAttentionSpec
+from vllm.v1.kv_cache_interface import (
+    ChunkedLocalAttentionSpec,
+    FullAttentionSpec,
+    KVCacheGroupSpec,
+    MLAAttentionSpec,
+    SlidingWindowSpec,
+)
 from vllm.v1.kv_cache_layout import KVCacheLayout
 from vllm.v1.worker.utils import allocate_kv_cache
 
+from kvtier.engine.vllm.groups import CacheGroups
 from kvtier.engine.vllm.pages import PagedKV, engine_format, layout_page_order
-from kvtier.layout import KVLayout
+from kvtier.layout import KVLayout, windowed
 
 pytestmark = pytest.mark.engine  # needs vLLM (no engine runs)
 
@@ -118,8 +125,8 @@ def test_pages_round_trip_byte_exact_in_every_layout(layout: KVCacheLayout, kind
     paged = paged_kv(caches, chunk, layout)
     before = [t.view(torch.uint8).clone() for t in tensors]
     stored = np.zeros(paged.object_bytes, np.uint8)
-    paged.copy_out([7, 2, 5, 0], stored)
-    paged.scatter(stored, {0: 1, 1: 3, 2: 4, 3: 6})
+    paged.copy_out([[7, 2, 5, 0]], stored)
+    paged.scatter(stored, [{0: 1, 1: 3, 2: 4, 3: 6}])
     for layer, tensor in enumerate(tensors):
         after = tensor.view(torch.uint8)
         for source, target in ((7, 1), (2, 3), (5, 4), (0, 6)):
@@ -127,7 +134,7 @@ def test_pages_round_trip_byte_exact_in_every_layout(layout: KVCacheLayout, kind
         untouched = [b for b in range(NUM_BLOCKS) if b not in (1, 3, 4, 6)]
         assert torch.equal(after[untouched], before[layer][untouched])
     again = np.zeros_like(stored)
-    paged.copy_out([1, 3, 4, 6], again)
+    paged.copy_out([[1, 3, 4, 6]], again)
     assert np.array_equal(again, stored)
 
 
@@ -144,7 +151,7 @@ def test_layouts_with_one_page_order_store_the_same_bytes(kind: str) -> None:
         for name, tensor in caches.items():
             tensor.copy_(reference[name])  # the same logical KV
         stored = np.zeros(paged_kv(caches, chunk, layout).object_bytes, np.uint8)
-        paged_kv(caches, chunk, layout).copy_out([3, 8, 1, 10], stored)
+        paged_kv(caches, chunk, layout).copy_out([[3, 8, 1, 10]], stored)
         objects[layout_page_order(layout)].add(stored.tobytes())
     assert len(objects["HND"]) == 1 and len(objects["NHD"]) == 1
     assert objects["HND"] != objects["NHD"]
@@ -183,10 +190,124 @@ def test_pages_round_trip_on_a_gpu(layout: KVCacheLayout, kind: str) -> None:
     paged = paged_kv(caches, chunk, layout)
     before = [t.view(torch.uint8).cpu() for t in caches.values()]
     stored = np.zeros(paged.object_bytes, np.uint8)
-    paged.copy_out([7, 2, 5, 0], stored, paged.ready())
-    paged.scatter(stored, {0: 1, 1: 3, 2: 4, 3: 6})
+    paged.copy_out([[7, 2, 5, 0]], stored, paged.ready())
+    paged.scatter(stored, [{0: 1, 1: 3, 2: 4, 3: 6}])
     paged.landed()
     for layer, tensor in enumerate(caches.values()):
         after = tensor.view(torch.uint8).cpu()
         for source, target in ((7, 1), (2, 3), (5, 4), (0, 6)):
             assert torch.equal(after[target], before[layer][source])
+
+
+# ------------------------------------------- sliding-window layers (hybrid groups)
+
+HEADS, HEAD = 2, 8
+WINDOW = 40  # a hit needs the last 39 tokens: 3 blocks of 16 of a chunk's 4
+
+
+def hybrid_caches(window: int = WINDOW, full: Any = None) -> tuple[Any, dict[str, torch.Tensor]]:
+    """Gemma-3-style: layers 0-2 slide over ``window`` tokens, layer 3 attends
+    to everything; one KV-cache group per layer, overlaying one allocation,
+    as vLLM's hybrid manager groups them."""
+    names = [f"model.layers.{i}.self_attn.attn" for i in range(4)]
+    sliding = SlidingWindowSpec(
+        block_size=BLOCK,
+        num_kv_heads=HEADS,
+        head_size=HEAD,
+        dtype=torch.float32,
+        sliding_window=window,
+    )
+    full = full or FullAttentionSpec(
+        block_size=BLOCK, num_kv_heads=HEADS, head_size=HEAD, dtype=torch.float32
+    )
+    groups = [KVCacheGroupSpec([name], sliding) for name in names[:3]]
+    groups.append(KVCacheGroupSpec([names[3]], full))
+    config = SimpleNamespace(
+        cache_config=SimpleNamespace(
+            get_resolved_kv_cache_layout=lambda: KVCacheLayout.LBHNC,
+            num_gpu_blocks_override=None,
+            prefix_cache_retention_interval=None,
+        ),
+        attention_config=SimpleNamespace(hisparse_config=None),
+    )
+    memory = 40 * full.page_size_bytes  # 40 blocks, shared by the groups
+    kv_cache_config = get_kv_cache_config_from_groups(config, groups, memory)
+    caches = allocate_kv_cache(kv_cache_config, torch.device("cpu"), KVCacheLayout.LBHNC)
+    return kv_cache_config, caches
+
+
+def hybrid_paged(caches: dict[str, torch.Tensor], kv_cache_config: Any) -> PagedKV:
+    groups = CacheGroups.of(kv_cache_config, BLOCK)
+    full = KVLayout(4, HEADS, HEAD, "float32", CHUNK, format=f"vllm-cpu-vec-bs{BLOCK}")
+    layout = windowed(full, groups.window_layers(), groups.window_tokens())
+    return PagedKV(caches, layout, BLOCK, groups)
+
+
+def test_window_layers_keep_the_blocks_a_hit_at_the_chunks_end_needs() -> None:
+    kv_cache_config, caches = hybrid_caches()
+    groups = CacheGroups.of(kv_cache_config, BLOCK)
+    assert groups.windows == (WINDOW, WINDOW, WINDOW, 0)
+    assert groups.window_layers() == 3 and groups.window_tokens() == 48
+    assert len({t.data_ptr() for t in caches.values()}) == 1  # the groups overlay each other
+    paged = hybrid_paged(caches, kv_cache_config)
+    assert [k for k in paged.kept] == [range(1, 4)] * 3 + [range(4)]
+    page = HEADS * BLOCK * 2 * HEAD * 4
+    assert paged.object_bytes == (3 * 3 + 4) * page  # against 16 pages stored whole
+
+
+def test_each_layer_moves_with_its_own_groups_block_ids() -> None:
+    """The groups' tensors are one allocation: a layer read with another
+    group's block ids would read that group's KV."""
+    kv_cache_config, caches = hybrid_caches()
+    backing = next(iter(caches.values())).untyped_storage()
+    torch.empty(0, dtype=torch.uint8).set_(backing).copy_(
+        torch.randint(0, 255, (backing.nbytes(),), dtype=torch.uint8)
+    )
+    paged = hybrid_paged(caches, kv_cache_config)
+    block_ids = [[0, 1, 2, 3], [0, 4, 5, 6], [0, 7, 8, 9], [10, 11, 12, 13]]  # 0: slid out
+    assert paged.storable(block_ids)
+    before = {name: t.view(torch.uint8).clone() for name, t in caches.items()}
+    stored = np.zeros(paged.object_bytes, np.uint8)
+    paged.copy_out(block_ids, stored)
+    targets = [{1: 14, 2: 15, 3: 16}, {1: 17, 2: 18, 3: 19}, {1: 20, 2: 21, 3: 22}]
+    targets.append({0: 23, 1: 24, 2: 25, 3: 26})
+    assert not paged.unfillable(targets)
+    paged.scatter(stored, targets)
+    for layer, name in enumerate(caches):
+        for position, target in targets[layer].items():
+            source = block_ids[layer][position]
+            after = caches[name].view(torch.uint8)[target]  # random bytes: compare bytes
+            assert torch.equal(after, before[name][source]), (layer, position)
+    assert not paged.storable([[0, 0, 2, 3], *block_ids[1:]])  # a kept block slid out
+    assert paged.unfillable([{0: 30, 1: 14, 2: 15, 3: 16}, *targets[1:]])  # not kept
+
+
+@pytest.mark.parametrize(
+    ("full", "names"),
+    [
+        (
+            ChunkedLocalAttentionSpec(
+                block_size=BLOCK,
+                num_kv_heads=HEADS,
+                head_size=HEAD,
+                dtype=torch.float32,
+                attention_chunk_size=64,
+            ),
+            "ChunkedLocalAttentionSpec",
+        ),
+        (
+            SlidingWindowSpec(
+                block_size=BLOCK,
+                num_kv_heads=HEADS,
+                head_size=HEAD,
+                dtype=torch.float32,
+                sliding_window=2 * WINDOW,
+            ),
+            r"one sliding-window size, not \[40, 80\]",
+        ),
+    ],
+)
+def test_cache_groups_the_connector_cannot_hold_are_refused_by_name(full: Any, names: str) -> None:
+    kv_cache_config, _ = hybrid_caches(full=full)
+    with pytest.raises(ValueError, match=names):
+        CacheGroups.of(kv_cache_config, BLOCK)

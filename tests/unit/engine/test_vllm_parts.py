@@ -84,12 +84,12 @@ def test_pages_round_trip_through_an_object() -> None:
     paged, tensors = make_paged()
     assert paged.blocks_per_chunk == 2 and paged.object_bytes == 2 * 2 * tensors[0][0].nbytes
     obj = np.zeros(paged.object_bytes, np.uint8)
-    paged.copy_out([5, 2], obj)
+    paged.copy_out([[5, 2]], obj)
     pages = torch.from_numpy(obj).view(torch.float32).view(2, 2, *tensors[0].shape[1:])
     for layer, tensor in enumerate(tensors):  # [layer][block in chunk][page], in order
         assert torch.equal(pages[layer, 0], tensor[5]) and torch.equal(pages[layer, 1], tensor[2])
     before = [t.clone() for t in tensors]
-    paged.scatter(obj, {1: 7})  # only the chunk's second block, into block 7
+    paged.scatter(obj, [{1: 7}])  # only the chunk's second block, into block 7
     for layer, tensor in enumerate(tensors):
         assert torch.equal(tensor[7], before[layer][2])
         others = [b for b in range(8) if b != 7]

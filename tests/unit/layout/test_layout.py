@@ -2,7 +2,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvtier.layout import KVLayout
+from kvtier.layout import KVLayout, windowed
 
 GiB = 1 << 30
 
@@ -81,3 +81,29 @@ def test_invalid_layouts(kwargs: dict[str, object], message: str) -> None:
     }
     with pytest.raises(ValueError, match=message):
         KVLayout(**fields)  # type: ignore[arg-type]
+
+
+def test_window_layers_keep_only_the_end_of_a_chunk() -> None:
+    # Gemma-3-style: 26 layers, 5 of 6 slide over 1,024 tokens; chunks of 4,096, blocks of 16.
+    full = KVLayout(26, 4, 256, "bfloat16", 4096, format="vllm-cuda-NHD-bs16")
+    layout = windowed(full, window_layers=21, window_tokens=1024)
+    per_layer_token = full.bytes_per_token() // 26
+    assert layout.object_bytes() == per_layer_token * (5 * 4096 + 21 * 1024)
+    assert layout.object_bytes() < full.object_bytes()
+    assert layout.digest() != full.digest()  # a window is never read as full layers, nor back
+    assert windowed(full, 21, 4096) is full  # a window as wide as the chunk keeps it all
+    assert windowed(full, 21, 8192) is full
+
+
+@pytest.mark.parametrize(
+    ("window_layers", "window_tokens", "message"),
+    [(0, 128, "window_layers must be in"), (3, 128, "must be in"), (1, 0, "positive")],
+)
+def test_invalid_windows_name_the_field(
+    window_layers: int, window_tokens: int, message: str
+) -> None:
+    layout = KVLayout(2, 1, 8, "float32", 256, format="vllm-cpu-vec-bs16")
+    with pytest.raises(ValueError, match=message):
+        windowed(layout, window_layers, window_tokens)
+    with pytest.raises(ValueError, match="window_tokens must be in"):
+        KVLayout(2, 1, 8, "float32", 256, window_layers=1, window_tokens=16)  # no format

@@ -19,6 +19,7 @@ from typing import Any
 
 from kvtier.engine.identity import ModelIdentity
 from kvtier.engine.identity import model_identity as identity_of
+from kvtier.engine.vllm.groups import CacheGroups
 from kvtier.engine.vllm.pages import engine_kv_layout
 from kvtier.engine.vllm.settings import ConnectorSettings
 from kvtier.keys import TokenHasher
@@ -47,6 +48,7 @@ class ClientPool:
         rank: int,
         client_id: str,
         connect_wait_s: float | None = None,
+        kv_cache_config: Any = None,
     ) -> None:
         self.vllm_config = vllm_config
         self.settings = settings
@@ -54,8 +56,10 @@ class ClientPool:
         self.connect_wait_s = connect_wait_s  # how long a new client may wait for its HELLO
         self.identity = model_identity(vllm_config, settings)
         self.block_size: int = vllm_config.cache_config.block_size
+        self.groups = CacheGroups.of(kv_cache_config, self.block_size)
         probe = engine_kv_layout(vllm_config, self.block_size)  # validates the model up front
-        self.spec = LayoutSpec.of(probe)
+        window = (self.groups.window_layers(), self.groups.window_tokens())
+        self.spec = LayoutSpec.of(probe, 0, *window)
         self.num_ranks = probe.num_ranks
         # The rank whose objects this pool's clients read and write (-1: every
         # rank's). An MLA layout has one rank: every TP rank reads rank 0's
@@ -104,7 +108,7 @@ class ClientPool:
 
     def layout(self, chunk_size: int) -> KVLayout:
         if chunk_size not in self._layouts:
-            self._layouts[chunk_size] = engine_kv_layout(self.vllm_config, chunk_size)
+            self._layouts[chunk_size] = engine_kv_layout(self.vllm_config, chunk_size, self.groups)
         return self._layouts[chunk_size]
 
     def hasher(

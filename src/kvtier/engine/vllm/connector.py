@@ -24,6 +24,7 @@ import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorRole,
+    SupportsHMA,
 )
 
 from kvtier.engine.vllm.metadata import KVTierMetadata
@@ -47,7 +48,7 @@ def show_logs(level: str) -> None:
     logger.addHandler(handler)
 
 
-class KVTierConnector(KVConnectorBase_V1):  # type: ignore[misc]
+class KVTierConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
     def __init__(self, vllm_config: Any, role: Any, kv_cache_config: Any = None) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
         transfer = vllm_config.kv_transfer_config
@@ -76,9 +77,9 @@ class KVTierConnector(KVConnectorBase_V1):  # type: ignore[misc]
         self._scheduler: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
         if role == KVConnectorRole.SCHEDULER:
-            self._scheduler = SchedulerSide(vllm_config, settings)
+            self._scheduler = SchedulerSide(vllm_config, settings, kv_cache_config)
         else:
-            self._worker = WorkerSide(vllm_config, settings)
+            self._worker = WorkerSide(vllm_config, settings, kv_cache_config)
 
     @property
     def requires_kv_delivery(self) -> bool:
@@ -107,6 +108,13 @@ class KVTierConnector(KVConnectorBase_V1):  # type: ignore[misc]
     def request_finished(
         self, request: Any, block_ids: list[int]
     ) -> tuple[bool, dict[str, Any] | None]:
+        assert self._scheduler is not None
+        return self._scheduler.request_finished(request, block_ids)
+
+    def request_finished_all_groups(
+        self, request: Any, block_ids: tuple[list[int], ...]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        """``request_finished`` with the hybrid KV-cache manager on (``SupportsHMA``)."""
         assert self._scheduler is not None
         return self._scheduler.request_finished(request, block_ids)
 

@@ -14,16 +14,26 @@ class LoadSpec:
     """Copy chunks ``hashes`` of a request into engine blocks: before its
     forward, or, ``asynchronous``, on the worker's load thread while the
     request waits for remote KV (done when ``get_finished`` names it).
-    ``blocks[i]`` maps a block's position within chunk ``i`` to the engine
-    block it goes to (a chunk's leading blocks may be the engine's own)."""
+    ``blocks[i][g]`` maps a block's position within chunk ``i`` to the engine
+    block of KV-cache group ``g`` it goes to (a chunk's leading blocks may be
+    the engine's own; a sliding-window group's blocks before its window are
+    not loaded)."""
 
     request_id: str
     salt: str
     first_chunk: int  # the prompt chunk ``hashes[0]`` is
     hashes: list[bytes]
-    blocks: list[dict[int, int]]
+    blocks: list[list[dict[int, int]]]
     asynchronous: bool = False
     failed: bool = False  # a hand-off that did not come, under the error policy: fail every block
+
+    def block_ids(self, start: int = 0) -> list[int]:
+        """The engine blocks of chunks ``[start, ...)``, every group's."""
+        return [b for chunk in self.blocks[start:] for group in chunk for b in group.values()]
+
+    def filled_blocks(self, chunks: int) -> int:
+        """Blocks the first ``chunks`` fill, counted in the group that fills most."""
+        return sum(max(len(group) for group in chunk) for chunk in self.blocks[:chunks])
 
 
 @dataclass(slots=True)
@@ -32,25 +42,27 @@ class StoreSpec:
     from ``block_ids`` (``blocks_per_chunk`` per chunk, in order): after the
     step, on the worker's save thread (vLLM keeps the request's blocks until
     every rank reports its saves done), or ``in_step``, before the step
-    returns (a prefill engine's hand-off, offered as the request finishes)."""
+    returns (a prefill engine's hand-off, offered as the request finishes).
+    One list of block ids per KV-cache group."""
 
     request_id: str
     salt: str
     hashes: list[bytes]
-    block_ids: list[int]
+    block_ids: list[list[int]]
     in_step: bool = False
 
 
 @dataclass(slots=True)
 class ShadowSpec:
     """Compare chunk ``chunk`` of a request, which this step's forward computed
-    into ``block_ids`` instead of loading it, with kvtier's copy (``hash``)."""
+    into ``block_ids`` (per KV-cache group) instead of loading it, with
+    kvtier's copy (``hash``)."""
 
     request_id: str
     salt: str
     chunk: int
     hash: bytes
-    block_ids: list[int]
+    block_ids: list[list[int]]
 
 
 @dataclass(slots=True)

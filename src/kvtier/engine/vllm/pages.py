@@ -48,7 +48,8 @@ import numpy as np
 import numpy.typing as npt
 import torch
 
-from kvtier.layout import KVLayout
+from kvtier.engine.vllm.groups import NULL_BLOCK, CacheGroups
+from kvtier.layout import KVLayout, windowed
 
 KV_DTYPES = {
     "auto": None,
@@ -114,10 +115,13 @@ def latent_format(page_format: str) -> bool:
     return len(parts) > 2 and parts[2].endswith("mla")
 
 
-def engine_kv_layout(vllm_config: Any, chunk_size: int) -> KVLayout:
+def engine_kv_layout(
+    vllm_config: Any, chunk_size: int, groups: CacheGroups | None = None
+) -> KVLayout:
     """The one place a vLLM engine's KV becomes a ``KVLayout`` (per TP rank,
-    except MLA's: one for all ranks); ValueError for what the connector does
-    not handle."""
+    except MLA's: one for all ranks; a sliding-window model's window layers
+    keep what a hit needs, ``groups``); ValueError for what the connector
+    does not handle."""
     model = vllm_config.model_config
     parallel = vllm_config.parallel_config
     cache = vllm_config.cache_config
@@ -146,7 +150,7 @@ def engine_kv_layout(vllm_config: Any, chunk_size: int) -> KVLayout:
             kind="latent",
             format=engine_format(vllm_config),
         )
-    return KVLayout(
+    layout = KVLayout(
         num_layers=model.get_num_layers(parallel),
         kv_heads=model.get_num_kv_heads(parallel),
         head_dim=model.get_head_size(),
@@ -155,6 +159,9 @@ def engine_kv_layout(vllm_config: Any, chunk_size: int) -> KVLayout:
         num_ranks=parallel.tensor_parallel_size,
         format=engine_format(vllm_config),
     )
+    if groups is not None and groups.window:
+        layout = windowed(layout, groups.window_layers(), groups.window_tokens())
+    return layout
 
 
 def layer_index(name: str) -> int:
@@ -166,27 +173,46 @@ def layer_index(name: str) -> int:
 
 
 class PagedKV:
-    """The engine's KV tensors, in layer order, as pages of bytes."""
+    """The engine's KV tensors, in layer order, as pages of bytes.
+
+    An object is each layer's kept pages in layer order: every block of the
+    chunk, or a window layer's last ``window_tokens // block_size``
+    (``CacheGroups``). Block ids come one list per KV-cache group, and a layer
+    is only read or written with its own group's."""
 
     def __init__(
-        self, kv_caches: Mapping[str, torch.Tensor], layout: KVLayout, block_size: int
+        self,
+        kv_caches: Mapping[str, torch.Tensor],
+        layout: KVLayout,
+        block_size: int,
+        groups: CacheGroups | None = None,
     ) -> None:
-        tensors: dict[int, torch.Tensor] = {}
-        for name in sorted(kv_caches, key=layer_index):
-            tensor = kv_caches[name]
-            if all(t.data_ptr() != tensor.data_ptr() for t in tensors.values()):  # shared KV
-                tensors[layer_index(name)] = tensor
-        self.layers = [tensors[i] for i in sorted(tensors)]
+        groups = groups or CacheGroups({}, (0,), block_size)
+        names = owners(kv_caches, groups)
+        self.layers = [kv_caches[name] for name in names]
         if len(self.layers) != layout.num_layers:
             raise ValueError(
                 f"vLLM registered {len(self.layers)} KV tensors; the layout has "
                 f"{layout.num_layers} layers"
             )
-        first = self.layers[0]
-        self.device = first.device
+        self.device = self.layers[0].device
         self.block_size = block_size
         self.blocks_per_chunk = layout.tokens_per_chunk // block_size
-        page_bytes = layout.object_bytes() // (layout.num_layers * self.blocks_per_chunk)
+        self.layer_groups = [groups.layer_groups.get(name, 0) for name in names]
+        window_blocks = layout.window_tokens // block_size if layout.window_layers else 0
+        self.kept = [
+            range(self.blocks_per_chunk - window_blocks, self.blocks_per_chunk)
+            if window_blocks and groups.windows[g]
+            else range(self.blocks_per_chunk)
+            for g in self.layer_groups
+        ]
+        kept_pages = sum(len(kept) for kept in self.kept)
+        if layout.window_layers != sum(1 for k in self.kept if len(k) < self.blocks_per_chunk):
+            raise ValueError(
+                f"the layout {layout} has {layout.window_layers} window layers; vLLM's KV-cache "
+                f"groups {groups.windows} give this engine another count"
+            )
+        page_bytes = layout.object_bytes() // kept_pages
         order = page_order(layout.format)
         # byte views [num_blocks, ., ., bytes] of each layer, a block's page in `order`
         self.pages = [page_view(t, order, page_bytes, layout.format) for t in self.layers]
@@ -200,47 +226,100 @@ class PagedKV:
         (from any thread) copies after it."""
         return self._cuda.ready() if self._cuda is not None else None
 
+    def storable(self, block_ids: Sequence[Sequence[int]]) -> bool:
+        """Whether every page a chunk keeps is in a real block (``block_ids``:
+        its blocks, per group): a window that slid past one lost it."""
+        return all(
+            block_ids[g][j] != NULL_BLOCK
+            for g, kept in zip(self.layer_groups, self.kept, strict=True)
+            for j in kept
+        )
+
     def copy_out(
-        self, block_ids: Sequence[int], dst: npt.NDArray[np.uint8], ready: Any = None
+        self, block_ids: Sequence[Sequence[int]], dst: npt.NDArray[np.uint8], ready: Any = None
     ) -> None:
-        """Write the pages of one chunk's blocks (``blocks_per_chunk`` of them, in
-        order) into an object's bytes ``dst``: ``[layers][block][page]``. On a
-        GPU the copies start after ``ready`` (``ready()``'s; now if None)."""
-        ids = torch.tensor(list(block_ids), dtype=torch.long, device=self.device)
-        out = torch.from_numpy(dst).view(len(self.pages), len(block_ids), *self.pages[0].shape[1:])
+        """Write the pages one chunk keeps of its blocks (``blocks_per_chunk``
+        of them per group, in order) into an object's bytes ``dst``. On a GPU
+        the copies start after ``ready`` (``ready()``'s; now if None)."""
+        out = torch.from_numpy(dst)
+        copies = []
+        for layer, segment in self._segments(out):
+            ids = [block_ids[self.layer_groups[layer]][j] for j in self.kept[layer]]
+            index = torch.tensor(ids, dtype=torch.long, device=self.device)
+            copies.append((self.pages[layer], index, segment))
         if self._cuda is None:
-            for layer, pages in enumerate(self.pages):
-                torch.index_select(pages, 0, ids, out=out[layer])  # straight into the arena
+            for pages, index, segment in copies:
+                torch.index_select(pages, 0, index, out=segment)  # straight into the arena
             return
-        self._cuda.gather(self.pages, ids, out, ready)
+        self._cuda.gather(copies, out, ready)
 
     def values(self, chunk: npt.NDArray[np.uint8]) -> torch.Tensor:
-        """An object's bytes as the engine's KV values, one row per layer."""
-        return torch.from_numpy(chunk).view(self.layers[0].dtype).view(len(self.layers), -1)
+        """An object's bytes as the engine's KV values, one row per layer
+        (one row in all where layers keep different numbers of pages)."""
+        rows = len(self.layers) if len({len(k) for k in self.kept}) == 1 else 1
+        return torch.from_numpy(chunk).view(self.layers[0].dtype).view(rows, -1)
 
-    def scatter(self, chunk: npt.NDArray[np.uint8], blocks: Mapping[int, int]) -> None:
-        """Write pages of one object into the engine: ``blocks`` maps a block's
-        position in the chunk to the engine block it goes to. On a GPU the
-        engine's stream waits for them (``landed`` waits on the host)."""
+    def unfillable(self, blocks: Sequence[Mapping[int, int]]) -> bool:
+        """Whether a load into ``blocks`` (per group: a block's position in the
+        chunk -> the engine block) needs a page the chunk's object does not keep."""
+        return any(
+            not set(blocks[g]) <= set(kept)
+            for g, kept in zip(self.layer_groups, self.kept, strict=True)
+        )
+
+    def scatter(self, chunk: npt.NDArray[np.uint8], blocks: Sequence[Mapping[int, int]]) -> None:
+        """Write pages of one object into the engine: ``blocks`` maps, per
+        group, a block's position in the chunk to the engine block it goes to
+        (positions it leaves out are the engine's own, or not needed). On a
+        GPU the engine's stream waits for them (``landed`` waits on the host)."""
         with warnings.catch_warnings():  # frames from the wire are read-only: only read them
             warnings.simplefilter("ignore", UserWarning)
-            source = torch.from_numpy(chunk).view(
-                len(self.pages), self.blocks_per_chunk, *self.pages[0].shape[1:]
-            )
-        positions = sorted(blocks)
-        ids = torch.tensor([blocks[j] for j in positions], dtype=torch.long, device=self.device)
-        picked = source[:, positions]
+            source = torch.from_numpy(chunk)
+        copies = []
+        for layer, segment in self._segments(source):
+            wanted = blocks[self.layer_groups[layer]]
+            kept = self.kept[layer]
+            positions = sorted(j for j in wanted if j in kept)
+            if not positions:
+                continue
+            index = torch.tensor([wanted[j] for j in positions], device=self.device)
+            rows = segment[[j - kept.start for j in positions]]
+            copies.append((self.pages[layer], index, rows))
         if self._cuda is not None:
-            self._cuda.put(self.pages, ids, picked)
+            self._cuda.put(copies)
             return
-        for layer, pages in enumerate(self.pages):
-            pages.index_copy_(0, ids, picked[layer])
+        for pages, index, rows in copies:
+            pages.index_copy_(0, index, rows)
 
     def landed(self) -> None:
         """Wait (on the host) until every page ``scatter`` wrote has landed:
         for loads the engine's stream does not wait on (another thread's)."""
         if self._cuda is not None:
             self._cuda.landed()
+
+    def _segments(self, data: torch.Tensor) -> list[tuple[int, torch.Tensor]]:
+        """Each layer's part of an object's bytes, as ``[kept pages, page...]``."""
+        page_shape = self.pages[0].shape[1:]
+        parts, offset = [], 0
+        for layer, kept in enumerate(self.kept):
+            size = len(kept) * self.page_bytes
+            parts.append((layer, data[offset : offset + size].view(len(kept), *page_shape)))
+            offset += size
+        return parts
+
+
+def owners(kv_caches: Mapping[str, torch.Tensor], groups: CacheGroups) -> list[str]:
+    """The layers whose KV an object holds, in layer order: those of vLLM's
+    KV-cache groups (whose tensors may overlay each other's); without groups,
+    one layer per tensor (a layer sharing another's KV is not stored twice)."""
+    if groups.layer_groups:
+        return sorted((n for n in kv_caches if n in groups.layer_groups), key=layer_index)
+    names: dict[int, str] = {}
+    for name in sorted(kv_caches, key=layer_index):
+        tensor = kv_caches[name]
+        if all(kv_caches[other].data_ptr() != tensor.data_ptr() for other in names.values()):
+            names[layer_index(name)] = name
+    return [names[i] for i in sorted(names)]
 
 
 def page_view(tensor: torch.Tensor, order: str, page_bytes: int, page_format: str) -> torch.Tensor:
@@ -271,6 +350,9 @@ def page_view(tensor: torch.Tensor, order: str, page_bytes: int, page_format: st
     return paged if order == "HND" else paged.transpose(1, 2)
 
 
+PageCopy = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # a layer's pages, block ids, bytes
+
+
 class _CudaCopies:
     """Page copies on a GPU: a side stream, a pinned host buffer per direction
     (each reused only once its last copy has left it), and events."""
@@ -286,29 +368,34 @@ class _CudaCopies:
         event.record()  # on the engine's stream, after the forward's writes
         return event
 
-    def gather(
-        self, pages: list[torch.Tensor], ids: torch.Tensor, out: torch.Tensor, ready: Any
-    ) -> None:
+    def gather(self, copies: list[PageCopy], out: torch.Tensor, ready: Any) -> None:
         ready = ready if ready is not None else self.ready()
         with self._out.lock:
-            host = self._out.take(out.numel()).view(out.shape)
+            host = self._out.take(out.numel())
             with torch.cuda.stream(self.stream):
                 self.stream.wait_event(ready)
-                for layer, layer_pages in enumerate(pages):
-                    host[layer].copy_(layer_pages.index_select(0, ids), non_blocking=True)
+                offset = 0
+                for pages, index, segment in copies:
+                    part = host[offset : offset + segment.numel()].view(segment.shape)
+                    part.copy_(pages.index_select(0, index.to(pages.device)), non_blocking=True)
+                    offset += segment.numel()
                 done = torch.cuda.Event()
                 done.record(self.stream)
             done.synchronize()  # this thread waits on the copies' event, not the device
             out.copy_(host)
 
-    def put(self, pages: list[torch.Tensor], ids: torch.Tensor, picked: torch.Tensor) -> None:
+    def put(self, copies: list[PageCopy]) -> None:
         with self._in.lock:
-            host = self._in.take(picked.numel()).view(picked.shape)
-            host.copy_(picked)
+            host = self._in.take(sum(rows.numel() for _, _, rows in copies))
+            parts, offset = [], 0
+            for _, _, rows in copies:
+                part = host[offset : offset + rows.numel()].view(rows.shape)
+                part.copy_(rows)
+                parts.append(part)
+                offset += rows.numel()
             with torch.cuda.stream(self.stream):
-                moved = host.to(ids.device, non_blocking=True)
-                for layer, layer_pages in enumerate(pages):
-                    layer_pages.index_copy_(0, ids, moved[layer])
+                for (pages, index, _), part in zip(copies, parts, strict=True):
+                    pages.index_copy_(0, index, part.to(pages.device, non_blocking=True))
                 done = torch.cuda.Event()
                 done.record(self.stream)
             self._in.in_flight = self._landing = done

@@ -68,6 +68,7 @@ from kvtier.counters import Counters
 from kvtier.engine.shadow import ShadowCheck
 from kvtier.engine.vllm.blending import blend_request
 from kvtier.engine.vllm.clients import ClientPool
+from kvtier.engine.vllm.groups import block_lists
 from kvtier.engine.vllm.handoff import Consume, Produce, poll_take, role_of
 from kvtier.engine.vllm.handoff_steps import HandoffSteps
 from kvtier.engine.vllm.metadata import (
@@ -88,7 +89,9 @@ MIN_ON_TIME = 0.1  # new lookups wait while at least this share of waits gets it
 
 
 class SchedulerSide:
-    def __init__(self, vllm_config: Any, settings: ConnectorSettings) -> None:
+    def __init__(
+        self, vllm_config: Any, settings: ConnectorSettings, kv_cache_config: Any = None
+    ) -> None:
         self.settings = settings
         self.clients = ClientPool(
             vllm_config,
@@ -96,7 +99,13 @@ class SchedulerSide:
             rank=-1,
             client_id="vllm-scheduler",
             connect_wait_s=settings.lookup_wait_s,  # a new tenant's client: within the budget
+            kv_cache_config=kv_cache_config,
         )
+        if settings.blend and self.clients.groups.window:
+            raise ValueError(
+                "kvtier.blend writes every layer's KV of the whole prompt; this model has "
+                f"sliding-window layers (window {self.clients.groups.window}): unset kvtier.blend"
+            )
         self.clients.client(settings.salt_for(None))  # the default tenant, registered up front
         self.timer = StepTimer()
         self.outcomes = Counters()  # finished lookups by miss reason ("hit": none)
@@ -276,7 +285,7 @@ class SchedulerSide:
         for new in scheduler_output.scheduled_new_reqs:
             tracked = self.requests.get(new.req_id)
             if tracked is not None:
-                tracked.block_ids = list(new.block_ids[0])
+                tracked.block_ids = block_lists(new.block_ids)
                 done = new.num_computed_tokens + scheduled.get(new.req_id, 0)
                 meta.stores += tracked.stores(done, self.block_size, *self._saving)
                 meta.shadows += tracked.shadows(done, self.block_size)
@@ -287,9 +296,10 @@ class SchedulerSide:
                 continue
             new_ids = cached.new_block_ids[i]
             if request_id in cached.resumed_req_ids:
-                tracked.block_ids = list(new_ids[0]) if new_ids else []
+                tracked.block_ids = block_lists(new_ids) if new_ids else []
             elif new_ids:
-                tracked.block_ids.extend(new_ids[0])
+                for ids, more in zip(tracked.block_ids, new_ids, strict=True):
+                    ids.extend(more)
             done = cached.num_computed_tokens[i] + scheduled.get(request_id, 0)
             meta.stores += tracked.stores(done, self.block_size, *self._saving)
             meta.shadows += tracked.shadows(done, self.block_size)
@@ -313,9 +323,7 @@ class SchedulerSide:
                     tracked.client.release(request_id, start, end, wait=False)
                     self.handoffs.consumed(tracked, whole=not tracked.load_blocks & invalid)
 
-    def request_finished(
-        self, request: Any, block_ids: list[int]
-    ) -> tuple[bool, dict[str, Any] | None]:
+    def request_finished(self, request: Any, block_ids: Any) -> tuple[bool, dict[str, Any] | None]:
         """End the request's session; for a hand-off, offer it (producer) or
         say how it went (consumer), in the response's ``kv_transfer_params``.
         Its blocks are held back (True) while stores of it that left their

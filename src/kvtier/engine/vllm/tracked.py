@@ -3,7 +3,9 @@ and the block arithmetic of what it loads, stores and shadow-checks.
 
 A request's prompt is cut into chunks of ``chunk_size`` tokens, each
 ``chunk_size // block_size`` of vLLM's blocks; ``block_ids`` are the
-request's blocks in prompt order. Chunks ``[0, stored)`` are in kvtier (its
+request's blocks in prompt order, one list per KV-cache group
+(``kvtier.engine.vllm.groups``; a sliding-window group's blocks before its
+window are the null block, which a load skips). Chunks ``[0, stored)`` are in kvtier (its
 hit, or stored by this engine); a step that completes more prompt chunks
 stores them (``stores``); the chunk chosen for the shadow check is compared
 once computed (``shadows``); a hit is loaded into the blocks of the tokens
@@ -15,6 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvtier.engine.vllm.groups import NULL_BLOCK
 from kvtier.engine.vllm.handoff import Consume, Produce
 from kvtier.engine.vllm.metadata import BlendSpec, LoadSpec, ShadowSpec, StoreSpec
 from kvtier.protocol.client import CacheClient, LookupState
@@ -34,7 +37,7 @@ class Tracked:
     shadow_chunk: int | None = None  # the hit chunk vLLM computes for the shadow check
     local: int = 0  # tokens the engine had itself when last asked
     stored: int = 0  # chunks [0, stored) are in kvtier (hit, or stored by us)
-    block_ids: list[int] = field(default_factory=list)
+    block_ids: list[list[int]] = field(default_factory=list)  # per KV-cache group
     received: bool = False  # an asynchronous load of its hit has come back
     pin: tuple[int, int] | None = None  # a listed prefix it starts with: (index, chunks)
     role: Produce | Consume | None = None  # its part in a prefill/decode hand-off
@@ -53,23 +56,27 @@ class Tracked:
         first_block = self.local // block_size
         end_block = -(-(self.local + num_external_tokens) // block_size)
         first, end = first_block // per_chunk, -(-end_block // per_chunk)
-        block_ids = blocks.get_block_ids()[0]
+        groups = blocks.get_block_ids()
         spec = LoadSpec(
             self.request_id,
             self.salt,
             first,
             self.hashes[first:end],
             [
-                {
-                    j: block_ids[chunk * per_chunk + j]
-                    for j in range(per_chunk)
-                    if first_block <= chunk * per_chunk + j < end_block
-                }
+                [
+                    {
+                        j: ids[chunk * per_chunk + j]
+                        for j in range(per_chunk)
+                        if first_block <= chunk * per_chunk + j < end_block
+                        and ids[chunk * per_chunk + j] != NULL_BLOCK
+                    }
+                    for ids in groups
+                ]
                 for chunk in range(first, end)
             ],
             asynchronous=asynchronous,
         )
-        self.load_blocks = {b for chunk in spec.blocks for b in chunk.values()}
+        self.load_blocks = set(spec.block_ids())
         return spec
 
     def failed_load(
@@ -78,7 +85,10 @@ class Tracked:
         """A load whose every block is a load error (no chunk is read)."""
         first = self.local // block_size
         end = -(-(self.local + num_external_tokens) // block_size)
-        mapping = dict(enumerate(blocks.get_block_ids()[0][first:end]))
+        mapping = [
+            {j: b for j, b in enumerate(ids[first:end]) if b != NULL_BLOCK}
+            for ids in blocks.get_block_ids()
+        ]
         return LoadSpec(self.request_id, self.salt, 0, [], [mapping], asynchronous, True)
 
     def stores(
@@ -94,7 +104,7 @@ class Tracked:
             return []
         per_chunk = self.chunk_size // block_size
         complete = min(done_tokens, self.prompt_tokens) // self.chunk_size
-        complete = min(complete, len(self.hashes), len(self.block_ids) // per_chunk)
+        complete = min(complete, len(self.hashes), len(self.block_ids[0]) // per_chunk)
         specs = []
         if complete > self.stored:
             specs.append(
@@ -102,7 +112,7 @@ class Tracked:
                     self.request_id,
                     self.salt,
                     self.hashes[self.stored : complete],
-                    self.block_ids[self.stored * per_chunk : complete * per_chunk],
+                    [ids[self.stored * per_chunk : complete * per_chunk] for ids in self.block_ids],
                     in_step=isinstance(role, Produce) or not save_async,
                 )
             )
@@ -120,11 +130,11 @@ class Tracked:
         per_chunk = self.chunk_size // block_size
         full = len(self.hashes) * per_chunk
         tail_blocks = -(-self.prompt_tokens // block_size) - full
-        if done_tokens < self.prompt_tokens or len(self.block_ids) < full + tail_blocks:
+        if done_tokens < self.prompt_tokens or len(self.block_ids[0]) < full + tail_blocks:
             return []
         role.tail_stored = True
-        blocks = self.block_ids[full : full + tail_blocks]
-        blocks += [blocks[-1]] * (per_chunk - len(blocks))
+        blocks = [ids[full : full + tail_blocks] for ids in self.block_ids]
+        blocks = [ids + [ids[-1]] * (per_chunk - len(ids)) for ids in blocks]
         return [StoreSpec(self.request_id, self.salt, [role.tail], blocks, in_step=True)]
 
     def shadows(self, done_tokens: int, block_size: int) -> list[ShadowSpec]:
@@ -134,10 +144,10 @@ class Tracked:
             return []
         per_chunk = self.chunk_size // block_size
         end = (chunk + 1) * per_chunk
-        if done_tokens < (chunk + 1) * self.chunk_size or len(self.block_ids) < end:
+        if done_tokens < (chunk + 1) * self.chunk_size or len(self.block_ids[0]) < end:
             return []
         self.shadow_chunk = None
-        blocks = self.block_ids[chunk * per_chunk : end]
+        blocks = [ids[chunk * per_chunk : end] for ids in self.block_ids]
         return [ShadowSpec(self.request_id, self.salt, chunk, self.hashes[chunk], blocks)]
 
 

@@ -76,12 +76,20 @@ log = logging.getLogger(__name__)
 
 
 class WorkerSide:
-    def __init__(self, vllm_config: Any, settings: ConnectorSettings) -> None:
+    def __init__(
+        self, vllm_config: Any, settings: ConnectorSettings, kv_cache_config: Any = None
+    ) -> None:
         from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
 
         self.settings = settings
         self.rank = get_tensor_model_parallel_rank()
-        self.clients = ClientPool(vllm_config, settings, self.rank, f"vllm-worker-{self.rank}")
+        self.clients = ClientPool(
+            vllm_config,
+            settings,
+            self.rank,
+            f"vllm-worker-{self.rank}",
+            kv_cache_config=kv_cache_config,
+        )
         self.block_size = self.clients.block_size
         self._kv_caches: dict[str, torch.Tensor] = {}
         self._paged: dict[int, PagedKV] = {}  # per chunk size
@@ -142,9 +150,14 @@ class WorkerSide:
 
     def handle_preemptions(self, meta: KVTierMetadata) -> None:
         """Before the step's forward: vLLM has freed the preempted requests'
-        blocks, which this forward may write; their saves finish first."""
+        blocks, which this forward may write; their saves finish first. With
+        sliding-window layers every save does: the schedule frees the blocks a
+        window slid past, any running request's."""
         with self._lock:
-            jobs = [self._saved[r] for r in meta.preempted if r in self._saved]
+            if self.clients.groups.window:
+                jobs = list(self._saved.values())
+            else:
+                jobs = [self._saved[r] for r in meta.preempted if r in self._saved]
         for job in jobs:
             job.result()
 
@@ -203,7 +216,7 @@ class WorkerSide:
                 self._timed_load(spec)
         except Exception:  # a bug here must not leave vLLM waiting for the request forever
             log.exception("kvtier: %s: the asynchronous load failed", spec.request_id)
-            self._failed(spec.blocks)
+            self._failed(spec.block_ids())
         finally:
             with self._lock:
                 self._received.add(spec.request_id)
@@ -221,7 +234,7 @@ class WorkerSide:
                 "kvtier: %s: the blend failed; vLLM recomputes the prompt", spec.request_id
             )
             self.blender.stats["failed_blends"] += 1
-            self._failed([dict(enumerate(spec.block_ids))])
+            self._failed(list(spec.block_ids))
 
     def _timed_load(self, spec: LoadSpec) -> None:
         started = time.perf_counter()
@@ -234,15 +247,16 @@ class WorkerSide:
             before_s, before = self._loaded.get(salt, (0.0, 0))
             self._loaded[salt] = (before_s + seconds, before + tokens)
 
-    def _failed(self, blocks: list[dict[int, int]]) -> None:
+    def _failed(self, blocks: list[int]) -> None:
         with self._lock:
-            for chunk in blocks:
-                self._load_errors.update(chunk.values())
+            self._load_errors.update(blocks)
 
     def _paged_kv(self, chunk_size: int) -> PagedKV:
         if chunk_size not in self._paged:
             layout = self.clients.layout(chunk_size)
-            self._paged[chunk_size] = PagedKV(self._kv_caches, layout, self.block_size)
+            self._paged[chunk_size] = PagedKV(
+                self._kv_caches, layout, self.block_size, self.clients.groups
+            )
         return self._paged[chunk_size]
 
     def _report_usage(self, meta: KVTierMetadata, forward_s: float) -> None:
@@ -264,6 +278,8 @@ class WorkerSide:
                 spec.request_id, spec.hashes, wait_s=self.settings.request_timeout_s
             )
             hit = state.hit_chunks or 0
+            # a window wider than the object keeps (producer and consumer disagree): a miss there
+            hit = next((i for i in range(hit) if paged.unfillable(spec.blocks[i])), hit)
 
             def scatter(i: int, view: npt.NDArray[np.uint8]) -> None:
                 paged.scatter(view, spec.blocks[i])
@@ -273,7 +289,7 @@ class WorkerSide:
             if spec.asynchronous:
                 paged.landed()  # vLLM's stream does not wait for this thread's copies
             client.end_session(spec.request_id, wait=False)  # even unacked: the ack may be late
-        self._failed(spec.blocks[loaded:])
+        self._failed(spec.block_ids(loaded))
         with self._lock:
             self.stats["loaded_chunks"] += loaded
             self.stats["failed_chunks"] += len(spec.blocks) - loaded
@@ -284,7 +300,7 @@ class WorkerSide:
                 len(spec.blocks) - loaded,
                 len(spec.blocks),
             )
-        return sum(len(blocks) for blocks in spec.blocks[:loaded]) * self.block_size
+        return spec.filled_blocks(loaded) * self.block_size
 
     def _save_later(self, spec: StoreSpec) -> None:
         """Hand a store to the save thread, its pages marked as this step's."""
@@ -330,12 +346,19 @@ class WorkerSide:
         if client is None or paged is None:
             return
         per_chunk = paged.blocks_per_chunk
+        chunks = [
+            [ids[i * per_chunk : (i + 1) * per_chunk] for ids in spec.block_ids]
+            for i in range(len(spec.hashes))
+        ]
+        # a chunk stored after its window slid past a kept block: stop there (a future miss)
+        whole = next((i for i, blocks in enumerate(chunks) if not paged.storable(blocks)), None)
+        hashes = spec.hashes[:whole]
 
         def gather(i: int, dst: npt.NDArray[np.uint8]) -> None:
-            paged.copy_out(spec.block_ids[i * per_chunk : (i + 1) * per_chunk], dst, ready)
+            paged.copy_out(chunks[i], dst, ready)
 
-        sizes = [paged.object_bytes] * len(spec.hashes)
-        stored = client.store_with(spec.request_id, spec.hashes, sizes, gather)
+        sizes = [paged.object_bytes] * len(hashes)
+        stored = client.store_with(spec.request_id, hashes, sizes, gather) if hashes else 0
         client.end_session(spec.request_id, wait=False)
         with self._lock:
             self.stats["stored_chunks"] += stored
