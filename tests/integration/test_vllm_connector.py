@@ -123,8 +123,9 @@ class Engine:
 
 
 class Engines:
-    def __init__(self, model: Path, tmp: Path) -> None:
+    def __init__(self, model: Path, tmp: Path, flags: Sequence[str] = ()) -> None:
         self.model, self.tmp, self.started = model, tmp, list[Engine]()
+        self.flags = list(flags)  # every engine's (an attention backend, say)
         self.scratch: list[str] = []
 
     def start(self, *args: str, env: dict[str, str] | None = None) -> Engine:
@@ -132,9 +133,10 @@ class Engines:
         # vLLM's rendezvous files and IPC sockets (a short path: at most 107 bytes)
         scratch = tempfile.mkdtemp(prefix="kvtier-vllm-")
         self.scratch.append(scratch)
+        command = [PYTHON, "-m", "tests.integration.vllm_engine", "--model", str(self.model)]
         with log.open("w") as log_file:
             proc = subprocess.Popen(
-                [PYTHON, "-m", "tests.integration.vllm_engine", "--model", str(self.model), *args],
+                [*command, *self.flags, *args],
                 stdin=subprocess.PIPE,
                 stdout=subprocess.PIPE,
                 stderr=log_file,
@@ -166,9 +168,9 @@ class Engines:
 
 
 @contextlib.contextmanager
-def engines_of(model: Path, tmp: Path) -> Iterator[Engines]:
-    """Engines of ``model``, every one stopped at the end."""
-    factory = Engines(model, tmp)
+def engines_of(model: Path, tmp: Path, flags: Sequence[str] = ()) -> Iterator[Engines]:
+    """Engines of ``model`` (each started with ``flags``), every one stopped at the end."""
+    factory = Engines(model, tmp, flags)
     try:
         yield factory
     finally:

@@ -88,8 +88,8 @@ def prefill(side: SchedulerSide, tokens: list[int], store: bool = True) -> Any:
     side.update_state_after_alloc(req, Blocks([10, 11, 12, 13, 14]), 0)
     meta = side.build_connector_meta(prefill_step("p", [10, 11, 12, 13, 14], len(tokens)))
     full, tail = meta.stores
-    assert full.block_ids == [10, 11, 12, 13]
-    assert tail.block_ids == [14, 14]  # one block of tail, padded to the chunk's two
+    assert full.block_ids == [[10, 11, 12, 13]]
+    assert tail.block_ids == [[14, 14]]  # one block of tail, padded to the chunk's two
     if store:
         assert store_objects(side, full.hashes + tail.hashes) == 3
     return req
@@ -146,7 +146,7 @@ def test_a_hand_off_goes_from_producer_to_consumer_and_is_released(
         req = consumer_request(tokens, params)
         load = take_and_load(consumer, req, [30, 31, 32, 33, 34], load_async)
         assert load.asynchronous == load_async
-        assert load.blocks == [{0: 30, 1: 31}, {0: 32, 1: 33}, {0: 34}]
+        assert load.blocks == [[{0: 30, 1: 31}], [{0: 32, 1: 33}], [{0: 34}]]
         assert status(consumer)["handoffs"]["held"] == 1
         # The load's step came back (or the workers report the asynchronous load done).
         consumer.update_connector_output(SimpleNamespace(finished_recving={"d"}))
@@ -212,7 +212,7 @@ def test_a_hand_off_never_offered_ends_with_the_policy(server: Server) -> None:
                 assert answer == (PROMPT, False)
                 consumer.update_state_after_alloc(req, Blocks([1, 2, 3, 4, 5]), PROMPT)
                 (load,) = consumer.build_connector_meta(parked_step()).loads
-                assert load.failed and load.blocks == [{0: 1, 1: 2, 2: 3, 3: 4, 4: 5}]
+                assert load.failed and load.blocks == [[{0: 1, 1: 2, 2: 3, 3: 4, 4: 5}]]
             _, outcome = consumer.request_finished(req, [])
             expected = "recomputed" if policy == "recompute" else "error"
             assert outcome == {HANDOFF_ID: "never", OUTCOME: expected, CAUSE: "not_offered"}
@@ -488,7 +488,7 @@ def test_a_producer_preempted_mid_prefill_still_hands_off_its_whole_prompt(
             num_scheduled_tokens={"p": PROMPT - 256},
         )
         rest, tail = producer.build_connector_meta(resumed).stores
-        assert rest.block_ids == [22, 23] and tail.block_ids == [24, 24]
+        assert rest.block_ids == [[22, 23]] and tail.block_ids == [[24, 24]]
         assert store_objects(producer, rest.hashes + tail.hashes) == 2
         _, params = producer.request_finished(req, [])
         assert params is not None

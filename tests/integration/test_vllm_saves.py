@@ -68,7 +68,7 @@ def gate(monkeypatch: pytest.MonkeyPatch) -> Iterator[threading.Event]:
 
 def store_spec(worker: WorkerSide, request_id: str, seed: int) -> StoreSpec:
     hashes = worker.clients.hasher("", CHUNK).chunk_hashes(prompt(2 * CHUNK, seed))
-    return StoreSpec(request_id, "", hashes, [list(range(2 * PER_CHUNK))])
+    return StoreSpec(request_id, "", hashes, [list(range(1, 2 * PER_CHUNK + 1))])  # 0: null
 
 
 def resident(worker: WorkerSide, spec: StoreSpec) -> bool:

@@ -152,7 +152,7 @@ def test_offers_the_hit_beyond_the_engines_own_and_unlocks_everything(
         )
     )
     (load,) = meta.loads
-    assert (load.first_chunk, load.blocks) == (0, [{1: 11}, {0: 12, 1: 13}])
+    assert (load.first_chunk, load.blocks) == (0, [[{1: 11}], [{0: 12, 1: 13}]])
     assert meta.stores == []  # 700 tokens: no chunk beyond the 2 in kvtier
     assert held(side) == 2  # the chunks being loaded stay locked until the step is back
     side.update_connector_output(None)
@@ -374,11 +374,11 @@ def test_shadow_sampled_request_computes_its_last_hit_chunk_and_counts_outcomes(
             )
         )
         (load,) = meta.loads
-        assert (load.first_chunk, load.blocks) == (0, [{0: 10, 1: 11}])
+        assert (load.first_chunk, load.blocks) == (0, [[{0: 10, 1: 11}]])
         assert meta.stores == []  # chunk 1 is in kvtier already: compared, not stored
         (check,) = meta.shadows
         hashes = side.clients.hasher("", CHUNK).chunk_hashes(tokens)
-        assert (check.chunk, check.hash, check.block_ids) == (1, hashes[1], [12, 13])
+        assert (check.chunk, check.hash, check.block_ids) == (1, hashes[1], [[12, 13]])
         side.update_connector_output(None)
         side.request_finished(req, [])
         assert wait_for(lambda: held(side), lambda n: n == 0) == 0
@@ -428,7 +428,7 @@ def test_an_asynchronous_load_keeps_its_chunks_locked_until_the_workers_finish_i
     side.update_state_after_alloc(req, Blocks([10, 11, 12, 13, 14, 15]), 384)
     (load,) = side.build_connector_meta(parked_step()).loads
     assert load.asynchronous
-    assert (load.first_chunk, load.blocks) == (0, [{1: 11}, {0: 12, 1: 13}])
+    assert (load.first_chunk, load.blocks) == (0, [[{1: 11}], [{0: 12, 1: 13}]])
     side.update_connector_output(SimpleNamespace(finished_recving=None))  # the load step is back
     side.update_connector_output(SimpleNamespace(finished_recving={"other"}))
     assert held(side) == 2  # the workers are still copying

@@ -56,12 +56,12 @@ def run_async(side: WorkerSide, spec: LoadSpec) -> set[int]:
     errors: set[int] = set()
 
     def step() -> set[str]:  # get_finished, then the load errors, as vLLM asks each step
-        finished.update(side.get_finished())
+        finished.update(side.get_finished(set())[1])
         errors.update(side.get_block_ids_with_load_errors())
         return finished
 
     assert wait_for(step, lambda done: spec.request_id in done) == {spec.request_id}
-    assert side.get_finished() == set()  # reported once
+    assert side.get_finished(set()) == (set(), set())  # reported once
     return errors
 
 
@@ -135,7 +135,7 @@ def test_the_reported_forward_excludes_the_loads_whichever_side_of_it_they_run(
     if asynchronous:  # the forward (2 s), then the loads start on the load thread
         clock.now += 2.0
         worker.start_load_kv(meta)
-        wait_for(worker.get_finished, lambda done: "timed" in done)
+        wait_for(lambda: worker.get_finished(set())[1], lambda done: "timed" in done)
     else:  # the loads (5 s), then the forward (2 s)
         worker.start_load_kv(meta)
         clock.now += 2.0

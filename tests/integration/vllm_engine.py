@@ -2,7 +2,8 @@
 
     python -m tests.integration.vllm_engine --model DIR [--kvtier RPC] [--no-prefix-caching]
         [--blend] [--kv-bytes N] [--max-model-len N] [--request-timeout S]
-        [--tensor-parallel N] [--no-hybrid-kv-cache] [--kvtier-option KEY=VALUE]...
+        [--tensor-parallel N] [--no-hybrid-kv-cache] [--attention-backend NAME]
+        [--kvtier-option KEY=VALUE]...
 
 Prints ``{"ready": true}`` once the engine is up, then answers one JSON line
 per command line on stdin:
@@ -47,6 +48,7 @@ def main() -> None:
     parser.add_argument("--max-model-len", type=int, default=4096)
     parser.add_argument("--request-timeout", type=float, default=0.5)
     parser.add_argument("--tensor-parallel", type=int, default=1)
+    parser.add_argument("--attention-backend", help="vLLM's attention backend (else its choice)")
     parser.add_argument(
         "--no-hybrid-kv-cache",
         action="store_true",
@@ -89,6 +91,8 @@ def main() -> None:
         options["kv_cache_memory_bytes"] = args.kv_bytes
     if args.no_hybrid_kv_cache:
         options["disable_hybrid_kv_cache_manager"] = True
+    if args.attention_backend:
+        options["attention_backend"] = args.attention_backend
     llm = LLM(
         model=args.model,
         skip_tokenizer_init=True,

@@ -314,9 +314,9 @@ class WorkerSide:
             self._saver = ThreadPoolExecutor(1, thread_name_prefix=f"kvtier-save-{self.rank}")
         with self._lock:
             self._saving[spec.request_id] = self._saving.get(spec.request_id, 0) + 1
-            self._saved[spec.request_id] = self._saver.submit(self._saving_done, spec, ready)
+            self._saved[spec.request_id] = self._saver.submit(self._save, spec, ready)
 
-    def _saving_done(self, spec: StoreSpec, ready: Any) -> None:
+    def _save(self, spec: StoreSpec, ready: Any) -> None:
         """A store on the save thread; whatever happens, it no longer holds the blocks."""
         try:
             with torch.inference_mode():
