@@ -81,6 +81,8 @@ TINY = {
         "{tmp}",
     ],
     "bench_save_itl.py": [
+        "--rounds",
+        "1",
         "--seconds",
         "3",
         "--streams",

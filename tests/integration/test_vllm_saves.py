@@ -57,9 +57,9 @@ def gate(monkeypatch: pytest.MonkeyPatch) -> Iterator[threading.Event]:
     opened = threading.Event()
     store = worker_module.WorkerSide._store
 
-    def gated(self: WorkerSide, spec: StoreSpec, ready: Any) -> None:
+    def gated(self: WorkerSide, spec: StoreSpec, ready: Any, beside_forward: bool = False) -> None:
         assert opened.wait(60), "the test never opened the gate"
-        store(self, spec, ready)
+        store(self, spec, ready, beside_forward)
 
     monkeypatch.setattr(worker_module.WorkerSide, "_store", gated)
     yield opened
@@ -123,7 +123,7 @@ def test_stores_kept_in_the_step_are_committed_when_it_returns(
 def test_a_store_that_fails_still_frees_the_blocks(
     worker: WorkerSide, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    def broken(self: WorkerSide, spec: StoreSpec, ready: Any) -> None:
+    def broken(self: WorkerSide, spec: StoreSpec, ready: Any, beside_forward: bool = False) -> None:
         raise RuntimeError("planted")
 
     monkeypatch.setattr(worker_module.WorkerSide, "_store", broken)

@@ -126,6 +126,9 @@ def test_pages_round_trip_byte_exact_in_every_layout(layout: KVCacheLayout, kind
     before = [t.view(torch.uint8).clone() for t in tensors]
     stored = np.zeros(paged.object_bytes, np.uint8)
     paged.copy_out([[7, 2, 5, 0]], stored)
+    beside = np.zeros_like(stored)
+    paged.copy_out([[7, 2, 5, 0]], beside, beside_forward=True)  # the save thread's copy
+    assert np.array_equal(beside, stored)
     paged.scatter(stored, [{0: 1, 1: 3, 2: 4, 3: 6}])
     for layer, tensor in enumerate(tensors):
         after = tensor.view(torch.uint8)

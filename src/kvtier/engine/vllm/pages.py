@@ -219,6 +219,8 @@ class PagedKV:
         self.page_bytes = page_bytes
         self.object_bytes = layout.object_bytes()
         self._cuda = _CudaCopies() if self.device.type == "cuda" else None
+        # the same byte views as numpy arrays, on CPU (they share the engine's memory)
+        self._host_pages = [p.numpy() for p in self.pages] if self._cuda is None else []
 
     def ready(self) -> Any:
         """A mark, on the engine's stream, that this step's forward has written
@@ -236,21 +238,36 @@ class PagedKV:
         )
 
     def copy_out(
-        self, block_ids: Sequence[Sequence[int]], dst: npt.NDArray[np.uint8], ready: Any = None
+        self,
+        block_ids: Sequence[Sequence[int]],
+        dst: npt.NDArray[np.uint8],
+        ready: Any = None,
+        beside_forward: bool = False,
     ) -> None:
         """Write the pages one chunk keeps of its blocks (``blocks_per_chunk``
         of them per group, in order) into an object's bytes ``dst``. On a GPU
-        the copies start after ``ready`` (``ready()``'s; now if None)."""
+        the copies start after ``ready`` (``ready()``'s; now if None). On CPU a
+        copy ``beside_forward`` (the save thread's) runs on its own thread
+        alone: a torch op there would start an OpenMP team of its own beside
+        the engine's, on the same cores."""
         out = torch.from_numpy(dst)
-        copies = []
-        for layer, segment in self._segments(out):
-            ids = [block_ids[self.layer_groups[layer]][j] for j in self.kept[layer]]
-            index = torch.tensor(ids, dtype=torch.long, device=self.device)
-            copies.append((self.pages[layer], index, segment))
-        if self._cuda is None:
-            for pages, index, segment in copies:
-                torch.index_select(pages, 0, index, out=segment)  # straight into the arena
+        ids = [
+            [block_ids[g][j] for j in kept]
+            for g, kept in zip(self.layer_groups, self.kept, strict=True)
+        ]
+        if self._cuda is None and beside_forward:
+            for (layer, segment), index in zip(self._segments(out), ids, strict=True):
+                np.take(self._host_pages[layer], index, axis=0, out=segment.numpy())
             return
+        if self._cuda is None:
+            for (layer, segment), index in zip(self._segments(out), ids, strict=True):
+                rows = torch.tensor(index, dtype=torch.long)
+                torch.index_select(self.pages[layer], 0, rows, out=segment)  # into the arena
+            return
+        copies = [
+            (self.pages[layer], torch.tensor(index, device=self.device), segment)
+            for (layer, segment), index in zip(self._segments(out), ids, strict=True)
+        ]
         self._cuda.gather(copies, out, ready)
 
     def values(self, chunk: npt.NDArray[np.uint8]) -> torch.Tensor:

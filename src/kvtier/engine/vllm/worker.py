@@ -320,7 +320,7 @@ class WorkerSide:
         """A store on the save thread; whatever happens, it no longer holds the blocks."""
         try:
             with torch.inference_mode():
-                self._store(spec, ready)
+                self._store(spec, ready, beside_forward=True)
         except Exception:  # a lost store is a future miss; the blocks must still be freed
             log.exception("kvtier: %s: a store failed; its chunks stay misses", spec.request_id)
         finally:
@@ -338,7 +338,7 @@ class WorkerSide:
             return None  # the server is away: a future miss
         return self._paged_kv(client.chunk_size)
 
-    def _store(self, spec: StoreSpec, ready: Any) -> None:
+    def _store(self, spec: StoreSpec, ready: Any, beside_forward: bool = False) -> None:
         if self.clients.replica:
             return  # rank 0 stores the objects this rank holds a replica of
         client = self.clients.client(spec.salt)
@@ -355,7 +355,7 @@ class WorkerSide:
         hashes = spec.hashes[:whole]
 
         def gather(i: int, dst: npt.NDArray[np.uint8]) -> None:
-            paged.copy_out(chunks[i], dst, ready)
+            paged.copy_out(chunks[i], dst, ready, beside_forward)
 
         sizes = [paged.object_bytes] * len(hashes)
         stored = client.store_with(spec.request_id, hashes, sizes, gather) if hashes else 0
