@@ -27,19 +27,15 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import itertools
 import os
-import random
 import re
 import statistics
 import tempfile
-import threading
-import time
 from pathlib import Path
 from typing import Any
 
-from bench_pd_itl import stream
-from common import percentile, report
+from bench_pd_itl import run_trace
+from common import report
 from kvtier.bench.engines import EngineOptions, kvtier_transfer, vllm_servers
 from kvtier.models import demo_model
 from kvtier.process import ServerProcess
@@ -54,58 +50,6 @@ CONFIGS = {
     "saves in the step": {"save_async": False},
 }
 SAVE_PATH = re.compile(r"save path per storing step p50 ([\d.]+) ms, p99 ([\d.]+) ms")
-
-
-def run_trace(url: str, args: argparse.Namespace, seed: int) -> dict[str, Any]:
-    rng = random.Random(seed)
-    lock = threading.Lock()
-    gaps: list[float] = []
-    errors: list[str] = []
-    stored_prompts = 0
-    deadline = time.perf_counter() + args.seconds
-
-    def tokens(n: int) -> list[int]:
-        with lock:
-            return [rng.randrange(2, 4096) for _ in range(n)]
-
-    def decoder() -> None:
-        while time.perf_counter() < deadline:
-            try:
-                times = stream(url, tokens(SHORT_PROMPT), args.decode_tokens)
-            except (OSError, RuntimeError) as exc:
-                errors.append(str(exc))
-                return
-            with lock:
-                gaps.extend(b - a for a, b in itertools.pairwise(times[1:]))  # after the first
-
-    def long_prompts() -> None:
-        nonlocal stored_prompts
-        while time.perf_counter() < deadline:
-            started = time.perf_counter()
-            try:
-                stream(url, tokens(args.long_tokens), 1)
-            except (OSError, RuntimeError) as exc:
-                errors.append(str(exc))
-                return
-            stored_prompts += 1
-            time.sleep(max(0.0, args.long_every_s - (time.perf_counter() - started)))
-
-    stream(url, tokens(args.long_tokens), 2)  # warm-up: this shape's one-off costs
-    threads = [threading.Thread(target=decoder) for _ in range(args.streams)]
-    threads.append(threading.Thread(target=long_prompts))
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
-    if errors:
-        raise RuntimeError(f"the trace failed: {errors[:3]}")
-    return {
-        "itl_p50_ms": percentile(gaps, 50) * 1e3,
-        "itl_p95_ms": percentile(gaps, 95) * 1e3,
-        "itl_p99_ms": percentile(gaps, 99) * 1e3,
-        "gaps": len(gaps),
-        "long_prompts": stored_prompts,
-    }
 
 
 def save_path_ms(log: Path) -> tuple[float, float] | None:

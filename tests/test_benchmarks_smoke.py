@@ -12,6 +12,9 @@ from pathlib import Path
 import pytest
 
 BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
+# a decode trace with long prompts beside it, seconds long (the ITL benchmarks')
+ITL_TRACE = ["--seconds", "3", "--streams", "1", "--decode-tokens", "4", "--long-tokens", "300"]
+ITL_TRACE += ["--long-every-s", "1", "--model-dir", "{tmp}"]
 TINY = {
     "bench_hashing.py": ["--tokens", "4096", "--repeats", "3"],
     "bench_idle.py": ["--seconds", "0.5", "--settle", "0", "--trees", "this"],
@@ -66,36 +69,8 @@ TINY = {
     "bench_vllm_tiers.py": ["--prefix", "256", "--rounds", "1"],
     "bench_vllm_blend.py": ["--prompts", "1", "--ratios", "0.15", "--static", "--tokens", "2"],
     "bench_handoff.py": ["--tokens", "300", "--rounds", "1", "--model-dir", "{tmp}"],
-    "bench_pd_itl.py": [
-        "--seconds",
-        "3",
-        "--streams",
-        "1",
-        "--decode-tokens",
-        "4",
-        "--long-tokens",
-        "300",
-        "--long-every-s",
-        "1",
-        "--model-dir",
-        "{tmp}",
-    ],
-    "bench_save_itl.py": [
-        "--rounds",
-        "1",
-        "--seconds",
-        "3",
-        "--streams",
-        "1",
-        "--decode-tokens",
-        "4",
-        "--long-tokens",
-        "300",
-        "--long-every-s",
-        "1",
-        "--model-dir",
-        "{tmp}",
-    ],
+    "bench_pd_itl.py": ITL_TRACE,
+    "bench_save_itl.py": ["--rounds", "1", *ITL_TRACE],
     "bench_codecs.py": ["--prompts", "2", "--speed-prompts", "1"],
     "bench_scheduler_wait.py": ["--steps", "5", "--l2-latency", "0.05"],
     "bench_shadow.py": ["--prompts", "2", "--prefix-chunks", "1", "--model-dir", "{tmp}"],

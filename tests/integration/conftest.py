@@ -108,6 +108,19 @@ def gated(monkeypatch: pytest.MonkeyPatch) -> Iterator[Gated]:
 CHAT_TEMPLATE = "{% for m in messages %}{{ m['content'] }} {% endfor %}"
 
 
+def random_model(directory: Path, model_class: Any, config: Any) -> Path:
+    """``model_class`` built from ``config`` with seed-0 random weights, saved
+    in ``directory`` with a word-level tokenizer of its vocabulary."""
+    import torch
+
+    from kvtier.models import word_tokenizer
+
+    torch.manual_seed(0)
+    model_class(config).save_pretrained(directory)
+    word_tokenizer(config.vocab_size).save_pretrained(directory)
+    return directory
+
+
 @pytest.fixture(scope="session")
 def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A 2-layer Llama (hidden 256, 4 query / 2 KV heads of dim 64), random

@@ -215,6 +215,27 @@ def stored_objects(server: Server) -> int:
     return int(server.fresh_status()["storage"]["l1"]["resident_objects"])
 
 
+def resident_bytes(server: Server) -> int:
+    return int(server.fresh_status()["storage"]["l1"]["used_bytes"])
+
+
+def full_chunks(prompts: Sequence[list[int]]) -> int:
+    """The distinct full chunks of ``prompts`` (shared prefixes once)."""
+    return len({tuple(p[: (i + 1) * CHUNK]) for p in prompts for i in range(len(p) // CHUNK)})
+
+
+def clear_l1_once_on_disk(server: Server, chunks: int) -> None:
+    """Wait until the fs L2 holds ``chunks`` objects, then empty L1: the next
+    loads come from disk."""
+    stored = wait_for(
+        lambda: server.fresh_status()["storage"]["store"]["stored_objects"].get("fs", 0),
+        lambda n: n >= chunks,
+    )
+    assert stored == chunks
+    assert server.http_get("/clear", method="POST")[0] == 200
+    assert wait_for(lambda: stored_objects(server), lambda n: n == 0) == 0
+
+
 # ------------------------------------------------------------------ tests
 
 

@@ -21,6 +21,7 @@ from typing import Any
 
 import pytest
 
+from tests.integration.conftest import random_model
 from tests.integration.harness import Server, ServerFactory, wait_for
 
 pytest.importorskip("vllm")
@@ -29,9 +30,12 @@ from tests.integration.test_vllm_connector import (
     Engine,
     Engines,
     assert_same,
+    clear_l1_once_on_disk,
     engines_of,
+    full_chunks,
     held_locks,
     kvtier_hit,
+    resident_bytes,
     stored_objects,
     tokens,
 )
@@ -59,13 +63,8 @@ def one_by_one(engine: Engine) -> list[Any]:
 
 @pytest.fixture(scope="module")
 def mla_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    import torch
     from transformers import DeepseekV2Config, DeepseekV2ForCausalLM
 
-    from kvtier.models import word_tokenizer
-
-    directory = tmp_path_factory.mktemp("mla-model")
-    torch.manual_seed(0)
     config = DeepseekV2Config(
         vocab_size=1024,
         hidden_size=256,
@@ -82,9 +81,7 @@ def mla_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
         max_position_embeddings=4096,
         tie_word_embeddings=False,
     )
-    DeepseekV2ForCausalLM(config).save_pretrained(directory)
-    word_tokenizer(config.vocab_size).save_pretrained(directory)
-    return directory
+    return random_model(tmp_path_factory.mktemp("mla-model"), DeepseekV2ForCausalLM, config)
 
 
 @pytest.fixture(scope="module")
@@ -102,14 +99,6 @@ def reference(engines: Engines) -> list[Any]:
         return one_by_one(engine)
     finally:
         engines.stop(engine)
-
-
-def resident_bytes(server: Server) -> int:
-    return int(server.fresh_status()["storage"]["l1"]["used_bytes"])
-
-
-def full_chunks(prompts: list[list[int]]) -> int:
-    return len({tuple(p[: (i + 1) * CHUNK]) for p in prompts for i in range(len(p) // CHUNK)})
 
 
 def warm_run(engines: Engines, server: Server, reference: list[Any]) -> list[Any]:
@@ -143,13 +132,7 @@ def test_mla_cold_warm_from_l1_and_from_disk_match_no_connector(
 
     from_l1 = warm_run(engines, server, reference)
 
-    stored = wait_for(
-        lambda: server.fresh_status()["storage"]["store"]["stored_objects"].get("fs", 0),
-        lambda n: n >= chunks,
-    )
-    assert stored == chunks
-    assert server.http_get("/clear", method="POST")[0] == 200
-    assert wait_for(lambda: stored_objects(server), lambda n: n == 0) == 0
+    clear_l1_once_on_disk(server, chunks)
     assert warm_run(engines, server, reference) == from_l1  # from the fs L2, bit for bit
 
 
