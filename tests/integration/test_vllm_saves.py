@@ -174,3 +174,21 @@ def test_the_scheduler_holds_the_blocks_of_a_request_whose_stores_left_the_step(
         assert held is save_async  # the workers name it once their saves are done
     finally:
         side.close()
+
+
+def test_a_resumed_request_without_blocks_yet_stores_nothing(server: Server) -> None:
+    """A resumed request vLLM gave no block this step (``new_block_ids`` None)."""
+    side = SchedulerSide(vllm_config(), ConnectorSettings(address=server.rpc, lookup_wait_s=10.0))
+    try:
+        tokens = prompt(700, seed=61)
+        assert side.get_num_new_matched_tokens(request("z", tokens), 0) == (0, False)
+        side.update_state_after_alloc(request("z", tokens), Blocks([]), 0)
+        step = parked_step()
+        step.scheduled_cached_reqs = SimpleNamespace(
+            req_ids=["z"], resumed_req_ids={"z"}, new_block_ids=[None], num_computed_tokens=[0]
+        )
+        step.num_scheduled_tokens = {"z": 700}
+        assert side.build_connector_meta(step).stores == []
+        side.request_finished(request("z", tokens), [])
+    finally:
+        side.close()

@@ -118,6 +118,8 @@ def check_hello(hello: p.Hello) -> None:
                 "bad_request", f"{where} dtype {spec.dtype!r} is not one of {sorted(DTYPE_BYTES)}"
             )
         check_text(f"{where} format", spec.format)
+        _check_range(f"{where} window_layers", spec.window_layers, 0, spec.num_layers)
+        _check_range(f"{where} window_tokens", spec.window_tokens, 0, MAX_CHUNK_TOKENS)
 
 
 def check_layouts(layouts: dict[int, KVLayout], chunk_size: int, l1_bytes: int) -> None:

@@ -233,6 +233,11 @@ def hello_layout(server: CacheServer, peer: bytes = b"A", **changes: object) -> 
         ({"format": "x" * 300}, "format is 300 characters"),
         ({"lossy_codec": "int3"}, "lossy_codec 'int3' is not one of ['int8', 'int4']"),
         ({"lossy_codec": "int8", "dtype": "int8"}, "lossy_codec needs the canonical byte order"),
+        ({"window_layers": 2, "window_tokens": 8}, "window_layers 2 is outside [0, 1]"),
+        ({"window_layers": 1, "window_tokens": 2**62}, "window_tokens 4611686018427387904 is"),
+        ({"window_layers": 1, "window_tokens": -8}, "window_tokens -8 is outside"),
+        ({"window_layers": 1}, "window_tokens positive"),  # a window layer keeping nothing
+        ({"window_layers": 1, "window_tokens": 8}, "window_tokens must be in [1, tokens"),
         # K+V x 4096 layers x 4096 heads x 65536 x fp32 x 16 tokens = 2**47 bytes
         (
             {"num_layers": 4096, "kv_heads": 4096, "head_dim": 65536},

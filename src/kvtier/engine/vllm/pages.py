@@ -251,23 +251,23 @@ class PagedKV:
         alone: a torch op there would start an OpenMP team of its own beside
         the engine's, on the same cores."""
         out = torch.from_numpy(dst)
-        ids = [
-            [block_ids[g][j] for j in kept]
-            for g, kept in zip(self.layer_groups, self.kept, strict=True)
-        ]
+        ids: dict[tuple[int, range], list[int]] = {}  # per group and kept pages: the blocks
+        for g, kept in zip(self.layer_groups, self.kept, strict=True):
+            ids.setdefault((g, kept), [block_ids[g][j] for j in kept])
         if self._cuda is None and beside_forward:
-            for (layer, segment), index in zip(self._segments(out), ids, strict=True):
+            for layer, segment in self._segments(out):
+                index = ids[self.layer_groups[layer], self.kept[layer]]
                 np.take(self._host_pages[layer], index, axis=0, out=segment.numpy())
             return
-        if self._cuda is None:
-            for (layer, segment), index in zip(self._segments(out), ids, strict=True):
-                rows = torch.tensor(index, dtype=torch.long)
-                torch.index_select(self.pages[layer], 0, rows, out=segment)  # into the arena
-            return
+        rows = {key: torch.tensor(index, device=self.device) for key, index in ids.items()}
         copies = [
-            (self.pages[layer], torch.tensor(index, device=self.device), segment)
-            for (layer, segment), index in zip(self._segments(out), ids, strict=True)
+            (self.pages[layer], rows[self.layer_groups[layer], self.kept[layer]], segment)
+            for layer, segment in self._segments(out)
         ]
+        if self._cuda is None:
+            for pages, blocks, segment in copies:
+                torch.index_select(pages, 0, blocks, out=segment)  # straight into the arena
+            return
         self._cuda.gather(copies, out, ready)
 
     def values(self, chunk: npt.NDArray[np.uint8]) -> torch.Tensor:
@@ -292,21 +292,22 @@ class PagedKV:
         with warnings.catch_warnings():  # frames from the wire are read-only: only read them
             warnings.simplefilter("ignore", UserWarning)
             source = torch.from_numpy(chunk)
+        picks: dict[tuple[int, range], tuple[torch.Tensor, list[int]]] = {}
+        for g, kept in zip(self.layer_groups, self.kept, strict=True):  # once per group
+            if (g, kept) not in picks:
+                positions = sorted(j for j in blocks[g] if j in kept)
+                index = torch.tensor([blocks[g][j] for j in positions], device=self.device)
+                picks[g, kept] = index, [j - kept.start for j in positions]
         copies = []
         for layer, segment in self._segments(source):
-            wanted = blocks[self.layer_groups[layer]]
-            kept = self.kept[layer]
-            positions = sorted(j for j in wanted if j in kept)
-            if not positions:
-                continue
-            index = torch.tensor([wanted[j] for j in positions], device=self.device)
-            rows = segment[[j - kept.start for j in positions]]
-            copies.append((self.pages[layer], index, rows))
+            index, rows = picks[self.layer_groups[layer], self.kept[layer]]
+            if rows:
+                copies.append((self.pages[layer], index, segment[rows]))
         if self._cuda is not None:
             self._cuda.put(copies)
             return
-        for pages, index, rows in copies:
-            pages.index_copy_(0, index, rows)
+        for pages, targets, picked in copies:
+            pages.index_copy_(0, targets, picked)
 
     def landed(self) -> None:
         """Wait (on the host) until every page ``scatter`` wrote has landed:
@@ -394,7 +395,7 @@ class _CudaCopies:
                 offset = 0
                 for pages, index, segment in copies:
                     part = host[offset : offset + segment.numel()].view(segment.shape)
-                    part.copy_(pages.index_select(0, index.to(pages.device)), non_blocking=True)
+                    part.copy_(pages.index_select(0, index), non_blocking=True)
                     offset += segment.numel()
                 done = torch.cuda.Event()
                 done.record(self.stream)

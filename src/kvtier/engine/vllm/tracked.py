@@ -46,6 +46,10 @@ class Tracked:
     blend: BlendSpec | None = None  # a blend it asked for (block ids once allocated)
     saves_after_step: bool = False  # a store of it left the step: vLLM must keep its blocks
 
+    def blocks(self) -> int:
+        """The blocks vLLM holds for it (every group holds as many, nulls included)."""
+        return len(self.block_ids[0]) if self.block_ids else 0
+
     def load_spec(
         self, blocks: Any, num_external_tokens: int, block_size: int, asynchronous: bool
     ) -> LoadSpec:
@@ -104,7 +108,7 @@ class Tracked:
             return []
         per_chunk = self.chunk_size // block_size
         complete = min(done_tokens, self.prompt_tokens) // self.chunk_size
-        complete = min(complete, len(self.hashes), len(self.block_ids[0]) // per_chunk)
+        complete = min(complete, len(self.hashes), self.blocks() // per_chunk)
         specs = []
         if complete > self.stored:
             specs.append(
@@ -130,7 +134,7 @@ class Tracked:
         per_chunk = self.chunk_size // block_size
         full = len(self.hashes) * per_chunk
         tail_blocks = -(-self.prompt_tokens // block_size) - full
-        if done_tokens < self.prompt_tokens or len(self.block_ids[0]) < full + tail_blocks:
+        if done_tokens < self.prompt_tokens or self.blocks() < full + tail_blocks:
             return []
         role.tail_stored = True
         blocks = [ids[full : full + tail_blocks] for ids in self.block_ids]
@@ -144,7 +148,7 @@ class Tracked:
             return []
         per_chunk = self.chunk_size // block_size
         end = (chunk + 1) * per_chunk
-        if done_tokens < (chunk + 1) * self.chunk_size or len(self.block_ids[0]) < end:
+        if done_tokens < (chunk + 1) * self.chunk_size or self.blocks() < end:
             return []
         self.shadow_chunk = None
         blocks = [ids[chunk * per_chunk : end] for ids in self.block_ids]

@@ -342,9 +342,9 @@ class WorkerSide:
         if self.clients.replica:
             return  # rank 0 stores the objects this rank holds a replica of
         client = self.clients.client(spec.salt)
-        paged = self._paged_for(spec.salt)
-        if client is None or paged is None:
-            return
+        if client is None or client.chunk_size is None:
+            return  # the server is away: a future miss
+        paged = self._paged_kv(client.chunk_size)
         per_chunk = paged.blocks_per_chunk
         chunks = [
             [ids[i * per_chunk : (i + 1) * per_chunk] for ids in spec.block_ids]
