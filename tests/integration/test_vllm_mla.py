@@ -5,8 +5,9 @@ latent: ``kv_lora_rank`` 512 + ``qk_rope_head_dim`` 64 = 576 values per token
 and layer, the only size vLLM's ``CPU_MLA`` backend takes) runs with kvtier's
 connector. On CPU vLLM turns its own prefix caching off for MLA, so every
 cached token is kvtier's. Outputs equal a no-connector engine's (same tokens,
-|Δlogprob| <= 1e-4) cold, warm from L1 and warm from the fs L2 after an L1
-wipe (loads within the backend's context-path tolerance, below); a chunk is
+|Δlogprob| <= 1e-4) cold; warm from L1 and from the fs L2 after an L1 wipe
+they give the same tokens, within the backend's context-path tolerance, and
+are no further than a no-cache run from a float64 forward pass; a chunk is
 one object whatever the TP size (the latent is the same on every rank), so a
 TP 2 engine stores what a TP 1 engine loads (on demand:
 ``KVTIER_TP_ENGINE_TESTS=1``, two TP ranks on two cores stall under load).
@@ -48,9 +49,12 @@ PROMPTS = [tokens(200 + i, n) for i, n in enumerate((700, 530, 512))]
 OBJECT_BYTES = LAYERS * LATENT * 4 * CHUNK  # one chunk of every layer, fp32, one copy
 # vLLM's CPU MLA prefill of a suffix over cached latents (its context path) is
 # not its full prefill: measured up to 1.8e-3 apart in a logprob here. Loads are
-# checked against that bound, and against each other bit for bit: the same
-# bytes from L1 and from the fs L2 give the same outputs.
+# checked against that bound, against each other bit for bit (the same bytes
+# from L1 and from the fs L2 give the same outputs), and against exact
+# arithmetic: the no-cache engine itself is ~1e-2 off a float64 forward pass of
+# the same weights, and a warm run must be no further from it (within 25 %).
 CONTEXT_TOLERANCE = 5e-3
+TRUTH_MARGIN = 1.25
 TP2_ENV = {"VLLM_CPU_OMP_THREADS_BIND": "0|1"}  # one core per rank
 
 
@@ -101,13 +105,48 @@ def reference(engines: Engines) -> list[Any]:
         engines.stop(engine)
 
 
-def warm_run(engines: Engines, server: Server, reference: list[Any]) -> list[Any]:
-    """A fresh engine loads every full chunk from kvtier: its outputs, which
-    match the reference within the context path's tolerance."""
+@pytest.fixture(scope="module")
+def truth(mla_model: Path, reference: list[Any]) -> list[list[float]]:
+    """The logprobs of the reference's tokens in a float64 forward pass of the
+    same weights (transformers, teacher-forced): exact arithmetic to measure
+    both engines against."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(mla_model, dtype=torch.float64)
+    logprobs = []
+    for prompt, output in zip(PROMPTS, reference, strict=True):
+        generated = output["tokens"]
+        with torch.no_grad():
+            logits = model(torch.tensor([prompt + generated])).logits[0]
+        rows = torch.log_softmax(logits[len(prompt) - 1 : -1], dim=-1)
+        logprobs.append([float(rows[i, t]) for i, t in enumerate(generated)])
+    return logprobs
+
+
+def distance(outputs: list[Any], truth: list[list[float]]) -> float:
+    """Mean |logprob - truth| over every generated token."""
+    gaps = [
+        abs(a - b)
+        for output, exact in zip(outputs, truth, strict=True)
+        for a, b in zip(output["logprobs"], exact, strict=True)
+    ]
+    return sum(gaps) / len(gaps)
+
+
+def warm_run(
+    engines: Engines, server: Server, reference: list[Any], truth: list[list[float]]
+) -> list[Any]:
+    """A fresh engine loads every full chunk from kvtier: its outputs match
+    the reference within the context path's tolerance and are no further from
+    exact arithmetic than the reference is."""
     warm = engines.start("--kvtier", server.rpc)
     try:
         outputs = one_by_one(warm)
         assert_same(reference, outputs, CONTEXT_TOLERANCE)
+        baseline, loaded = distance(reference, truth), distance(outputs, truth)
+        print(f"mean |logprob - float64|: no cache {baseline:.2e}, loads {loaded:.2e}")
+        assert loaded <= TRUTH_MARGIN * baseline
         assert [o["cached"] for o in outputs] == [kvtier_hit(len(p)) for p in PROMPTS]
     finally:
         engines.stop(warm)
@@ -116,7 +155,10 @@ def warm_run(engines: Engines, server: Server, reference: list[Any]) -> list[Any
 
 
 def test_mla_cold_warm_from_l1_and_from_disk_match_no_connector(
-    engines: Engines, reference: list[Any], kvtier_server: ServerFactory
+    engines: Engines,
+    reference: list[Any],
+    truth: list[list[float]],
+    kvtier_server: ServerFactory,
 ) -> None:
     server = kvtier_server.start()  # L1 and an fs L2
     cold = engines.start("--kvtier", server.rpc)
@@ -130,10 +172,10 @@ def test_mla_cold_warm_from_l1_and_from_disk_match_no_connector(
     assert wait_for(lambda: stored_objects(server), lambda n: n >= chunks) == chunks
     assert resident_bytes(server) == chunks * OBJECT_BYTES  # the latent, not K and V
 
-    from_l1 = warm_run(engines, server, reference)
+    from_l1 = warm_run(engines, server, reference, truth)
 
     clear_l1_once_on_disk(server, chunks)
-    assert warm_run(engines, server, reference) == from_l1  # from the fs L2, bit for bit
+    assert warm_run(engines, server, reference, truth) == from_l1  # from the fs L2, bit for bit
 
 
 @pytest.mark.skipif(
