@@ -7,9 +7,11 @@ import argparse
 import dataclasses
 import re
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 from kvtier.config import secret
+from kvtier.l1.eviction import make_policy
 from kvtier.output import JSON_HELP, report_stream, write_json
 from kvtier.planner.handoff import Handoff, plan_handoff
 from kvtier.planner.hf_config import read_shape_fields
@@ -17,6 +19,13 @@ from kvtier.planner.observed import Observation, observe
 from kvtier.planner.plan import Compute, Deployment, Network, Workload, make_plan
 from kvtier.planner.report import format_plan
 from kvtier.planner.shape import DTYPES, ModelShape
+from kvtier.planner.trace_plan import (
+    DEFAULT_TARGETS,
+    TraceQuestion,
+    format_trace_plan,
+    plan_trace,
+    plot_trace_plan,
+)
 from kvtier.units import parse_size
 
 _COUNT_SUFFIXES = {"": 1.0, "k": 1e3, "m": 1e6, "b": 1e9, "t": 1e12}
@@ -151,8 +160,54 @@ def add_parser(commands: Any) -> None:
         for flag in flags:
             choices = list(DTYPES) if flag.name == "--dtype" else None
             group.add_argument(flag.name, type=flag.type, choices=choices, help=flag.help)
+    _add_trace_flags(plan.add_argument_group("a real trace (docs/planning.md)"))
     plan.add_argument("--json", metavar="FILE", help=JSON_HELP)
     plan.set_defaults(run=run)
+
+
+def _numbers(kind: Callable[[str], Any]) -> Callable[[str], tuple[Any, ...]]:
+    def parse(text: str) -> tuple[Any, ...]:
+        try:
+            return tuple(kind(part) for part in text.split(",") if part.strip())
+        except ValueError:
+            raise argparse.ArgumentTypeError(
+                f"expected a comma-separated list, got {text!r}"
+            ) from None
+
+    return parse
+
+
+def _add_trace_flags(group: Any) -> None:
+    group.add_argument("--trace", metavar="FILE", help="a Mooncake-format trace (JSONL)")
+    group.add_argument(
+        "--capacities",
+        type=_numbers(int),
+        metavar="T1,T2,...",
+        help="cache capacities in tokens to report (default: 6 from 64 blocks to the working set)",
+    )
+    group.add_argument(
+        "--policies",
+        type=_numbers(str),
+        default=("gdsf",),
+        metavar="P1,...",
+        help="kvtier eviction policies simulated beside the exact LRU curve (gdsf; '' none)",
+    )
+    group.add_argument(
+        "--targets",
+        type=_numbers(float),
+        default=DEFAULT_TARGETS,
+        metavar="S1,...",
+        help="shares of the reuse ceiling to size the cache for (0.5,0.8,0.9,0.95,0.99)",
+    )
+    group.add_argument("--l1-tokens", type=int, help="L1 capacity in tokens: the tier split")
+    group.add_argument("--l2-tokens", type=int, help="L2 capacity in tokens (with --l1-tokens)")
+    group.add_argument(
+        "--prefill-rate", type=float, metavar="TOKENS_PER_S", help="prefill rate: seconds saved"
+    )
+    group.add_argument("--plot", metavar="FILE", help="the reuse curve as a PNG")
+    group.add_argument(
+        "--skip-bad-lines", action="store_true", help="leave bad trace lines out, counted"
+    )
 
 
 def _given(args: argparse.Namespace, kind: str) -> dict[str, Any]:
@@ -178,11 +233,43 @@ def _shape(args: argparse.Namespace, observed: Observation | None) -> ModelShape
     return ModelShape(**fields)
 
 
+def _has_shape(args: argparse.Namespace) -> bool:
+    return bool(args.model_config or args.from_server or _given(args, "shape"))
+
+
+def run_trace(args: argparse.Namespace, observed: Observation | None) -> int:
+    bytes_per_token = None
+    if _has_shape(args):
+        deployment = Deployment(**_given(args, "deployment"))
+        bytes_per_token = make_plan(_shape(args, observed), deployment).bytes_per_token
+    question = TraceQuestion(
+        capacities_tokens=args.capacities or (),
+        policies=args.policies,
+        targets=args.targets,
+        l1_tokens=args.l1_tokens,
+        l2_tokens=args.l2_tokens,
+        prefill_tokens_per_s=args.prefill_rate,
+        bytes_per_token=bytes_per_token,
+        skip_bad_lines=args.skip_bad_lines,
+    )
+    for name in question.policies:
+        make_policy(name)  # an unknown name fails before the trace is read
+    plan = plan_trace(Path(args.trace), question)
+    print(format_trace_plan(plan), file=report_stream(args.json))
+    if args.plot:
+        plot_trace_plan(plan, Path(args.plot))
+    if args.json:
+        write_json(args.json, plan.to_json())
+    return 0
+
+
 def run(args: argparse.Namespace) -> int:
     observed = None
     if args.from_server:
         token = secret(args.auth_token_file, "--auth-token-file", "KVTIER_AUTH_TOKEN")
         observed = observe(args.from_server, token, args.sample_s, args.namespace)
+    if args.trace:
+        return run_trace(args, observed)
     deployment = observed.deployment_fields() if observed else {}
     workload = observed.workload_fields() if observed else {}
     plan = make_plan(

@@ -16,17 +16,11 @@ trace):
   after an exponential think time. The answer a trace appends is a stand-in of
   the requested length (a trace is fixed before any model runs), so the next
   turn shares the previous prompt, not the model's own answer.
-
-A trace file is JSONL, one request per line: ``{"id", "arrival_s", "prompt"
-(token ids), "output_tokens", "label", "warm", "tenant"}``.
 """
 
 from __future__ import annotations
 
-import json
-from collections.abc import Iterable
-from dataclasses import asdict, dataclass
-from pathlib import Path
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -203,44 +197,6 @@ def chat_trace(spec: ChatSpec) -> list[TraceRequest]:
     return sorted(trace, key=lambda r: (r.arrival_s, r.id))
 
 
-def write_trace(path: Path, trace: Iterable[TraceRequest]) -> None:
-    with path.open("w") as out:
-        for request in trace:
-            out.write(json.dumps(asdict(request), separators=(",", ":")) + "\n")
-
-
-def read_trace(path: Path) -> list[TraceRequest]:
-    """A trace file; ValueError naming the line for anything malformed."""
-    trace = []
-    for number, line in enumerate(path.read_text().splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-            request = TraceRequest(
-                id=str(row["id"]),
-                arrival_s=float(row["arrival_s"]),
-                prompt=tuple(int(t) for t in row["prompt"]),
-                output_tokens=int(row["output_tokens"]),
-                label=str(row.get("label", "")),
-                warm=bool(row.get("warm", False)),
-                tenant=str(row.get("tenant", "")),
-            )
-        except (ValueError, KeyError, TypeError) as exc:
-            raise ValueError(f"--trace {path}:{number}: not a trace request ({exc!r})") from None
-        if not request.prompt or request.output_tokens < 1 or request.arrival_s < 0:
-            raise ValueError(
-                f"--trace {path}:{number}: a request needs a prompt, output_tokens >= 1 "
-                "and arrival_s >= 0"
-            )
-        trace.append(request)
-    if not any(not r.warm for r in trace):
-        raise ValueError(f"--trace {path}: no (measured) requests in it")
-    if len({r.id for r in trace}) != len(trace):
-        raise ValueError(f"--trace {path}: request ids must be unique")
-    return sorted(trace, key=lambda r: (not r.warm, r.arrival_s, r.id))
-
-
 __all__ = [
     "ChatSpec",
     "RagSpec",
@@ -248,6 +204,4 @@ __all__ = [
     "chat_trace",
     "rag_prompts",
     "rag_trace",
-    "read_trace",
-    "write_trace",
 ]
