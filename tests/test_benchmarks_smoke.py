@@ -11,6 +11,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.unit.traces.conversations import conversation_rows, write_rows
+
 BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 # a decode trace with long prompts beside it, seconds long (the ITL benchmarks')
 ITL_TRACE = ["--seconds", "3", "--streams", "1", "--decode-tokens", "4", "--long-tokens", "300"]
@@ -37,6 +39,18 @@ TINY = {
     "bench_quota.py": ["--rounds", "1", "--batches", "8"],
     "bench_route_scoring.py": ["--chunks", "2000", "--nodes", "8", "--requests", "20"],
     "bench_route_sim.py": ["--nodes", "2,4", "--requests-per-node", "5"],
+    "bench_route_trace.py": [
+        "--trace",
+        "{trace}",
+        "--nodes",
+        "2",
+        "--utilization",
+        "0.8",
+        "--seeds",
+        "2",
+        "--ablations",
+        "--shared",
+    ],
     "bench_route_index.py": ["--chunks", "2000", "--requests", "20"],
     "bench_vllm_ttft.py": [
         "--prefix",
@@ -141,7 +155,11 @@ def _marks(name: str) -> list[pytest.MarkDecorator]:
 
 @pytest.mark.parametrize("script", [pytest.param(n, marks=_marks(n)) for n in sorted(TINY)])
 def test_benchmark_runs_and_reports_json(script: str, tmp_path: Path) -> None:
-    args = [arg.replace("{tmp}", str(tmp_path / "model")) for arg in TINY[script]]
+    trace = write_rows(tmp_path / "trace.jsonl", conversation_rows(200))  # Mooncake's format
+    args = [
+        arg.replace("{tmp}", str(tmp_path / "model")).replace("{trace}", str(trace))
+        for arg in TINY[script]
+    ]
     run = subprocess.run(
         [sys.executable, str(BENCHMARKS / script), *args],
         capture_output=True,

@@ -26,7 +26,7 @@ from typing import Any, Literal
 from kvtier.config import load, read_toml
 from kvtier.extras import missing_extra
 from kvtier.output import JSON_HELP, write_json
-from kvtier.traces import Span
+from kvtier.traces import ReplaySpec, Span
 from kvtier.units import parse_span
 
 ENV_PREFIX = "KVTIER_BENCH_"
@@ -45,6 +45,9 @@ TRACE_OPTIONS = (
 )
 
 
+REPLAY_OUTPUT_TOKENS = 48  # a Mooncake trace's answers, at most (its mean is 343)
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class BenchOptions:
     """Every option of ``kvtier bench``: flags > ``KVTIER_BENCH_*`` > the
@@ -54,6 +57,12 @@ class BenchOptions:
     bench: Literal["engines", "route"] = "engines"
     workload: Literal["rag", "chat"] = "rag"
     trace: str | None = None
+    trace_block_tokens: int = 64
+    time_scale: float = 1.0
+    window_start_s: float = 0.0
+    window_s: float | None = None
+    sample: float = 1.0
+    skip_bad_lines: bool = False
     configs: str = "apc,apc+l1,apc+l1+remote,lmcache"
     remote: Literal["redis", "mooncake"] = "redis"
     no_fault: bool = False
@@ -89,7 +98,13 @@ HELP: dict[str, tuple[str, str]] = {
         "run",
     ),
     "workload": ("the generated trace: rag or chat", "run"),
-    "trace": ("replay this JSONL trace (else: generate one)", "run"),
+    "trace": ("replay this JSONL trace, kvtier's or Mooncake's (else: generate one)", "run"),
+    "trace_block_tokens": ("a Mooncake trace: tokens per 512-token trace block (64)", "run"),
+    "time_scale": ("a Mooncake trace: replay seconds per trace second (1.0)", "run"),
+    "window_start_s": ("a Mooncake trace: replay from this trace second (0)", "run"),
+    "window_s": ("a Mooncake trace: replay this many trace seconds (all)", "run"),
+    "sample": ("a Mooncake trace: share of sessions replayed (1.0)", "run"),
+    "skip_bad_lines": ("a Mooncake trace: leave bad lines out, counted", "run"),
     "configs": ("comma-separated, in run order; the first is the output reference", "run"),
     "remote": ("apc+l1+remote's L2: redis or mooncake", "run"),
     "no_fault": ("skip the fault run", "run"),
@@ -222,6 +237,7 @@ def run(args: argparse.Namespace) -> int:
         remote=o.remote,
         fault=None if o.no_fault else (o.kill_at, o.restart_at),
         trace_options=trace_options(o),
+        replay=replay_spec(o),
         vllm_kv_tokens=o.vllm_kv_tokens,
         l1_size_bytes=o.l1_size_bytes,
         small_l1_size_bytes=o.small_l1_size_bytes,
@@ -263,6 +279,25 @@ def _run_route(o: BenchOptions, command: str) -> int:
     policies = results["policies"].values()
     clean = all(p["failed"] == 0 and p["output_differences"] == 0 for p in policies)
     return 0 if clean else 1
+
+
+def replay_spec(options: BenchOptions) -> ReplaySpec:
+    """How a Mooncake trace given as ``--trace`` becomes requests for the
+    bench model (its vocabulary; answers cut to the generated traces' longest,
+    so a CPU engine's decode stays short)."""
+    from kvtier.models import DEMO_MODEL  # torch: only once the bench runs
+
+    return ReplaySpec(
+        block_tokens=options.trace_block_tokens,
+        vocab_size=int(DEMO_MODEL["vocab_size"]),
+        seed=options.seed,
+        time_scale=options.time_scale,
+        start_s=options.window_start_s,
+        duration_s=options.window_s,
+        sample=options.sample,
+        max_output_tokens=REPLAY_OUTPUT_TOKENS,
+        skip_bad_lines=options.skip_bad_lines,
+    )
 
 
 def trace_options(options: BenchOptions) -> dict[str, Any]:

@@ -22,7 +22,18 @@ from kvtier.bench.replay import RequestResult
 from kvtier.bench.report import markdown, targets
 from kvtier.bench.runner import ConfigRun, fault_summary, reference_tokens, run_configuration
 from kvtier.paths import cache_home
-from kvtier.traces import ChatSpec, RagSpec, TraceRequest, chat_trace, rag_trace, read_trace
+from kvtier.traces import (
+    ChatSpec,
+    RagSpec,
+    ReplaySpec,
+    SkippedLines,
+    TraceRequest,
+    chat_trace,
+    is_mooncake_file,
+    load_trace,
+    rag_trace,
+    read_trace,
+)
 from kvtier.traces import write_trace as save_trace
 
 BLOCK = 128  # vLLM-CPU's KV block (tokens)
@@ -41,6 +52,7 @@ class BenchRequest:
     remote: Remote = "redis"
     fault: tuple[float, float] | None = (0.35, 0.65)
     trace_options: dict[str, Any] = dataclasses.field(default_factory=dict)
+    replay: ReplaySpec = dataclasses.field(default_factory=ReplaySpec)  # a Mooncake trace file
     vllm_kv_tokens: int | None = None
     l1_size_bytes: int = 1 << 30
     small_l1_size_bytes: int | None = None
@@ -66,7 +78,15 @@ class BenchRequest:
 def build_trace(request: BenchRequest) -> tuple[list[TraceRequest], str]:
     """The trace and a one-line description of it."""
     if request.trace_path is not None:
-        return read_trace(request.trace_path), f"file {request.trace_path}"
+        path, replay = request.trace_path, request.replay
+        if not is_mooncake_file(path):
+            return read_trace(path), f"file {path}"
+        skipped = SkippedLines()
+        trace = load_trace(path, replay, skipped)
+        return trace, (
+            f"Mooncake trace {path} ({_describe(replay)}; {len(trace)} requests, "
+            f"{skipped.count} bad lines skipped)"
+        )
     spec_type: type[RagSpec] | type[ChatSpec] = RagSpec if request.workload == "rag" else ChatSpec
     names = {f.name for f in dataclasses.fields(spec_type)}
     options = {k: v for k, v in request.trace_options.items() if k in names}
@@ -75,7 +95,7 @@ def build_trace(request: BenchRequest) -> tuple[list[TraceRequest], str]:
     return chat_trace(spec), f"chat ({_describe(spec)})"
 
 
-def _describe(spec: RagSpec | ChatSpec) -> str:
+def _describe(spec: RagSpec | ChatSpec | ReplaySpec) -> str:
     return ", ".join(f"{k}={v}" for k, v in dataclasses.asdict(spec).items())
 
 

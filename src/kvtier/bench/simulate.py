@@ -3,28 +3,33 @@ scale past this machine.
 
 Each simulated node is an engine with a FIFO prefill queue, its own prefix
 cache (``engine_chunks`` chunks, LRU), and its cache server's L1
-(``l1_chunks``, LRU); all nodes share one L2 store that keeps everything
-(Redis with room to spare). Service times come from ``SimCosts``, measured
-on the real engine and tiers (``kvtier bench`` with ``bench = "route"``
-reports them): a request's prefill takes ``prefill_s_per_token`` per token
-it computes, plus ``tier_s_per_token[tier]`` per token it loads, plus
-``overhead_s``. Like the real connector, a node loads the longest prefix it
-can (its own cache first, then L1, then the shared store) and computes the
-rest, whatever the router planned.
+(``l1_chunks``, LRU); with ``shared_s_per_token`` set, all nodes also share
+one L2 store that keeps everything (Redis with room to spare). Service times
+come from ``SimCosts``, measured on the real engine and tiers (``kvtier
+bench`` with ``bench = "route"`` reports them) or stated GPU-like ones: a
+request's prefill takes ``prefill_s_per_token`` per token it computes, plus
+the tier's cost per token it loads, plus ``overhead_s``. Like the real
+connector, a node loads the longest prefix it can (its own cache first, then
+L1, then the shared store) and computes the rest, whatever the router
+planned; what it can load is read when the request *starts*, after the work
+ahead of it, not when it arrives.
 
-The router is the real one: the same ``ChunkIndex``, fed with the events a
+The router is the real one: the same ``ChunkIndex`` (routed chunks credited
+to their node until announced, ``pending_ttl_s``), fed with the events a
 real cache server would send (stored on completion, removed on eviction),
-the same ``score`` and policies, and a ``CostModel`` that learns from the
-simulated TTFTs as it would from real ones. Queues are as the real router
-keeps them: the plans of the requests it sent that have not finished prefill.
+the same ``score`` and policies, a ``CostModel`` that learns from the
+simulated TTFTs as it would from real ones, and each node's queue kept by
+the router's ``PrefillQueue`` (or ``SimConfig.queue``, to compare another).
+Not modelled: batching and chunked prefill (one prefill at a time per
+node), decode, and the shared store's bandwidth.
 """
 
 from __future__ import annotations
 
 import heapq
 import itertools
-from collections import OrderedDict
-from collections.abc import Sequence
+from collections import OrderedDict, deque
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -33,6 +38,7 @@ from kvtier.events.wire import BlockRemoved, BlockStored, DecodedBatch
 from kvtier.keys import Namespace, TokenHasher, salt_label
 from kvtier.router.chunks import ChunkIndex
 from kvtier.router.cost import CostConfig, CostModel, Observation
+from kvtier.router.queue import PrefillQueue
 from kvtier.router.scoring import Decision, make_policy, score
 from kvtier.traces import TraceRequest
 
@@ -43,11 +49,11 @@ SHARED = "redis"
 class SimCosts:
     prefill_s_per_token: float
     l1_s_per_token: float
-    shared_s_per_token: float
+    shared_s_per_token: float | None  # None: no shared store
     overhead_s: float = 0.0
 
     def tier_cost(self, tier: str) -> float:
-        return {"L1": self.l1_s_per_token, SHARED: self.shared_s_per_token}.get(tier, 0.0)
+        return {"L1": self.l1_s_per_token, SHARED: self.shared_s_per_token or 0.0}.get(tier, 0.0)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -57,36 +63,76 @@ class SimConfig:
     engine_chunks: int
     costs: SimCosts
     chunk_size: int = 256
+    pending_ttl_s: float = 30.0  # the router's credit for routed, unannounced chunks
+    queue: Callable[[], PrefillQueue] = PrefillQueue  # each node's queue, as the router keeps it
 
 
 @dataclass(slots=True)
 class SimResult:
+    """Per request, in arrival order: its TTFT and where its prompt came from."""
+
     policy: str
     ttft_s: list[float] = field(default_factory=list)
-    tokens: dict[str, int] = field(default_factory=dict)  # source -> prompt tokens
+    sources: list[dict[str, int]] = field(default_factory=list)  # source -> prompt tokens
     routed: list[int] = field(default_factory=list)  # requests per node
+    duration_s: float = 0.0  # the first arrival to the last first token
 
-    def summary(self) -> dict[str, object]:
+    @property
+    def tokens(self) -> dict[str, int]:
+        """Prompt tokens by source (``prefill``, ``engine``, ``L1``, the store)."""
+        total: dict[str, int] = {}
+        for sources in self.sources:
+            for source, tokens in sources.items():
+                total[source] = total.get(source, 0) + tokens
+        return total
+
+    def summary(self, slo_s: float | None = None) -> dict[str, object]:
+        """The anchors' metric set: TTFT mean and percentiles, goodput at the
+        TTFT SLO, each source's share of prompt tokens (the hit rate per tier,
+        and the share computed), and the effective cache throughput (prompt
+        tokens per second served from any cache)."""
         t = np.array(self.ttft_s)
-        total = max(sum(self.tokens.values()), 1)
+        tokens = self.tokens
+        total = max(sum(tokens.values()), 1)
+        cached = total - tokens.get("prefill", 0)
         mean = max(float(np.mean(self.routed)), 1e-9)
-        return {
+        out: dict[str, object] = {
             "requests": len(t),
+            "ttft_mean_s": round(float(np.mean(t)), 4),
             "ttft_p50_s": round(float(np.percentile(t, 50)), 4),
+            "ttft_p90_s": round(float(np.percentile(t, 90)), 4),
             "ttft_p95_s": round(float(np.percentile(t, 95)), 4),
             "ttft_p99_s": round(float(np.percentile(t, 99)), 4),
-            "token_share": {k: round(v / total, 3) for k, v in sorted(self.tokens.items())},
+            "token_share": {k: round(v / total, 3) for k, v in sorted(tokens.items())},
+            "computed_share": round(tokens.get("prefill", 0) / total, 3),
+            "cache_tokens_per_s": round(cached / max(self.duration_s, 1e-9), 1),
             "load_max_over_mean": round(max(self.routed) / mean, 2),
         }
+        if slo_s is not None:
+            out["goodput"] = round(float(np.mean(t <= slo_s)), 4)
+        return out
+
+
+@dataclass(frozen=True, slots=True)
+class _Job:
+    """A routed request, from its arrival to its first token."""
+
+    index: int  # in arrival order
+    node: int
+    arrival_s: float
+    hashes: list[bytes]
+    prompt: int
+    plan: Decision
+    planned_at: float  # its first token, as the router's queue projected it
 
 
 class _Node:
-    def __init__(self) -> None:
+    def __init__(self, queue: PrefillQueue) -> None:
         self.engine: OrderedDict[bytes, None] = OrderedDict()
         self.l1: OrderedDict[bytes, None] = OrderedDict()
-        self.busy_until = 0.0
-        self.inflight = 0  # prefill tokens routed here, not yet done
-        self.inflight_s = 0.0  # the router's plans for them, in seconds
+        self.queue = queue  # the router's view of this node
+        self.waiting: deque[_Job] = deque()  # the node's own FIFO
+        self.busy = False
         self.requests = 0  # requests routed here and not done (the simulation has no decode)
 
 
@@ -103,48 +149,50 @@ def _prefix(cache: OrderedDict[bytes, None], hashes: Sequence[bytes]) -> int:
 class _Done:
     """A prefill that ends: what the node then holds, what the router learns."""
 
-    node: int
-    hashes: list[bytes]
-    prefill: int
-    ttft_s: float
-    plan: Decision
+    job: _Job
+    service_s: float
 
 
 class _Simulation:
     def __init__(self, config: SimConfig, policy_name: str) -> None:
         self.config = config
         costs = config.costs
-        self.index = ChunkIndex(max_nodes=config.nodes)
+        self.now = 0.0
+        self.index = ChunkIndex(
+            max_nodes=config.nodes, pending_ttl_s=config.pending_ttl_s, clock=lambda: self.now
+        )
+        tiers = {"L1": costs.l1_s_per_token}
+        if costs.shared_s_per_token is not None:
+            tiers[SHARED] = costs.shared_s_per_token
         self.cost = CostModel(
-            CostConfig(
-                prefill_s_per_token=costs.prefill_s_per_token,
-                tier_s_per_token={"L1": costs.l1_s_per_token, SHARED: costs.shared_s_per_token},
-            )
+            CostConfig(prefill_s_per_token=costs.prefill_s_per_token, tier_s_per_token=tiers)
         )
         self.policy = make_policy(policy_name)
-        self.nodes = [_Node() for _ in range(config.nodes)]
+        self.nodes = [_Node(config.queue()) for _ in range(config.nodes)]
         self.shared: set[bytes] = set()
         self.hashers: dict[str, TokenHasher] = {}
         self.result = SimResult(policy_name, routed=[0] * config.nodes)
+        self.events: list[tuple[float, int, TraceRequest | _Done]] = []
+        self.order = itertools.count()
 
     def run(self, trace: Sequence[TraceRequest]) -> SimResult:
-        order = itertools.count()
-        events: list[tuple[float, int, TraceRequest | _Done]] = [
-            (r.arrival_s, next(order), r) for r in trace
-        ]
-        heapq.heapify(events)
-        while events:
-            now, _, item = heapq.heappop(events)
+        self.result.ttft_s = [0.0] * len(trace)
+        self.result.sources = [{} for _ in trace]
+        self.events = [(r.arrival_s, next(self.order), r) for r in trace]
+        self.arrivals = {id(r): i for i, r in enumerate(trace)}
+        heapq.heapify(self.events)
+        first = min((r.arrival_s for r in trace), default=0.0)
+        while self.events:
+            self.now, _, item = heapq.heappop(self.events)
             if isinstance(item, _Done):
                 self.done(item)
             else:
-                done = self.arrive(now, item)
-                finish = self.nodes[done.node].busy_until
-                heapq.heappush(events, (finish, next(order), done))
+                self.arrive(item)
+        self.result.duration_s = self.now - first
         return self.result
 
-    def arrive(self, now: float, request: TraceRequest) -> _Done:
-        size, costs = self.config.chunk_size, self.config.costs
+    def arrive(self, request: TraceRequest) -> None:
+        size, now = self.config.chunk_size, self.now
         hasher = self.hashers.get(request.tenant)
         if hasher is None:
             namespace = Namespace("sim-model", salt=salt_label(request.tenant))
@@ -155,8 +203,8 @@ class _Simulation:
             list(range(self.config.nodes)),
             prompt,
             size,
-            [n.inflight for n in self.nodes],
-            [max(n.inflight_s, 0.0) for n in self.nodes],
+            [n.queue.tokens for n in self.nodes],
+            [n.queue.wait_s(now) for n in self.nodes],
             [n.requests for n in self.nodes],
             [_prefix(n.engine, hashes) * size for n in self.nodes],
             self.index.view(hashes),
@@ -167,21 +215,27 @@ class _Simulation:
         )
         plan = candidates.decision(self.policy(candidates))
         node = self.nodes[plan.node]
-        loaded = self.loads(node, hashes, prompt)
-        prefill = prompt - sum(loaded.values())
+        service = plan.expected_ttft_s - plan.queue_s
+        planned_at = node.queue.dispatch(now, service, plan.prefill_tokens)
+        self.index.note_routed(plan.node, hashes)
+        node.requests += 1
+        index = self.arrivals[id(request)]
+        node.waiting.append(_Job(index, plan.node, now, hashes, prompt, plan, planned_at))
+        self.result.routed[plan.node] += 1
+        if not node.busy:
+            self.start(node)
+
+    def start(self, node: _Node) -> None:
+        """The node's next request starts: it loads what the node holds *now*."""
+        job = node.waiting.popleft()
+        costs = self.config.costs
+        loaded = self.loads(node, job.hashes, job.prompt)
+        prefill = job.prompt - sum(loaded.values())
         service = costs.overhead_s + prefill * costs.prefill_s_per_token
         service += sum(tokens * costs.tier_cost(tier) for tier, tokens in loaded.items())
-        node.busy_until = max(now, node.busy_until) + service
-        node.inflight += plan.prefill_tokens
-        node.inflight_s += plan.expected_ttft_s - plan.queue_s
-        node.requests += 1
-        ttft = node.busy_until - now
-        result = self.result
-        result.ttft_s.append(ttft)
-        result.routed[plan.node] += 1
-        for source, tokens in [("prefill", prefill), *loaded.items()]:
-            result.tokens[source] = result.tokens.get(source, 0) + tokens
-        return _Done(plan.node, hashes, prefill, ttft, plan)
+        node.busy = True
+        self.result.sources[job.index] = {"prefill": prefill, **loaded}
+        heapq.heappush(self.events, (self.now + service, next(self.order), _Done(job, service)))
 
     def loads(self, node: _Node, hashes: list[bytes], prompt: int) -> dict[str, int]:
         """What the node really loads: the longest prefix it can, cheapest
@@ -202,22 +256,27 @@ class _Simulation:
         return loaded
 
     def done(self, done: _Done) -> None:
-        node = self.nodes[done.node]
-        node.inflight -= done.plan.prefill_tokens
-        node.inflight_s -= done.plan.expected_ttft_s - done.plan.queue_s
+        job, now = done.job, self.now
+        node = self.nodes[job.node]
+        ttft = now - job.arrival_s
+        self.result.ttft_s[job.index] = ttft
+        node.queue.first_token(now, job.planned_at, job.plan.prefill_tokens)
         node.requests -= 1
-        self.insert(done.node, node.engine, done.hashes, self.config.engine_chunks, None)
-        self.insert(done.node, node.l1, done.hashes, self.config.l1_chunks, "L1")
-        fresh = [h for h in done.hashes if h not in self.shared]
-        if fresh:
+        node.busy = False
+        self.insert(job.node, node.engine, job.hashes, self.config.engine_chunks, None)
+        self.insert(job.node, node.l1, job.hashes, self.config.l1_chunks, "L1")
+        fresh = [h for h in job.hashes if h not in self.shared]
+        if fresh and self.config.costs.shared_s_per_token is not None:
             self.shared.update(fresh)
             self.announce(
-                done.node, BlockStored(list(fresh), ownership=f"kvtier:{SHARED}", locality="SHARED")
+                job.node, BlockStored(list(fresh), ownership=f"kvtier:{SHARED}", locality="SHARED")
             )
-        plan = done.plan
+        plan = job.plan
         self.cost.observe(
-            Observation(done.node, done.ttft_s, plan.queue_s, plan.prefill_tokens, plan.loaded)
+            Observation(job.node, ttft, plan.queue_s, plan.prefill_tokens, plan.loaded)
         )
+        if node.waiting:
+            self.start(node)
 
     def insert(
         self,

@@ -80,6 +80,7 @@ class RouterService:
         ]
         self.router = Router(nodes, config.policy, CostModel(config.cost), down_s=config.down_s)
         self.router.chunks.approx_ttl_s = config.approx_ttl_s
+        self.router.chunks.pending_ttl_s = config.pending_ttl_s
         self.gateway = Gateway(config.tenant_specs(), operator_token=config.operator_token)
         self.metrics = Metrics()
         self.cache_servers = CacheServers(nodes, config.cache_token, self.metrics)
@@ -271,7 +272,7 @@ class RouterService:
         if refusal is not None:
             return refusal
         for node in self.router.nodes:
-            self.metrics.inflight.labels(node.name).set(node.inflight_tokens)
+            self.metrics.inflight.labels(node.name).set(node.queue.tokens)
         return web.Response(body=generate_latest(self.metrics.registry), content_type="text/plain")
 
     async def _status(self, request: web.Request) -> web.Response:

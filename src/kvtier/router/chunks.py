@@ -13,9 +13,13 @@ without telling (then the engine's lookup misses), but once a node announces
 a removal the bit is gone, and a node's restart (``AllBlocksCleared``) drops
 everything it owned. Shared stores are not cleared by one node's restart.
 
-Approximate mode: while a node's event stream is silent, ``note_routed``
-records the chunks the router just sent it, as if stored in L1, for
-``approx_ttl_s``; they count only while that node is marked ``approximate``.
+Routed, not yet stored: ``note_routed`` credits the chunks the router just
+sent a node to that node's L1 until its cache server announces them (stored
+or removed there) or ``pending_ttl_s`` passes, so a second request for a
+prefix still being prefilled sees where the first went (on the conversation
+trace this is most of the repeats within a minute, docs/routing.md). While a
+node's event stream is silent (``approximate``) its credits last
+``approx_ttl_s`` instead, as nothing else will tell.
 
 Thread safety: one lock; event threads apply batches, request handlers read.
 """
@@ -44,7 +48,13 @@ MAX_STORES = 64
 class ChunkIndex:
     """See the module docstring."""
 
-    def __init__(self, max_nodes: int = MAX_NODES, approx_ttl_s: float = 60.0) -> None:
+    def __init__(
+        self,
+        max_nodes: int = MAX_NODES,
+        approx_ttl_s: float = 60.0,
+        pending_ttl_s: float = 30.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         if not 0 < max_nodes <= MAX_NODES:
             raise ValueError(
                 f"a router indexes 1 to {MAX_NODES} engines, got {max_nodes}; "
@@ -52,15 +62,16 @@ class ChunkIndex:
             )
         self.max_nodes = max_nodes
         self.approx_ttl_s = approx_ttl_s
+        self.pending_ttl_s = pending_ttl_s
         self._stride = MAX_NODES
         self._lock = threading.Lock()
         self._chunks: dict[bytes, int] = {}
         self._local_slots: dict[str, int] = {"L1": L1_SLOT}
         self._stores: dict[str, int] = {}  # shared store name -> its bit
         self.store_readers: dict[int, int] = {}  # shared store -> mask of nodes that announced it
-        self._approx: dict[bytes, dict[int, float]] = {}  # chunk -> node -> expiry
+        self._pending: dict[bytes, dict[int, float]] = {}  # chunk -> node -> expiry
         self.approximate: set[int] = set()  # nodes whose events are silent
-        self._clock: Callable[[], float] = time.monotonic
+        self._clock = clock
         self.malformed = 0  # events this index could not place
 
     # -------------------------------------------------------------- events
@@ -77,52 +88,58 @@ class ChunkIndex:
                 if slot is None:
                     self.malformed += 1
                     continue
+                blocks = [b for b in event.block_hashes if isinstance(b, bytes)]
                 if isinstance(event, BlockStored):
-                    for block in event.block_hashes:
-                        if isinstance(block, bytes):
-                            self._chunks[block] = self._chunks.get(block, 0) | slot
+                    for block in blocks:
+                        self._chunks[block] = self._chunks.get(block, 0) | slot
                 elif isinstance(event, BlockRemoved):
-                    for block in event.block_hashes:
-                        if isinstance(block, bytes):
-                            self._remove(block, slot)
+                    for block in blocks:
+                        self._remove(block, slot)
+                if event.locality != SHARED:  # the node has spoken for these chunks
+                    self._settle(node, blocks)
 
     def note_routed(self, node: int, hashes: Sequence[bytes]) -> None:
-        """The router sent these chunks to ``node`` (approximate mode)."""
-        expiry = self._clock() + self.approx_ttl_s
+        """The router sent these chunks to ``node``: credit them there until
+        the node announces them or the credit's TTL passes."""
         with self._lock:
+            ttl = self.approx_ttl_s if node in self.approximate else self.pending_ttl_s
+            if ttl <= 0:
+                return
+            expiry = self._clock() + ttl
             for chunk in hashes:
-                self._approx.setdefault(chunk, {})[node] = expiry
+                self._pending.setdefault(chunk, {})[node] = expiry
 
     def expire(self) -> int:
-        """Drop approximate entries past their time; how many went."""
+        """Drop credits past their time; how many went."""
         now = self._clock()
         dropped = 0
         with self._lock:
-            for chunk in list(self._approx):
-                nodes = self._approx[chunk]
+            for chunk in list(self._pending):
+                nodes = self._pending[chunk]
                 for node in [n for n, t in nodes.items() if t <= now]:
                     del nodes[node]
                     dropped += 1
                 if not nodes:
-                    del self._approx[chunk]
+                    del self._pending[chunk]
         return dropped
 
     # -------------------------------------------------------------- lookup
 
     def view(self, hashes: Sequence[bytes]) -> list[int]:
         """The request's chunks, up to the first that no node has (in any tier,
-        or approximately): one int each, ``bit(slot, node)`` for local slots
-        (64 bits a slot) and the shared stores' bits above them."""
+        or credited as routed there): one int each, ``bit(slot, node)`` for
+        local slots (64 bits a slot, credits in L1's) and the shared stores'
+        bits above them."""
         found: list[int] = []
         now = self._clock()
         with self._lock:
-            approx_nodes = self.approximate
             for chunk in hashes:
                 mask = self._chunks.get(chunk, 0)
-                if approx_nodes and chunk in self._approx:
-                    for node, expiry in self._approx[chunk].items():
-                        if node in approx_nodes and expiry > now:
-                            mask |= 1 << node
+                pending = self._pending.get(chunk)
+                if pending:
+                    for node, expiry in pending.items():
+                        if expiry > now:
+                            mask |= 1 << (L1_SLOT * self._stride + node)
                 if not mask:
                     break
                 found.append(mask)
@@ -161,7 +178,7 @@ class ChunkIndex:
         with self._lock:
             return {
                 "chunks": len(self._chunks),
-                "approximate_chunks": len(self._approx),
+                "pending_chunks": len(self._pending),
                 "approximate_nodes": sorted(self.approximate),
                 "local_tiers": dict(self._local_slots),
                 "shared_stores": dict(self._stores),
@@ -211,8 +228,15 @@ class ChunkIndex:
                 self._chunks[chunk] = mask
             else:
                 del self._chunks[chunk]
-        for nodes in self._approx.values():
+        for nodes in self._pending.values():
             nodes.pop(node, None)
+
+    def _settle(self, node: int, chunks: Sequence[bytes]) -> None:
+        """``node`` announced ``chunks``: its events speak for them now."""
+        for chunk in chunks:
+            nodes = self._pending.get(chunk)
+            if nodes and nodes.pop(node, None) is not None and not nodes:
+                del self._pending[chunk]
 
 
 __all__ = ["L1_SLOT", "LOCAL_SLOTS", "MAX_NODES", "ChunkIndex"]

@@ -85,7 +85,8 @@ class RouterConfig:
     down_s: float = 10.0  # how long a failed engine stays out
     status_poll_s: float = 2.0  # the cache servers' /status (namespace, boot id)
     events_stale_s: float = 5.0  # no event for this long: approximate mode for that node
-    approx_ttl_s: float = 60.0
+    approx_ttl_s: float = 60.0  # a silent node's routed chunks count as its L1 this long
+    pending_ttl_s: float = 30.0  # routed chunks count as the node's L1 until announced, at most
     prefetch: bool = True  # tell the chosen node's cache server to start L2 -> L1 loads
     # A request's body, at most (413 past it). The router parses it whole: a
     # prompt of token ids costs ~10x its bytes in memory while it is checked.
@@ -121,6 +122,9 @@ class RouterConfig:
         ):
             if getattr(self, option) <= 0:
                 raise ValueError(f"option {option!r} must be positive")
+        for option in ("approx_ttl_s", "pending_ttl_s"):
+            if getattr(self, option) < 0:
+                raise ValueError(f"option {option!r} must be >= 0 (0: no credit)")
         if len(self.engines) > MAX_NODES:
             raise ValueError(f"{len(self.engines)} engines: one router takes at most {MAX_NODES}")
 

@@ -5,8 +5,11 @@
 tenant's salt), reads both indexes, builds every live engine's candidate
 features, plans each (``scoring.plan``) and lets the policy pick. The caller
 then brackets the request with ``dispatched`` / ``first_token`` /
-``finished`` (or ``failed``), which keep each engine's queue and teach the
-cost model.
+``finished`` (or ``failed``), which keep each engine's queue (a projected
+drain time, ``queue.py``) and teach the cost model. The chunks a request was
+routed with are credited to its node until the node's cache server announces
+them or ``ChunkIndex.pending_ttl_s`` passes, so a second request for a
+prefix still being prefilled sees where it went.
 
 Engines are ``Node``s, numbered from 0 in configuration order; node ``i``'s
 engine and cache server share a machine (the cache server's L1 is that
@@ -30,6 +33,7 @@ from kvtier.keys import TokenHasher, key_namespace
 from kvtier.router.blocks import BlockIndex
 from kvtier.router.chunks import ChunkIndex
 from kvtier.router.cost import CostModel, Observation
+from kvtier.router.queue import PrefillQueue
 from kvtier.router.scoring import Decision, make_policy, score
 
 HASHERS = 256  # (namespace, tenant) hashers kept
@@ -48,8 +52,7 @@ class Node:
     url: str  # the engine's OpenAI-compatible base URL
     cache_url: str = ""  # the cache server's admin HTTP ("" none)
     max_model_len: int = 0  # 0: unknown (the engine's /v1/models tells)
-    inflight_tokens: int = 0
-    inflight_s: float = 0.0  # the plans of requests sent here without a first token yet
+    queue: PrefillQueue = field(default_factory=PrefillQueue)  # prefills without a first token
     inflight_requests: int = 0
     down_until: float = 0.0
     failures: dict[str, int] = field(default_factory=dict)
@@ -59,13 +62,19 @@ class Node:
         return self.down_until <= now
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Routed:
     """A decision and what it needs to report back."""
 
     decision: Decision
     hashes: list[bytes]  # the prompt's kvtier chunk hashes
     started: float
+    planned_at: float = 0.0  # its projected first token (set when dispatched)
+
+    @property
+    def service_s(self) -> float:
+        """Its own planned prefill and loads, the wait excluded."""
+        return self.decision.expected_ttft_s - self.decision.queue_s
 
 
 class Router:
@@ -138,8 +147,8 @@ class Router:
             if not live:
                 raise NoEngine("no engine is up (all failed lately, or excluded)")
             indices = [n.index for n in live]
-            queue = [n.inflight_tokens for n in live]
-            queue_s = [max(n.inflight_s, 0.0) for n in live]
+            queue = [n.queue.tokens for n in live]
+            queue_s = [n.queue.wait_s(started) for n in live]
             requests = [n.inflight_requests for n in live]
         slots = self.chunks.slot_names()
         stores = self.chunks.store_names()
@@ -163,22 +172,21 @@ class Router:
 
     def dispatched(self, routed: Routed) -> None:
         decision = routed.decision
+        now = self._clock()
         with self._lock:
             node = self.nodes[decision.node]
-            node.inflight_tokens += decision.prefill_tokens
-            node.inflight_s += decision.expected_ttft_s - decision.queue_s
+            routed.planned_at = node.queue.dispatch(now, routed.service_s, decision.prefill_tokens)
             node.inflight_requests += 1
             node.routed += 1
-        if decision.node in self.chunks.approximate:
-            self.chunks.note_routed(decision.node, routed.hashes)
+        self.chunks.note_routed(decision.node, routed.hashes)
 
     def first_token(self, routed: Routed, ttft_s: float) -> None:
         """The prefill is over: out of the queue, and a lesson for the cost model."""
         decision = routed.decision
+        now = self._clock()
         with self._lock:
             node = self.nodes[decision.node]
-            node.inflight_tokens -= decision.prefill_tokens
-            node.inflight_s -= decision.expected_ttft_s - decision.queue_s
+            node.queue.first_token(now, routed.planned_at, decision.prefill_tokens)
         self.cost.observe(
             Observation(
                 decision.node, ttft_s, decision.queue_s, decision.prefill_tokens, decision.loaded
@@ -190,8 +198,12 @@ class Router:
             node = self.nodes[routed.decision.node]
             node.inflight_requests -= 1
             if not prefilled:
-                node.inflight_tokens -= routed.decision.prefill_tokens
-                node.inflight_s -= routed.decision.expected_ttft_s - routed.decision.queue_s
+                node.queue.cancel(
+                    self._clock(),
+                    routed.planned_at,
+                    routed.service_s,
+                    routed.decision.prefill_tokens,
+                )
 
     def live_nodes(self) -> list[Node]:
         """The engines up now, the least busy first (for work outside a plan:
@@ -216,8 +228,8 @@ class Router:
                     "name": n.name,
                     "url": n.url,
                     "live": n.live(now),
-                    "inflight_tokens": n.inflight_tokens,
-                    "inflight_s": round(n.inflight_s, 4),
+                    "inflight_tokens": n.queue.tokens,
+                    "queue_s": round(n.queue.wait_s(now), 4),
                     "inflight_requests": n.inflight_requests,
                     "routed": n.routed,
                     "failures": dict(n.failures),

@@ -1,7 +1,7 @@
 """Request traces: generated ones (``synthetic``), kvtier's trace files and
 Mooncake's production traces (``mooncake``), all as ``TraceRequest``s."""
 
-from kvtier.traces.files import load_trace, read_trace, write_trace
+from kvtier.traces.files import is_mooncake_file, load_trace, read_trace, write_trace
 from kvtier.traces.mooncake import (
     TRACE_BLOCK_TOKENS,
     MooncakeRecord,
@@ -30,6 +30,7 @@ __all__ = [
     "Span",
     "TraceRequest",
     "chat_trace",
+    "is_mooncake_file",
     "load_trace",
     "rag_prompts",
     "rag_trace",

@@ -54,9 +54,10 @@ def read_trace(path: Path) -> list[TraceRequest]:
     return sorted(trace, key=lambda r: (not r.warm, r.arrival_s, r.id))
 
 
-def _first_line(path: Path) -> str:
+def is_mooncake_file(path: Path) -> bool:
+    """Whether ``path`` is a Mooncake-format trace (by its first line)."""
     with path.open() as lines:
-        return next((line for line in lines if line.strip()), "")
+        return is_mooncake_line(next((line for line in lines if line.strip()), ""))
 
 
 def load_trace(
@@ -64,7 +65,7 @@ def load_trace(
 ) -> list[TraceRequest]:
     """The requests of a trace file in either format: kvtier's, or Mooncake's
     replayed through ``replay`` (default ``ReplaySpec()``)."""
-    if not is_mooncake_line(_first_line(path)):
+    if not is_mooncake_file(path):
         return read_trace(path)
     trace = list(replay_requests(path, replay or ReplaySpec(), skipped))
     if not trace:
@@ -72,4 +73,4 @@ def load_trace(
     return trace
 
 
-__all__ = ["load_trace", "read_trace", "write_trace"]
+__all__ = ["is_mooncake_file", "load_trace", "read_trace", "write_trace"]

@@ -62,3 +62,30 @@ def test_a_busy_node_loses_to_an_idle_one_with_the_shared_copy() -> None:
     assert result.routed == [2, 1]
     assert result.ttft_s[2] == pytest.approx(1e-3 + 511 * 5e-4)
     assert result.tokens == {"prefill": 512 + 512 + 1, "redis": 511}
+
+
+@pytest.mark.parametrize("pending_ttl_s", [30.0, 0.0])
+def test_a_repeat_during_the_first_prefill_follows_the_credit(pending_ttl_s: float) -> None:
+    """r1 repeats r0 while r0 is still prefilling on node 0 (nothing stored
+    or announced yet). With the router's credit for routed chunks it queues
+    behind r0 and, starting after it, loads from L1 (what a node holds is
+    read when a request starts); without, it recomputes on idle node 1."""
+    prompt = tuple(range(512))
+    fast_l1 = SimCosts(
+        prefill_s_per_token=1e-3, l1_s_per_token=1e-5, shared_s_per_token=None, overhead_s=0.01
+    )
+    config = SimConfig(
+        nodes=2, l1_chunks=8, engine_chunks=0, costs=fast_l1, pending_ttl_s=pending_ttl_s
+    )
+    result = simulate([request(0, 0.0, prompt), request(1, 0.3, prompt)], config, "kvtier")
+    cold = 0.01 + 512 * 1e-3
+    if pending_ttl_s:
+        assert result.routed == [2, 0]
+        assert result.ttft_s[1] == pytest.approx(cold - 0.3 + 0.01 + 1e-3 + 511 * 1e-5)
+        assert result.sources[1] == {"prefill": 1, "L1": 511}
+    else:
+        assert result.routed == [1, 1]
+        assert result.ttft_s[1] == pytest.approx(cold)
+    summary = result.summary(slo_s=0.5)
+    assert summary["goodput"] == (0.5 if pending_ttl_s else 0.0)
+    assert summary["computed_share"] == round(result.tokens["prefill"] / 1024, 3)

@@ -7,10 +7,11 @@ from pathlib import Path
 
 import pytest
 
-from kvtier.bench.command import resolve, trace_options
+from kvtier.bench.command import replay_spec, resolve, trace_options
 from kvtier.bench.session import BenchRequest, build_trace, working_set_chunks
 from kvtier.commands.cli import build_parser, main
 from kvtier.traces import TraceRequest, write_trace
+from tests.unit.traces.conversations import conversation_rows, write_rows
 
 
 def test_working_set_counts_chunks_as_prefixes() -> None:
@@ -35,6 +36,22 @@ def test_build_trace_from_options_and_files(tmp_path: Path) -> None:
     write_trace(path, rag)
     again, described = build_trace(BenchRequest(trace_path=path))
     assert again == rag and described == f"file {path}"
+
+
+def test_a_mooncake_trace_is_replayed_as_its_options_say(tmp_path: Path) -> None:
+    rows = conversation_rows(50)
+    path = write_rows(tmp_path / "m.jsonl", [*rows[:10], "{", *rows[10:]])
+    options = resolve(
+        build_parser().parse_args(
+            ["bench", "--trace", str(path), "--trace-block-tokens", "16", "--skip-bad-lines"]
+        )
+    )
+    trace, described = build_trace(BenchRequest(trace_path=path, replay=replay_spec(options)))
+    assert len(trace) == 50 and "1 bad lines skipped" in described
+    assert max(max(r.prompt) for r in trace) < 4096  # the bench model's vocabulary
+    assert max(r.output_tokens for r in trace) <= 48
+    first = rows[0]
+    assert len(trace[0].prompt) == -(-first["input_length"] * 16 // 512)
 
 
 @pytest.mark.parametrize(

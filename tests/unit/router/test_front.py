@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from typing import Any
@@ -160,8 +161,9 @@ def test_streaming_passes_through_with_the_engine_named() -> None:
             first = json.loads(json.loads(events[0][len("data: ") :])["choices"][0]["text"])
             assert first["cache_salt"] == "acme-salt"
             assert service.router.nodes[0].inflight_requests == 0
-            assert service.router.nodes[0].inflight_tokens == 0
-            assert abs(service.router.nodes[0].inflight_s) < 1e-9
+            queue = service.router.nodes[0].queue
+            assert (queue.tokens, queue.requests) == (0, 0)
+            assert queue.wait_s(time.monotonic()) == 0.0
 
     run(test)
 

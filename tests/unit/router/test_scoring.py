@@ -37,8 +37,12 @@ def removed(hashes: list[bytes], tier: str, locality: str = "LOCAL") -> BlockRem
     return BlockRemoved(list(hashes), ownership=f"kvtier:{tier}", locality=locality)
 
 
+NOW = 100.0  # the routers' clock in these tests: it stands still
+
+
 def router(n: int, policy: str = "kvtier", cost: CostModel | None = None) -> Router:
-    r = Router([Node(i, f"n{i}", f"http://e{i}") for i in range(n)], policy, cost)
+    nodes = [Node(i, f"n{i}", f"http://e{i}") for i in range(n)]
+    r = Router(nodes, policy, cost, chunks=ChunkIndex(clock=lambda: NOW), clock=lambda: NOW)
     r.set_namespace(NAMESPACE)
     return r
 
@@ -70,18 +74,27 @@ def test_events_it_cannot_place_are_counted() -> None:
         index.apply(64, batch())
 
 
-def test_approximate_claims_count_only_for_silent_nodes_and_expire() -> None:
-    index = ChunkIndex(approx_ttl_s=10)
+def test_routed_chunks_are_credited_until_announced_or_expired() -> None:
+    """A routed chunk counts as the node's L1 for ``pending_ttl_s``, or
+    until the node's own events speak for it; a silent node's credits last
+    ``approx_ttl_s``."""
     now = [0.0]
-    index._clock = lambda: now[0]
-    a = b"a" * 32
-    index.note_routed(3, [a])
-    assert index.view([a]) == []
-    index.approximate.add(3)
-    assert index.view([a]) == [1 << 3]
-    now[0] = 11.0
+    index = ChunkIndex(approx_ttl_s=10, pending_ttl_s=2, clock=lambda: now[0])
+    a, b = b"a" * 32, b"b" * 32
+    index.note_routed(3, [a, b])
+    assert index.view([a, b]) == [1 << 3, 1 << 3]
+    index.apply(3, batch(removed([b], "L1")))  # the node spoke for b: gone from its L1
+    assert index.view([b]) == []
+    now[0] = 2.5
     assert index.view([a]) == []
     assert index.expire() == 1
+    index.approximate.add(3)
+    index.note_routed(3, [a])
+    now[0] = 11.0
+    assert index.view([a]) == [1 << 3]
+    now[0] = 12.6
+    assert index.view([a]) == []
+    assert ChunkIndex(pending_ttl_s=0).view([a]) == []
 
 
 def test_engine_blocks_follow_vllm_events_with_the_salt() -> None:
@@ -126,7 +139,7 @@ def reference(r: Router, tokens: np.ndarray, salt: str) -> list[tuple[float, int
             value = (base - min(max(e, (i + 1) * size), last)) * rate + load
             if value < best or r.cost.config.engine_loads_whole_prefix:
                 best, best_j = value, i + 1
-        out.append((node.inflight_s + best, best_j))
+        out.append((node.queue.wait_s(NOW) + best, best_j))
     return out
 
 
@@ -143,8 +156,8 @@ def test_the_plan_matches_the_reference(seed: int, loads_all: bool) -> None:
     tokens = rng.integers(0, 1000, int(rng.integers(16, 200)), dtype=np.uint32)
     hashes, _ = r.chunk_hashes(tokens, "t")
     for node in range(n):
-        r.nodes[node].inflight_tokens = int(rng.integers(0, 300))
-        r.nodes[node].inflight_s = float(rng.uniform(0, 0.3))
+        r.nodes[node].queue.tokens = int(rng.integers(0, 300))
+        r.nodes[node].queue.drain_at = NOW + float(rng.uniform(-0.3, 0.3))
         r.nodes[node].inflight_requests = int(rng.integers(0, 4))
         for tier, locality in TIERS:
             if rng.random() < 0.5 and hashes:
@@ -210,7 +223,7 @@ def test_the_queue_outweighs_a_small_hit() -> None:
     hashes, _ = r.chunk_hashes(tokens, "t")
     r.chunks.apply(0, batch(stored(hashes[:2], "L1")))
     assert r.route(tokens, "t").decision.node == 0
-    r.nodes[0].inflight_s = 1.0  # a second of work ahead
+    r.nodes[0].queue.drain_at = NOW + 1.0  # a second of work ahead
     assert r.route(tokens, "t").decision.node == 1
 
 
@@ -244,8 +257,8 @@ def test_baseline_policies() -> None:
     rr = router(3, "round_robin")
     assert [rr.route(tokens, "t").decision.node for _ in range(4)] == [0, 1, 2, 0]
     ll = router(3, "least_loaded")
-    ll.nodes[0].inflight_tokens, ll.nodes[1].inflight_tokens = 5, 0
-    ll.nodes[2].inflight_tokens = 9
+    ll.nodes[0].queue.tokens, ll.nodes[1].queue.tokens = 5, 0
+    ll.nodes[2].queue.tokens = 9
     assert ll.route(tokens, "t").decision.node == 1
     lp = router(2, "longest_prefix")
     hashes, _ = lp.chunk_hashes(tokens, "t")
