@@ -13,9 +13,11 @@ sessions each (``ReplaySpec.sample``); the spread over seeds is reported as
 a bootstrap 95 % interval of the ratio of medians.
 
 Compared in the same run: round-robin, least-loaded, longest-prefix, the
-kvtier policy, and the kvtier policy with the router's previous queue (the
-sum of the plans of every request without a first token) or without the
-credit for routed, unannounced chunks (``--ablations``).
+kvtier policy, the simulator's per-request oracle (the least true TTFT per
+request: a bound for per-request policies, not for placement over time),
+and the kvtier policy with the router's previous queue (the sum of the
+plans of every request without a first token) or without the credit for
+routed, unannounced chunks (``--ablations``).
 
     python benchmarks/bench_route_trace.py [--nodes 8,16] [--utilization 0.7,0.95]
 """
@@ -30,7 +32,7 @@ from pathlib import Path
 import numpy as np
 
 from common import report
-from kvtier.bench.simulate import SimConfig, SimCosts, simulate
+from kvtier.bench.simulate import ORACLE, SimConfig, SimCosts, simulate
 from kvtier.router.queue import PrefillQueue
 from kvtier.traces import TRACE_BLOCK_TOKENS, ReplaySpec, TraceRequest, load_trace
 
@@ -102,7 +104,7 @@ def main() -> None:
             max_output_tokens=1,
         )
         traces.append(load_trace(args.trace, spec))
-    policies = ["kvtier", *BASELINES]
+    policies = ["kvtier", *BASELINES, ORACLE]
     variants: dict[str, dict[str, object]] = {name: {} for name in policies}
     if args.ablations:
         variants["kvtier, sum-of-plans queue"] = {"queue": SumOfPlans}

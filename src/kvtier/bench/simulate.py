@@ -22,6 +22,12 @@ simulated TTFTs as it would from real ones, and each node's queue kept by
 the router's ``PrefillQueue`` (or ``SimConfig.queue``, to compare another).
 Not modelled: batching and chunked prefill (one prefill at a time per
 node), decode, and the shared store's bandwidth.
+
+``ORACLE`` is a policy only the simulation can run: per request it sends to
+the node with the least true time to first token, knowing every node's work
+in flight and what its cache will hold when the request starts (the
+requests ahead of it stored; evictions meanwhile not foreseen). It bounds
+what any per-request policy could do here.
 """
 
 from __future__ import annotations
@@ -43,6 +49,7 @@ from kvtier.router.scoring import Decision, make_policy, score
 from kvtier.traces import TraceRequest
 
 SHARED = "redis"
+ORACLE = "oracle"
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -132,11 +139,12 @@ class _Node:
         self.l1: OrderedDict[bytes, None] = OrderedDict()
         self.queue = queue  # the router's view of this node
         self.waiting: deque[_Job] = deque()  # the node's own FIFO
-        self.busy = False
+        self.running: _Job | None = None
+        self.busy_until = 0.0  # when ``running``'s prefill ends
         self.requests = 0  # requests routed here and not done (the simulation has no decode)
 
 
-def _prefix(cache: OrderedDict[bytes, None], hashes: Sequence[bytes]) -> int:
+def _prefix(cache: OrderedDict[bytes, None] | set[bytes], hashes: Sequence[bytes]) -> int:
     count = 0
     for chunk in hashes:
         if chunk not in cache:
@@ -167,7 +175,7 @@ class _Simulation:
         self.cost = CostModel(
             CostConfig(prefill_s_per_token=costs.prefill_s_per_token, tier_s_per_token=tiers)
         )
-        self.policy = make_policy(policy_name)
+        self.policy = None if policy_name == ORACLE else make_policy(policy_name)
         self.nodes = [_Node(config.queue()) for _ in range(config.nodes)]
         self.shared: set[bytes] = set()
         self.hashers: dict[str, TokenHasher] = {}
@@ -213,7 +221,8 @@ class _Simulation:
             dict(self.index.store_readers),
             self.cost,
         )
-        plan = candidates.decision(self.policy(candidates))
+        choice = self.oracle(hashes, prompt) if self.policy is None else self.policy(candidates)
+        plan = candidates.decision(choice)
         node = self.nodes[plan.node]
         service = plan.expected_ttft_s - plan.queue_s
         planned_at = node.queue.dispatch(now, service, plan.prefill_tokens)
@@ -222,26 +231,52 @@ class _Simulation:
         index = self.arrivals[id(request)]
         node.waiting.append(_Job(index, plan.node, now, hashes, prompt, plan, planned_at))
         self.result.routed[plan.node] += 1
-        if not node.busy:
+        if node.running is None:
             self.start(node)
 
     def start(self, node: _Node) -> None:
         """The node's next request starts: it loads what the node holds *now*."""
         job = node.waiting.popleft()
-        costs = self.config.costs
         loaded = self.loads(node, job.hashes, job.prompt)
-        prefill = job.prompt - sum(loaded.values())
+        service, prefill = self.service(loaded, job.prompt)
+        node.running, node.busy_until = job, self.now + service
+        self.result.sources[job.index] = {"prefill": prefill, **loaded}
+        heapq.heappush(self.events, (node.busy_until, next(self.order), _Done(job, service)))
+
+    def service(self, loaded: dict[str, int], prompt: int) -> tuple[float, int]:
+        """A prefill's seconds and computed tokens, given what it loads."""
+        costs = self.config.costs
+        prefill = prompt - sum(loaded.values())
         service = costs.overhead_s + prefill * costs.prefill_s_per_token
         service += sum(tokens * costs.tier_cost(tier) for tier, tokens in loaded.items())
-        node.busy = True
-        self.result.sources[job.index] = {"prefill": prefill, **loaded}
-        heapq.heappush(self.events, (self.now + service, next(self.order), _Done(job, service)))
+        return service, prefill
 
-    def loads(self, node: _Node, hashes: list[bytes], prompt: int) -> dict[str, int]:
+    def oracle(self, hashes: list[bytes], prompt: int) -> int:
+        """The node with the least true TTFT for this request (``ORACLE``)."""
+        best, best_ttft = 0, float("inf")
+        for index, node in enumerate(self.nodes):
+            at, ahead = self.now, set[bytes]()
+            if node.running is not None:
+                at, ahead = node.busy_until, set(node.running.hashes)
+            for job in node.waiting:
+                at += self.service(self.loads(node, job.hashes, job.prompt, ahead), job.prompt)[0]
+                ahead.update(job.hashes)
+            ttft = at + self.service(self.loads(node, hashes, prompt, ahead), prompt)[0]
+            if ttft < best_ttft:
+                best, best_ttft = index, ttft
+        return best
+
+    def loads(
+        self, node: _Node, hashes: list[bytes], prompt: int, ahead: set[bytes] | None = None
+    ) -> dict[str, int]:
         """What the node really loads: the longest prefix it can, cheapest
-        tier first (its own cache, L1, the shared store), whatever the plan."""
+        tier first (its own cache, L1, the shared store), whatever the plan;
+        ``ahead``: chunks the node will have stored by then (the oracle)."""
         size, last = self.config.chunk_size, prompt - 1
-        engine_hit = min(_prefix(node.engine, hashes) * size, last)
+        held = _prefix(node.engine, hashes)
+        if ahead:
+            held = max(held, _prefix(ahead, hashes))
+        engine_hit = min(held * size, last)
         loaded: dict[str, int] = {"engine": engine_hit} if engine_hit else {}
         covered = engine_hit
         for i, chunk in enumerate(hashes):
@@ -262,7 +297,7 @@ class _Simulation:
         self.result.ttft_s[job.index] = ttft
         node.queue.first_token(now, job.planned_at, job.plan.prefill_tokens)
         node.requests -= 1
-        node.busy = False
+        node.running = None
         self.insert(job.node, node.engine, job.hashes, self.config.engine_chunks, None)
         self.insert(job.node, node.l1, job.hashes, self.config.l1_chunks, "L1")
         fresh = [h for h in job.hashes if h not in self.shared]
@@ -314,4 +349,4 @@ def simulate(trace: Sequence[TraceRequest], config: SimConfig, policy_name: str)
     return _Simulation(config, policy_name).run(trace)
 
 
-__all__ = ["SimConfig", "SimCosts", "SimResult", "simulate"]
+__all__ = ["ORACLE", "SimConfig", "SimCosts", "SimResult", "simulate"]

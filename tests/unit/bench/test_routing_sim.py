@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvtier.bench.simulate import SimConfig, SimCosts, simulate
+from kvtier.bench.simulate import ORACLE, SimConfig, SimCosts, simulate
 from kvtier.bench.tenants import TenancySpec, tenant_trace
 from kvtier.traces import TraceRequest
 
@@ -89,3 +89,23 @@ def test_a_repeat_during_the_first_prefill_follows_the_credit(pending_ttl_s: flo
     summary = result.summary(slo_s=0.5)
     assert summary["goodput"] == (0.5 if pending_ttl_s else 0.0)
     assert summary["computed_share"] == round(result.tokens["prefill"] / 1024, 3)
+
+
+def test_the_oracle_knows_where_the_prefix_will_be() -> None:
+    """With no credit for routed chunks the kvtier policy cannot see r0's
+    prefix on node 0 yet; the oracle knows node 0 will hold it when r1
+    starts, and that waiting for it beats recomputing on node 1."""
+    prompt = tuple(range(512))
+    fast_l1 = SimCosts(
+        prefill_s_per_token=1e-3, l1_s_per_token=1e-5, shared_s_per_token=None, overhead_s=0.01
+    )
+    config = SimConfig(nodes=2, l1_chunks=8, engine_chunks=0, costs=fast_l1, pending_ttl_s=0.0)
+    trace = [request(0, 0.0, prompt), request(1, 0.3, prompt)]
+    assert simulate(trace, config, "kvtier").routed == [1, 1]
+    oracle = simulate(trace, config, ORACLE)
+    assert oracle.routed == [2, 0] and oracle.sources[1] == {"prefill": 1, "L1": 511}
+    other = tuple(range(1000, 1512))  # a new prompt: the idle node, as anyone would
+    assert simulate([request(0, 0.0, prompt), request(1, 0.3, other)], config, ORACLE).routed == [
+        1,
+        1,
+    ]
