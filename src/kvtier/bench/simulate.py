@@ -186,20 +186,21 @@ class _Simulation:
     def run(self, trace: Sequence[TraceRequest]) -> SimResult:
         self.result.ttft_s = [0.0] * len(trace)
         self.result.sources = [{} for _ in trace]
-        self.events = [(r.arrival_s, next(self.order), r) for r in trace]
-        self.arrivals = {id(r): i for i, r in enumerate(trace)}
+        # an arrival's tie-breaker is its index in the trace; prefills ends come after
+        self.events = [(r.arrival_s, i, r) for i, r in enumerate(trace)]
+        self.order = itertools.count(len(trace))
         heapq.heapify(self.events)
         first = min((r.arrival_s for r in trace), default=0.0)
         while self.events:
-            self.now, _, item = heapq.heappop(self.events)
+            self.now, order, item = heapq.heappop(self.events)
             if isinstance(item, _Done):
                 self.done(item)
             else:
-                self.arrive(item)
+                self.arrive(order, item)
         self.result.duration_s = self.now - first
         return self.result
 
-    def arrive(self, request: TraceRequest) -> None:
+    def arrive(self, index: int, request: TraceRequest) -> None:
         size, now = self.config.chunk_size, self.now
         hasher = self.hashers.get(request.tenant)
         if hasher is None:
@@ -228,7 +229,6 @@ class _Simulation:
         planned_at = node.queue.dispatch(now, service, plan.prefill_tokens)
         self.index.note_routed(plan.node, hashes)
         node.requests += 1
-        index = self.arrivals[id(request)]
         node.waiting.append(_Job(index, plan.node, now, hashes, prompt, plan, planned_at))
         self.result.routed[plan.node] += 1
         if node.running is None:

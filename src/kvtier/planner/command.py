@@ -11,7 +11,6 @@ from pathlib import Path
 from typing import Any
 
 from kvtier.config import secret
-from kvtier.l1.eviction import make_policy
 from kvtier.output import JSON_HELP, report_stream, write_json
 from kvtier.planner.handoff import Handoff, plan_handoff
 from kvtier.planner.hf_config import read_shape_fields
@@ -252,8 +251,6 @@ def run_trace(args: argparse.Namespace, observed: Observation | None) -> int:
         bytes_per_token=bytes_per_token,
         skip_bad_lines=args.skip_bad_lines,
     )
-    for name in question.policies:
-        make_policy(name)  # an unknown name fails before the trace is read
     plan = plan_trace(Path(args.trace), question)
     print(format_trace_plan(plan), file=report_stream(args.json))
     if args.plot:

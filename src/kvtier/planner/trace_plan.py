@@ -21,6 +21,7 @@ from typing import Any
 
 import numpy as np
 
+from kvtier.l1.eviction import EVICTION_POLICIES
 from kvtier.planner.quantities import binary
 from kvtier.planner.reuse import (
     MINUTE_S,
@@ -53,6 +54,12 @@ class TraceQuestion:
     def __post_init__(self) -> None:
         if any(c < 1 for c in self.capacities_tokens):
             raise ValueError("--capacities takes token counts >= 1, e.g. 1000000,8000000")
+        unknown = [name for name in self.policies if name not in EVICTION_POLICIES]
+        if unknown:
+            raise ValueError(
+                f"--policies: unknown eviction policy {unknown[0]!r}; "
+                f"choose from {sorted(EVICTION_POLICIES)}"
+            )
         if any(not 0 < t <= 1 for t in self.targets):
             raise ValueError("--targets takes shares of the ceiling in (0, 1], e.g. 0.8,0.9")
         for flag, value in (("--l1-tokens", self.l1_tokens), ("--l2-tokens", self.l2_tokens)):

@@ -90,7 +90,12 @@ def _record(row: Any, line: int, previous_ms: float) -> MooncakeRecord:
         if name not in row:
             raise ValueError(f"field {name!r} is missing")
     timestamp = row["timestamp"]
-    if isinstance(timestamp, bool) or not isinstance(timestamp, int | float) or timestamp < 0:
+    if (
+        isinstance(timestamp, bool)
+        or not isinstance(timestamp, int | float)
+        or not math.isfinite(timestamp)
+        or timestamp < 0
+    ):
         raise ValueError(f"field 'timestamp' must be a number of ms >= 0, got {timestamp!r}")
     if timestamp < previous_ms:
         raise ValueError(
@@ -162,18 +167,23 @@ class ReplaySpec:
 
     def __post_init__(self) -> None:
         checks = (
-            ("--trace-block-tokens", self.block_tokens >= 1),
-            ("--vocab-size", self.vocab_size >= 2),
-            ("--time-scale", self.time_scale > 0),
-            ("--window start", self.start_s >= 0),
-            ("--window duration", self.duration_s is None or self.duration_s > 0),
-            ("--sample", 0 < self.sample <= 1),
-            ("--session-blocks", self.session_blocks >= 1),
-            ("--max-output-tokens", self.max_output_tokens is None or self.max_output_tokens >= 1),
+            ("--trace-block-tokens", self.block_tokens, ">= 1", self.block_tokens >= 1),
+            ("--vocab-size", self.vocab_size, ">= 2", self.vocab_size >= 2),
+            ("--time-scale", self.time_scale, "> 0", self.time_scale > 0),
+            ("--window-start-s", self.start_s, ">= 0", self.start_s >= 0),
+            ("--window-s", self.duration_s, "> 0", self.duration_s is None or self.duration_s > 0),
+            ("--sample", self.sample, "in (0, 1]", 0 < self.sample <= 1),
+            ("--session-blocks", self.session_blocks, ">= 1", self.session_blocks >= 1),
+            (
+                "--max-output-tokens",
+                self.max_output_tokens,
+                ">= 1",
+                self.max_output_tokens is None or self.max_output_tokens >= 1,
+            ),
         )
-        for flag, ok in checks:
+        for flag, value, want, ok in checks:
             if not ok:
-                raise ValueError(f"{flag} is out of range in {self!r}")
+                raise ValueError(f"{flag} must be {want}, got {value!r}")
 
     def in_window(self, record: MooncakeRecord) -> bool:
         seconds = record.timestamp_ms / 1000

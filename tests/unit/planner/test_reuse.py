@@ -150,7 +150,7 @@ def test_plan_trace_refuses_bad_input_by_name(
     assert main(["plan", "--trace", str(bad)]) == 2
     assert f"{bad}:1: field 'input_length' is missing" in capsys.readouterr().err
     assert main(["plan", "--trace", str(trace), "--policies", "fifo"]) == 2
-    assert "unknown eviction policy 'fifo'" in capsys.readouterr().err
+    assert "--policies: unknown eviction policy 'fifo'" in capsys.readouterr().err
     assert main(["plan", "--trace", str(trace), "--l2-tokens", "5"]) == 2
     assert "--l2-tokens needs --l1-tokens" in capsys.readouterr().err
     assert main(["plan", "--trace", str(bad), "--skip-bad-lines"]) == 2

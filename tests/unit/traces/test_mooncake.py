@@ -21,6 +21,7 @@ from kvtier.traces import (
 from kvtier.traces.mooncake import block_token_ids
 from tests.unit.traces.conversations import conversation_rows, write_rows
 
+NOT_FINITE = '{{"timestamp": {}, "input_length": 1, "output_length": 1, "hash_ids": [0]}}'
 GOOD = {"timestamp": 5, "input_length": 1000, "output_length": 20, "hash_ids": [0, 1]}
 
 
@@ -34,6 +35,14 @@ GOOD = {"timestamp": 5, "input_length": 1000, "output_length": 20, "hash_ids": [
         ({**GOOD, "input_length": -3}, ["'input_length'", ">= 1", "-3"]),
         ({**GOOD, "output_length": -1}, ["'output_length'", ">= 0"]),
         ({**GOOD, "timestamp": "soon"}, ["'timestamp'"]),
+        (
+            '{"timestamp": NaN, "input_length": 1, "output_length": 1, "hash_ids": [0]}',
+            ["'timestamp'", "nan"],
+        ),
+        (
+            '{"timestamp": Infinity, "input_length": 1, "output_length": 1, "hash_ids": [0]}',
+            ["'timestamp'", "inf"],
+        ),
         ({**GOOD, "timestamp": 1}, ["'timestamp'", "before the previous line's 5"]),
         ({**GOOD, "hash_ids": [0, 1, 2]}, ["'hash_ids'", "3 ids", "input_length 1000", "2 blocks"]),
         ({**GOOD, "hash_ids": [0, 0]}, ["'hash_ids'", "repeats"]),
@@ -148,7 +157,9 @@ def test_load_trace_reads_either_format(tmp_path: Path) -> None:
 
 
 def test_replay_spec_names_the_flag() -> None:
-    with pytest.raises(ValueError, match="--sample"):
+    with pytest.raises(ValueError, match=r"--sample must be in \(0, 1\], got 0"):
         ReplaySpec(sample=0)
-    with pytest.raises(ValueError, match="--trace-block-tokens"):
+    with pytest.raises(ValueError, match="--trace-block-tokens must be >= 1, got 0"):
         ReplaySpec(block_tokens=0)
+    with pytest.raises(ValueError, match="--window-s must be > 0, got -1"):
+        ReplaySpec(duration_s=-1)
