@@ -1,23 +1,26 @@
 """Routing policies on the real conversation trace (Mooncake FAST'25),
-simulated (``kvtier.bench.simulate``) at 8-16 nodes with GPU-like costs.
+simulated (``kvtier.bench.simulate``) at 8-64 nodes with GPU-like costs.
 
 The trace is replayed with ``--block-tokens`` synthetic tokens per 512-token
 trace block (8: one kvtier chunk per block), so every cost below is per real
 token times 512 / block_tokens. Stated costs (real tokens): prefill 1e-4 s a
-token (10 k tokens/s, an 8B model on one H100), L1 5e-6 s (128 KiB a token
-over 25 GB/s of PCIe), a shared store at 1/3 of recomputing when
-``--shared``, 20 ms of overhead a request; each node's engine keeps 400 k
-tokens and its L1 4 M. Utilisation is the no-cache prefill work over the
-nodes' capacity: the trace's time is scaled to reach it. Seeds draw half the
-sessions each (``ReplaySpec.sample``); the spread over seeds is reported as
-a bootstrap 95 % interval of the ratio of medians.
+token (10 k tokens/s, an 8B model on one H100), in engine steps of 8,192
+tokens (vLLM's max_num_batched_tokens) with 10 ms of overhead a step; L1
+5e-6 s a token (128 KiB a token over 25 GB/s of PCIe); with ``--shared``, a
+store every node reads at 1/3 of recomputing, its bandwidth shared by all
+(``--store-tokens-per-s``, real tokens; 0: unbounded). Each node's engine
+keeps 400 k tokens and its L1 4 M. Utilisation is the no-cache prefill work
+over the nodes' capacity at full steps: the trace's time is scaled to reach
+it. Seeds draw half the sessions each (``ReplaySpec.sample``); a speed-up is
+the ratio of the seeds' medians with a bootstrap 95 % interval.
 
 Compared in the same run: round-robin, least-loaded, longest-prefix, the
 kvtier policy, the simulator's per-request oracle (the least true TTFT per
 request: a bound for per-request policies, not for placement over time),
-and the kvtier policy with the router's previous queue (the sum of the
-plans of every request without a first token) or without the credit for
-routed, unannounced chunks (``--ablations``).
+and, with ``--ablations``, the kvtier policy without its price for the work
+it adds (the least expected TTFT alone), with the router's previous queue
+(the sum of the plans of every request without a first token), or without
+the credit for routed, unannounced chunks.
 
     python benchmarks/bench_route_trace.py [--nodes 8,16] [--utilization 0.7,0.95]
 """
@@ -33,6 +36,7 @@ import numpy as np
 
 from common import report
 from kvtier.bench.simulate import ORACLE, SimConfig, SimCosts, simulate
+from kvtier.bench.summary import ratio_interval
 from kvtier.router.queue import PrefillQueue
 from kvtier.traces import TRACE_BLOCK_TOKENS, ReplaySpec, TraceRequest, load_trace
 
@@ -61,16 +65,6 @@ class SumOfPlans(PrefillQueue):
         self.plans.pop(planned_at, None)
 
 
-def bootstrap(a: list[float], b: list[float], rng: np.random.Generator) -> tuple[float, float]:
-    """95 % interval of median(a) / median(b) over seeds, resampled."""
-    x, y = np.array(a), np.array(b)
-    ratios = [
-        np.median(rng.choice(x, len(x))) / max(np.median(rng.choice(y, len(y))), 1e-12)
-        for _ in range(1000)
-    ]
-    return float(np.percentile(ratios, 2.5)), float(np.percentile(ratios, 97.5))
-
-
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--trace", type=Path, default=TRACE)
@@ -80,17 +74,23 @@ def main() -> None:
     parser.add_argument("--window-s", type=float, default=1200.0, help="trace seconds replayed")
     parser.add_argument("--block-tokens", type=int, default=8)
     parser.add_argument("--shared", action="store_true", help="a shared store at 1/3 recompute")
+    parser.add_argument(
+        "--store-tokens-per-s", type=float, default=200_000.0, help="its bandwidth (0: unbounded)"
+    )
     parser.add_argument("--ablations", action="store_true")
     parser.add_argument("--slo-s", type=float, default=2.0, help="TTFT SLO for goodput")
     args = parser.parse_args()
     scale = TRACE_BLOCK_TOKENS / args.block_tokens
     prefill = 1e-4 * scale
+    step_tokens = max(1, round(8192 / scale))
     costs = SimCosts(
         prefill_s_per_token=prefill,
         l1_s_per_token=5e-6 * scale,
         shared_s_per_token=prefill / 3 if args.shared else None,
-        overhead_s=0.02,
+        overhead_s=0.01,
+        shared_tokens_per_s=(args.store_tokens_per_s / scale) if args.shared else None,
     )
+    capacity = step_tokens / (costs.overhead_s + step_tokens * prefill)  # tokens/s a node
     engine_chunks = int(400_000 / TRACE_BLOCK_TOKENS)
     l1_chunks = int(4_000_000 / TRACE_BLOCK_TOKENS)
     traces: list[list[TraceRequest]] = []
@@ -107,10 +107,11 @@ def main() -> None:
     policies = ["kvtier", *BASELINES, ORACLE]
     variants: dict[str, dict[str, object]] = {name: {} for name in policies}
     if args.ablations:
+        variants["kvtier, TTFT alone"] = {"work_cost": False}
         variants["kvtier, sum-of-plans queue"] = {"queue": SumOfPlans}
         variants["kvtier, no routed credit"] = {"pending_ttl_s": 0.0}
     rows: list[tuple[str, str]] = []
-    results: dict[str, object] = {"costs": dataclasses.asdict(costs), "args": vars(args) | {}}
+    results: dict[str, object] = {"costs": dataclasses.asdict(costs), "step_tokens": step_tokens}
     results["args"] = {k: str(v) for k, v in vars(args).items()}
     rng = np.random.default_rng(0)
     started = time.perf_counter()
@@ -118,9 +119,9 @@ def main() -> None:
         for u in (float(x) for x in args.utilization.split(",")):
             runs: dict[str, list[dict[str, object]]] = {name: [] for name in variants}
             for trace in traces:
-                work = sum(costs.overhead_s + len(r.prompt) * prefill for r in trace)
+                tokens = sum(len(r.prompt) for r in trace)
                 span = max(r.arrival_s for r in trace) or 1.0
-                stretch = work / (span * u * n)  # replay seconds per trace second
+                stretch = tokens / (span * u * n * capacity)  # replay seconds per trace second
                 timed = [dataclasses.replace(r, arrival_s=r.arrival_s * stretch) for r in trace]
                 for name, extra in variants.items():
                     policy = name.split(",")[0]
@@ -130,6 +131,7 @@ def main() -> None:
                         engine_chunks=engine_chunks,
                         costs=costs,
                         chunk_size=args.block_tokens,
+                        step_tokens=step_tokens,
                         **extra,  # type: ignore[arg-type]
                     )
                     runs[name].append(simulate(timed, config, policy).summary(args.slo_s))
@@ -154,8 +156,7 @@ def main() -> None:
                 for q in ("p50", "p95"):
                     theirs = [float(r[f"ttft_{q}_s"]) for r in runs[name]]  # type: ignore[arg-type]
                     ours = [float(r[f"ttft_{q}_s"]) for r in runs["kvtier"]]  # type: ignore[arg-type]
-                    low, high = bootstrap(theirs, ours, rng)
-                    ratio = float(np.median(theirs) / max(np.median(ours), 1e-12))
+                    ratio, low, high = ratio_interval(theirs, ours, rng)
                     ratios[f"{q} vs {name}"] = (round(ratio, 2), round(low, 2), round(high, 2))
             point["kvtier_speedup"] = ratios
             rows.append(

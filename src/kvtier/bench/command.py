@@ -81,6 +81,7 @@ class BenchOptions:
     tenants: int | None = None
     policies: str = "kvtier,longest_prefix,least_loaded,round_robin"
     rounds: int = 4
+    no_shared_l2: bool = False
     vllm_kv_tokens: int | None = None
     l1_size_bytes: int = 1 << 30
     small_l1_size_bytes: int | None = None
@@ -123,6 +124,7 @@ HELP: dict[str, tuple[str, str]] = {
     "tenants": ("route: tenants in the trace (4)", "trace"),
     "policies": ("route: comma-separated routing policies, in run order", "run"),
     "rounds": ("route: runs of every policy, in rotated order (4)", "run"),
+    "no_shared_l2": ("route: no Redis shared by the nodes (each its own L1 and fs L2)", "servers"),
     "vllm_kv_tokens": (
         "vLLM's KV space in tokens (default: a little more than the longest request)",
         "servers",
@@ -257,20 +259,29 @@ def run(args: argparse.Namespace) -> int:
 def _run_route(o: BenchOptions, command: str) -> int:
     from kvtier.bench.routing import RouteBenchRequest, run_route_bench
     from kvtier.bench.session import bench_model
-    from kvtier.bench.tenants import TenancySpec
+    from kvtier.bench.tenants import TenancySpec, tenant_trace
+    from kvtier.traces import load_trace
 
-    names = {f.name for f in dataclasses.fields(TenancySpec)}
-    spec = TenancySpec(**{k: v for k, v in trace_options(o).items() if k in names})
-    longest = spec.system_tokens + spec.docs_per_request[1] * spec.doc_tokens[1] + 4096
+    if o.trace:
+        trace = load_trace(Path(o.trace), replay_spec(o))
+        source: dict[str, Any] = {"file": o.trace, "replay": dataclasses.asdict(replay_spec(o))}
+    else:
+        names = {f.name for f in dataclasses.fields(TenancySpec)}
+        spec = TenancySpec(**{k: v for k, v in trace_options(o).items() if k in names})
+        trace, source = tenant_trace(spec), {"tenants": dataclasses.asdict(spec)}
+    longest = max(len(r.prompt) + r.output_tokens for r in trace) + 4096
     model, _, kv_bytes = bench_model(Path(o.model_dir) if o.model_dir else None, longest)
     request = RouteBenchRequest(
-        spec=spec,
+        trace=trace,
+        source=source,
         model=model,
         kv_bytes_per_token=kv_bytes,
         out=Path(o.out),
         policies=tuple(p.strip() for p in o.policies.split(",") if p.strip()),
         l1_size_bytes=o.small_l1_size_bytes or 32 << 20,
         rounds=o.rounds,
+        shared_l2=not o.no_shared_l2,
+        slo_ttft_s=o.slo_ttft_s,
         command=command,
     )
     results = run_route_bench(request)

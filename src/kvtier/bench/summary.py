@@ -8,7 +8,9 @@ connector), split by where they came from with vLLM's counters (``vllm_apc``,
 ``connector``); for kvtier, ``l2_loaded_tokens`` are the tokens its lookups
 brought up from each L2 adapter into L1 (one object per chunk at TP 1). An output mismatch
 is a request whose generated token ids differ from the reference
-configuration's for the same request.
+configuration's for the same request. A speed-up over repeated runs
+(seeds, rounds) is the ratio of the runs' medians with a bootstrap 95 %
+interval (``ratio_interval``).
 """
 
 from __future__ import annotations
@@ -31,6 +33,19 @@ def percentiles(values: Sequence[float], prefix: str) -> dict[str, float | None]
         return dict.fromkeys(keys)
     p50, p95, p99 = np.percentile(np.asarray(values, dtype=np.float64), [50, 95, 99])
     return dict(zip(keys, (float(p50), float(p95), float(p99)), strict=True))
+
+
+def ratio_interval(
+    theirs: Sequence[float], ours: Sequence[float], rng: np.random.Generator, draws: int = 1000
+) -> tuple[float, float, float]:
+    """median(theirs) / median(ours) over repeated runs, and its 95 %
+    bootstrap interval (each side resampled with replacement)."""
+    x, y = np.asarray(theirs, dtype=np.float64), np.asarray(ours, dtype=np.float64)
+    ratio = float(np.median(x) / max(float(np.median(y)), 1e-12))
+    a = np.median(rng.choice(x, (draws, len(x))), axis=1)
+    b = np.maximum(np.median(rng.choice(y, (draws, len(y))), axis=1), 1e-12)
+    low, high = np.percentile(a / b, [2.5, 97.5])
+    return ratio, float(low), float(high)
 
 
 def mismatches(

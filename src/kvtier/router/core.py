@@ -3,7 +3,8 @@
 ``route(tokens, salt)`` hashes the prompt as the engines' connectors do
 (``docs/hashing.md``, with the namespace the cache servers report and the
 tenant's salt), reads both indexes, builds every live engine's candidate
-features, plans each (``scoring.plan``) and lets the policy pick. The caller
+features, plans each (``scoring.score``, with the work weight of the
+cluster's measured load, ``load.py``) and lets the policy pick. The caller
 then brackets the request with ``dispatched`` / ``first_token`` /
 ``finished`` (or ``failed``), which keep each engine's queue (a projected
 drain time, ``queue.py``) and teach the cost model. The chunks a request was
@@ -33,6 +34,7 @@ from kvtier.keys import TokenHasher, key_namespace
 from kvtier.router.blocks import BlockIndex
 from kvtier.router.chunks import ChunkIndex
 from kvtier.router.cost import CostModel, Observation
+from kvtier.router.load import ClusterLoad
 from kvtier.router.queue import PrefillQueue
 from kvtier.router.scoring import Decision, make_policy, score
 
@@ -70,6 +72,7 @@ class Routed:
     hashes: list[bytes]  # the prompt's kvtier chunk hashes
     started: float
     planned_at: float = 0.0  # its projected first token (set when dispatched)
+    routed_to: int = 0  # its node's requests routed, itself included (set when dispatched)
 
     @property
     def service_s(self) -> float:
@@ -101,6 +104,7 @@ class Router:
         self.down_s = down_s
         self._clock = clock
         self._lock = threading.Lock()
+        self.load = ClusterLoad()
         self.namespace: dict[str, Any] | None = None  # the cache servers' (salt aside)
         self._hashers: OrderedDict[tuple[str, str], TokenHasher] = OrderedDict()
 
@@ -150,6 +154,7 @@ class Router:
             queue = [n.queue.tokens for n in live]
             queue_s = [n.queue.wait_s(started) for n in live]
             requests = [n.inflight_requests for n in live]
+            work_weight = self.load.work_weight(started, len(live))
         slots = self.chunks.slot_names()
         stores = self.chunks.store_names()
         candidates = score(
@@ -165,6 +170,7 @@ class Router:
             stores,
             dict(self.chunks.store_readers),
             self.cost,
+            work_weight,
         )
         return Routed(candidates.decision(self.policy(candidates)), hashes, started)
 
@@ -176,8 +182,10 @@ class Router:
         with self._lock:
             node = self.nodes[decision.node]
             routed.planned_at = node.queue.dispatch(now, routed.service_s, decision.prefill_tokens)
+            self.load.dispatch(now, routed.service_s)
             node.inflight_requests += 1
             node.routed += 1
+            routed.routed_to = node.routed
         self.chunks.note_routed(decision.node, routed.hashes)
 
     def first_token(self, routed: Routed, ttft_s: float) -> None:
@@ -187,9 +195,15 @@ class Router:
         with self._lock:
             node = self.nodes[decision.node]
             node.queue.first_token(now, routed.planned_at, decision.prefill_tokens)
+            alone = not decision.queue_tokens and node.routed == routed.routed_to
         self.cost.observe(
             Observation(
-                decision.node, ttft_s, decision.queue_s, decision.prefill_tokens, decision.loaded
+                decision.node,
+                ttft_s,
+                decision.queue_s,
+                decision.prefill_tokens,
+                decision.loaded,
+                alone,
             )
         )
 
@@ -236,8 +250,11 @@ class Router:
                 }
                 for n in self.nodes
             ]
+            live = sum(n.live(now) for n in self.nodes)
+            utilisation = self.load.utilisation(now, live)
         return {
             "policy": self.policy_name,
+            "utilisation": round(utilisation, 3),
             "namespace": self.namespace,
             "nodes": nodes,
             "chunks": self.chunks.status(),

@@ -2,18 +2,23 @@
 
 Two kinds of number, both in seconds per token:
 
-- ``rate(node)``: the engine's prefill time per token, queue included.
+- ``rate(node)``: the engine's prefill time per token.
 - ``tier_cost(tier)``: loading one token's KV from a tier (``L1``, a node-local
   L2 by name, a shared store by name).
 
 They start from ``CostConfig`` (what ``kvtier bench`` calibrates, or a guess)
-and follow what the router sees: after each streamed request, the time to
-its first token, less the wait it predicted for the work ahead of it,
-against the work it predicted. A request that mostly prefilled
-updates its engine's rate; one that mostly loaded from one tier updates that
-tier's cost. Each is an exponentially weighted mean (``ewma``), clamped to
-``[floor, ceiling]`` so one outlier (a stalled engine) cannot poison the next
-thousand decisions.
+and follow what the router sees: after each streamed request that had its
+engine to itself (no prefill in flight when it was sent, none sent there
+before its first token), the time to its first token against the work it
+predicted. A request that mostly prefilled updates its engine's rate; one
+that mostly loaded from one tier updates that tier's cost. Requests that
+shared their engine teach nothing: an engine batches prompts into steps
+(chunked prefill), so such a request's first token also waits for other
+requests' tokens in its steps, and on the conversation trace at 8 simulated
+nodes near saturation that wait, read as load time, made L1 look 75 times
+dearer than it is (docs/bench-log/routing.md). Each is an exponentially
+weighted mean (``ewma``), clamped to ``[floor, ceiling]`` so one outlier (a
+stalled engine) cannot poison the next thousand decisions.
 """
 
 from __future__ import annotations
@@ -55,6 +60,7 @@ class Observation:
     queue_s: float  # the wait the router predicted
     prefill_tokens: int  # the tokens it predicted the engine computes
     loaded: Mapping[str, int]  # tier -> tokens predicted to load
+    alone: bool = True  # its engine had no other prefill from its dispatch to its first token
 
 
 class CostModel:
@@ -80,7 +86,7 @@ class CostModel:
         return self._tiers.get(tier, self.config.default_tier_s_per_token)
 
     def observe(self, seen: Observation) -> None:
-        if not self.config.learn or seen.ttft_s <= 0:
+        if not self.config.learn or seen.ttft_s <= 0 or not seen.alone:
             return
         with self._lock:
             self.samples += 1

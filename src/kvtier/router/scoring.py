@@ -8,9 +8,12 @@ kvtier prefix, the cheapest tier that engine's node could load it from
 
 Policies (a registry, ``POLICIES``):
 
-- ``kvtier``: the engine with the least expected time to first token::
+- ``kvtier``: the engine with the least expected cost, the request's
+  expected time to first token there plus the delay its work there imposes
+  on the requests that will queue behind it (``router/load.py``)::
 
-      queue + (prompt - covered(j)) x rate(engine) + sum of load(chunk i < j)
+      ttft = queue + service,  cost = ttft + work_weight x service
+      service = (prompt - covered(j)) x rate(engine) + sum of load(chunk i < j)
 
   minimised over how many kvtier chunks ``j`` to load (up to the prefix the
   node has): a chunk counts only where loading it from its tier beats
@@ -20,8 +23,11 @@ Policies (a registry, ``POLICIES``):
   ``CostConfig.engine_loads_whole_prefix``) are planned as they will act, with
   ``j`` the whole reachable prefix, so a node that would load from a tier
   dearer than recomputing is priced as the slow node it is. ``queue`` is
-  the engine's work in flight in seconds: the sum of the plans (prefill and
-  loads) of the requests routed there that have not had a first token yet.
+  the engine's work in flight in seconds (its projected drain time,
+  ``router/queue.py``); ``work_weight`` is ``rho / (1 - rho)`` at the
+  cluster's measured utilisation: 0 when idle (the least expected TTFT),
+  large near saturation, where a prefix hit's saved work matters more than
+  a shorter queue elsewhere.
 - ``longest_prefix``: llm-d's default scorers: 3 x the matched fraction of the
   prompt (fixed tier weights: engine 1, L1 0.8, node-local L2 0.5, shared
   0.3) + 2 x (1 - queue / longest queue).
@@ -29,8 +35,8 @@ Policies (a registry, ``POLICIES``):
 - ``round_robin``.
 
 Ties go to the engine with less in flight, then the lower index (the kvtier
-policy counts estimates within ``NEAR`` of the best as ties and gives those
-to the engine with the fewest requests in flight).
+policy counts costs within ``NEAR`` of the best as ties and gives those to
+the engine with the fewest requests in flight).
 
 How it stays fast (``benchmarks/bench_route_scoring.py``): nodes are bits of
 Python ints. Walking the chunks, nodes that found every chunk so far in the
@@ -120,6 +126,7 @@ class Candidates:
     matched: list[float]  # tokens x fixed tier weights (longest_prefix)
     paths: list[_Path | None]
     tiers: list[Tier]
+    work_weight: float = 0.0  # seconds of later requests' delay per second of work
 
     def decision(self, j: int) -> Decision:
         """Candidate ``j``'s plan, spelt out."""
@@ -165,10 +172,11 @@ def score(
     store_names: dict[int, str],
     store_readers: dict[int, int],
     cost: CostModel,
+    work_weight: float = 0.0,
 ) -> Candidates:
     """Every candidate's features and kvtier plan. ``masks``: the request's
     chunks as ``ChunkIndex.view`` gives them (one int per chunk, up to the
-    first that nobody has)."""
+    first that nobody has); ``work_weight``: ``ClusterLoad.work_weight``."""
     tiers = [
         Tier(
             slot_names.get(slot, "L1" if slot == L1_SLOT else f"slot{slot}"),
@@ -281,6 +289,7 @@ def score(
         matched,
         node_paths,
         tiers,
+        work_weight,
     )
 
 
@@ -322,14 +331,16 @@ def _least(values: Sequence[float], candidates: Candidates) -> int:
     return min(tied, key=lambda j: (candidates.queue_tokens[j], j))
 
 
-def expected_ttft(candidates: Candidates) -> int:
-    """The least expected TTFT; estimates within ``NEAR`` of it count as equal,
-    and of those the engine with the fewest requests in flight wins (their
-    decode steps slow a prefill down, and the estimates are noisy)."""
-    ttft = candidates.ttft
-    limit = min(ttft) * (1 + NEAR)
-    near = [j for j, t in enumerate(ttft) if t <= limit]
-    return min(near, key=lambda j: (candidates.requests[j], ttft[j], j))
+def expected_cost(candidates: Candidates) -> int:
+    """The least expected cost (TTFT + work_weight x service); costs within
+    ``NEAR`` of it count as equal, and of those the engine with the fewest
+    requests in flight wins (their decode steps slow a prefill down, and the
+    estimates are noisy)."""
+    w = candidates.work_weight
+    cost = [t + w * (t - q) for t, q in zip(candidates.ttft, candidates.queue_s, strict=True)]
+    limit = min(cost) * (1 + NEAR)
+    near = [j for j, c in enumerate(cost) if c <= limit]
+    return min(near, key=lambda j: (candidates.requests[j], cost[j], j))
 
 
 def least_loaded(candidates: Candidates) -> int:
@@ -355,7 +366,7 @@ class RoundRobin:
 
 
 POLICIES: dict[str, Callable[[], Policy]] = {
-    "kvtier": lambda: expected_ttft,
+    "kvtier": lambda: expected_cost,
     "longest_prefix": lambda: longest_prefix,
     "least_loaded": lambda: least_loaded,
     "round_robin": RoundRobin,

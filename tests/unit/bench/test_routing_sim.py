@@ -3,6 +3,8 @@ work out by hand."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from kvtier.bench.simulate import ORACLE, SimConfig, SimCosts, simulate
@@ -109,3 +111,69 @@ def test_the_oracle_knows_where_the_prefix_will_be() -> None:
         1,
         1,
     ]
+
+
+def test_an_engine_batches_prefills_into_steps_of_its_token_budget() -> None:
+    """r0 prefills alone (0 to 0.522 s); r1 and r2 arrive meanwhile. With a
+    budget that holds both, the next step computes them together and both
+    first tokens come at its end; with a budget of 600 that step takes r1's
+    512 tokens and r2's first 88, the step after r2's other 424 (chunked
+    prefill)."""
+    trace = [
+        request(0, 0.0, tuple(range(512))),
+        request(1, 0.1, tuple(range(1000, 1512))),
+        request(2, 0.1, tuple(range(2000, 2512))),
+    ]
+    costs = SimCosts(
+        prefill_s_per_token=1e-3, l1_s_per_token=1e-4, shared_s_per_token=None, overhead_s=0.01
+    )
+    one = 0.01 + 0.512
+    whole = SimConfig(nodes=1, l1_chunks=8, engine_chunks=0, costs=costs, step_tokens=2048)
+    both = one + 0.01 + 1.024 - 0.1
+    assert simulate(trace, whole, "kvtier").ttft_s == pytest.approx([one, both, both])
+    chunked = SimConfig(nodes=1, l1_chunks=8, engine_chunks=0, costs=costs, step_tokens=600)
+    second = one + 0.01 + 0.6
+    assert simulate(trace, chunked, "kvtier").ttft_s == pytest.approx(
+        [one, second - 0.1, second + 0.01 + 0.424 - 0.1]
+    )
+
+
+def test_loads_from_the_shared_store_queue_for_its_bandwidth() -> None:
+    """r0 and r1 fill the store; r2 and r3 repeat them at once on both nodes
+    (round robin), each loading 511 tokens: with the store's bandwidth at
+    1000 tokens/s the second load waits for the first."""
+    a, b = tuple(range(512)), tuple(range(1000, 1512))
+    trace = [request(0, 0.0, a), request(1, 0.0, b), request(2, 5.0, b), request(3, 5.0, a)]
+    costs = SimCosts(
+        prefill_s_per_token=1e-3, l1_s_per_token=1e-4, shared_s_per_token=1e-4, overhead_s=0.0
+    )
+    free = SimConfig(nodes=2, l1_chunks=0, engine_chunks=0, costs=costs)
+    result = simulate(trace, free, "round_robin")
+    assert result.sources[2] == result.sources[3] == {"prefill": 1, "redis": 511}
+    assert result.ttft_s[2:] == [pytest.approx(511 * 1e-4 + 1e-3)] * 2
+    narrow = dataclasses.replace(costs, shared_tokens_per_s=1000.0)
+    result = simulate(trace, dataclasses.replace(free, costs=narrow), "round_robin")
+    assert result.ttft_s[2] == pytest.approx(0.511 + 1e-3)
+    assert result.ttft_s[3] == pytest.approx(2 * 0.511 + 1e-3)
+
+
+@pytest.mark.parametrize("max_running", [1, 2])
+def test_decodes_share_the_steps_and_hold_their_seat(max_running: int) -> None:
+    """r0 (3 output tokens) prefills alone, then decodes twice. With one seat
+    r1 waits for both decode steps; with two, r1's prefill shares the first
+    decode step."""
+    trace = [
+        TraceRequest("r0", 0.0, tuple(range(512)), 3),
+        TraceRequest("r1", 0.1, tuple(range(1000, 1512)), 1),
+    ]
+    costs = SimCosts(
+        prefill_s_per_token=1e-3,
+        l1_s_per_token=1e-4,
+        shared_s_per_token=None,
+        overhead_s=0.01,
+        decode_s_per_token=5e-3,
+    )
+    config = SimConfig(nodes=1, l1_chunks=8, engine_chunks=0, costs=costs, max_running=max_running)
+    first = 0.01 + 0.512
+    r1 = 2 * (0.01 + 5e-3) + 0.01 + 0.512 if max_running == 1 else 0.01 + 5e-3 + 0.512
+    assert simulate(trace, config, "kvtier").ttft_s == pytest.approx([first, first + r1 - 0.1])

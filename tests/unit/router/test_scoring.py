@@ -12,6 +12,7 @@ from kvtier.router.blocks import BlockIndex, block_keys
 from kvtier.router.chunks import ChunkIndex
 from kvtier.router.core import Node, NoEngine, Router
 from kvtier.router.cost import ENGINE, CostConfig, CostModel
+from kvtier.router.load import RHO_MAX, ClusterLoad
 from kvtier.router.scoring import NEAR, make_policy
 
 NAMESPACE = {
@@ -225,6 +226,68 @@ def test_the_queue_outweighs_a_small_hit() -> None:
     assert r.route(tokens, "t").decision.node == 0
     r.nodes[0].queue.drain_at = NOW + 1.0  # a second of work ahead
     assert r.route(tokens, "t").decision.node == 1
+
+
+def test_a_busy_cluster_keeps_a_prefix_home_until_its_queue_outweighs_the_work() -> None:
+    """Node 0 holds the prompt in L1 but has a second of work ahead; idle
+    node 1 would recompute it in 0.32 s. Idle cluster: the least expected
+    TTFT, node 1. At a measured utilisation of 0.9 every second of work
+    costs 9 more of later requests' waiting: node 0's 7 ms plan beats node
+    1's 320 ms, and only a longer queue (5 s) sends the request away."""
+    r = router(2)
+    tokens = np.arange(320, dtype=np.uint32)
+    hashes, _ = r.chunk_hashes(tokens, "t")
+    r.chunks.apply(0, batch(stored(hashes, "L1")))
+    r.nodes[0].queue.drain_at = NOW + 1.0
+    assert r.route(tokens, "t").decision.node == 1
+    r.load.dispatch(NOW, 0.9 * 2 * r.load.window_s)  # 0.9 of two engines' time
+    assert r.load.utilisation(NOW, 2) == pytest.approx(0.9)
+    assert r.load.work_weight(NOW, 2) == pytest.approx(9.0)
+    assert r.route(tokens, "t").decision.node == 0
+    r.nodes[0].queue.drain_at = NOW + 5.0
+    assert r.route(tokens, "t").decision.node == 1
+    assert r.status()["utilisation"] == pytest.approx(0.9)
+
+
+def test_the_measured_load_follows_the_work_routed() -> None:
+    """A steady 1.5 s of work a second over 2 engines reads 0.75; it decays
+    once the work stops; the price of work is capped at RHO_MAX."""
+    load = ClusterLoad(window_s=10.0)
+    for step in range(2000):
+        load.dispatch(step * 0.1, 0.15)
+    assert load.utilisation(199.9, 2) == pytest.approx(0.75, rel=0.02)
+    assert load.utilisation(199.9 + 10.0, 2) == pytest.approx(0.75 / math.e, rel=0.02)
+    load.dispatch(300.0, 1e6)
+    assert load.work_weight(300.0, 2) == pytest.approx(RHO_MAX / (1 - RHO_MAX))
+
+
+def test_only_a_request_that_had_its_engine_to_itself_teaches_the_costs() -> None:
+    """Node 0 prefills 320 tokens in 0.64 s with nothing else there: its rate
+    moves toward 2 ms a token. A request that shared its engine (another was
+    sent there before its first token) teaches nothing: in an engine's
+    batched steps its wait is other requests' work, not its own cost."""
+    clock = [NOW]
+    nodes = [Node(i, f"n{i}", f"http://e{i}") for i in range(2)]
+    cost = CostModel(CostConfig(prefill_s_per_token=1e-3, ewma=0.5))
+    r = Router(
+        nodes, "round_robin", cost, chunks=ChunkIndex(clock=lambda: NOW), clock=lambda: clock[0]
+    )
+    r.set_namespace(NAMESPACE)
+    tokens = np.arange(320, dtype=np.uint32)
+    alone = r.route(tokens, "t")
+    r.dispatched(alone)
+    clock[0] += 0.64
+    r.first_token(alone, 0.64)
+    assert cost.rate(alone.decision.node) == pytest.approx((1e-3 + 0.64 / 320) / 2)
+    node = alone.decision.node
+    shared = [r.route(tokens + 1000 * (i + 1), "t") for i in range(4)]
+    for routed in shared:
+        r.dispatched(routed)
+    learned = cost.rate(node)
+    mine = next(x for x in shared if x.decision.node == node)
+    clock[0] += 5.0
+    r.first_token(mine, 5.0)  # another request went to its engine after it
+    assert cost.rate(node) == learned and cost.samples == 1
 
 
 def test_tenants_do_not_see_each_others_chunks() -> None:
