@@ -6,9 +6,10 @@ and the exact ``trace.jsonl`` it replayed) and simulates the same trace over
 the same two nodes with costs taken from that run: the prefill rate, step
 overhead, L1 load cost and decode step the bench measured one request at a
 time before the runs (``calibration``), a shared store's cost as the router
-learned it (median over policies), the engines' step budget and seats
-(``EngineOptions``: max_num_batched_tokens, max_num_seqs) and their KV
-space; each node's L1 and local fs L2 are one unbounded local tier.
+learned it (median over policies; its default if none learned it), the
+engines' step budget and seats (``EngineOptions``: max_num_batched_tokens,
+max_num_seqs) and their KV space; each node's L1 and local fs L2 are one
+unbounded local tier.
 Reported per policy: TTFT p50 / p95 and the computed share, measured and
 simulated, and the kvtier policy's speed-ups both ways.
 
@@ -25,6 +26,7 @@ from pathlib import Path
 from common import report
 from kvtier.bench.engines import EngineOptions
 from kvtier.bench.simulate import SimConfig, SimCosts, simulate
+from kvtier.router.cost import CostConfig
 from kvtier.traces import read_trace
 
 
@@ -48,7 +50,11 @@ def main() -> None:
     costs = SimCosts(
         prefill_s_per_token=calibration["prefill_s_per_token"],
         l1_s_per_token=calibration["l1_s_per_token"],
-        shared_s_per_token=statistics.median(shared) if measured["shared_l2"] else None,
+        shared_s_per_token=(
+            statistics.median(shared) if shared else CostConfig().default_tier_s_per_token
+        )
+        if measured["shared_l2"]
+        else None,
         overhead_s=overhead,
         decode_s_per_token=max(
             calibration["decode_s"] - overhead, 1e-4

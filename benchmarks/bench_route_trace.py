@@ -18,7 +18,9 @@ Compared in the same run: round-robin, least-loaded, longest-prefix, the
 kvtier policy, the simulator's per-request oracle (the least true TTFT per
 request: a bound for per-request policies, not for placement over time),
 and, with ``--ablations``, the kvtier policy without its price for the work
-it adds (the least expected TTFT alone), with the router's previous queue
+it adds (the least expected TTFT alone), with its cost model learning from
+every request (not only those that had their engine to itself), with the
+router's previous queue
 (the sum of the plans of every request without a first token), or without
 the credit for routed, unannounced chunks.
 
@@ -108,6 +110,7 @@ def main() -> None:
     variants: dict[str, dict[str, object]] = {name: {} for name in policies}
     if args.ablations:
         variants["kvtier, TTFT alone"] = {"work_cost": False}
+        variants["kvtier, learns from every request"] = {"learn_from_all": True}
         variants["kvtier, sum-of-plans queue"] = {"queue": SumOfPlans}
         variants["kvtier, no routed credit"] = {"pending_ttl_s": 0.0}
     rows: list[tuple[str, str]] = []

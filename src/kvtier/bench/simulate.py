@@ -92,6 +92,7 @@ class SimConfig:
     step_tokens: int = 8192  # each engine step's tokens (vLLM's max_num_batched_tokens)
     max_running: int = 1 << 30  # requests an engine runs at once (vLLM's max_num_seqs)
     work_cost: bool = True  # the kvtier policy prices the work it adds (False: TTFT alone)
+    learn_from_all: bool = False  # the cost model learns from every request (the router's old rule)
 
     def __post_init__(self) -> None:
         if self.step_tokens < 1:
@@ -429,6 +430,7 @@ class _Simulation:
             )
         plan = job.plan
         alone = not plan.queue_tokens and self.result.routed[job.node] == job.routed_to
+        alone = alone or self.config.learn_from_all
         self.cost.observe(
             Observation(job.node, ttft, plan.queue_s, plan.prefill_tokens, plan.loaded, alone)
         )
