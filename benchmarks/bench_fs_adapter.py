@@ -23,27 +23,23 @@ from pathlib import Path
 
 import numpy as np
 
-from common import report, timed
+from common import object_options, objects_of, report, timed
 from kvtier.keys import ObjectKey
 from kvtier.l2 import CompletionQueue, make_adapter
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--objects", type=int, default=64)
-    parser.add_argument("--object-mib", type=int, default=8)
-    parser.add_argument("--repeats", type=int, default=7)
+    object_options(parser, objects=64, repeats=7)
     parser.add_argument("--io-threads", type=int, default=4, help="the adapter's io_threads")
     parser.add_argument(
         "--dir", default=None, help="directory on the disk to test (default: a temp dir)"
     )
     args = parser.parse_args()
 
-    size = args.object_mib << 20
+    size, sources = objects_of(args)
     total = args.objects * size
     root = Path(tempfile.mkdtemp(prefix="kvtier-bench-fs-", dir=args.dir))
-    rng = np.random.default_rng(0)
-    sources = [rng.integers(0, 256, size, dtype=np.uint8) for _ in range(args.objects)]
     outputs = [np.ones(size, dtype=np.uint8) for _ in range(args.objects)]
     keys = [ObjectKey(i.to_bytes(32, "big"), "bench", 0) for i in range(args.objects)]
     plain = root / "plain"

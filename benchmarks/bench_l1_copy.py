@@ -16,7 +16,7 @@ import statistics
 
 import numpy as np
 
-from common import median_time, report, timed
+from common import median_time, object_options, objects_of, report, timed
 from kvtier.keys import ObjectKey
 from kvtier.l1 import L1Config
 from kvtier.storage import StorageConfig, StorageManager
@@ -24,15 +24,11 @@ from kvtier.storage import StorageConfig, StorageManager
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--objects", type=int, default=32)
-    parser.add_argument("--object-mib", type=int, default=8)
-    parser.add_argument("--repeats", type=int, default=15)
+    object_options(parser, objects=32, repeats=15)
     args = parser.parse_args()
 
-    size = args.object_mib << 20
+    size, sources = objects_of(args)
     total = args.objects * size
-    rng = np.random.default_rng(0)
-    sources = [rng.integers(0, 256, size, dtype=np.uint8) for _ in range(args.objects)]
     outputs = [np.ones(size, dtype=np.uint8) for _ in range(args.objects)]  # pre-faulted
     keys = [ObjectKey(i.to_bytes(32, "big"), "bench", 0) for i in range(args.objects)]
 

@@ -29,7 +29,7 @@ from pathlib import Path
 import numpy as np
 import zmq
 
-from common import percentile, report, timed
+from common import percentile, random_objects, report, timed
 from kvtier.keys import Namespace, TokenHasher
 from kvtier.process import ServerProcess
 from kvtier.protocol.client import CacheClient, ClientConfig
@@ -101,8 +101,7 @@ def raw_send_seconds(port: str, frames: list[np.ndarray], rounds: int) -> float:
 
 def worker(address: str, index: int, objects: int, size: int, rounds: int, out: mp.Queue) -> None:
     c = client(address, True, f"w{index}", size // 512)
-    rng = np.random.default_rng(index)
-    sources = [rng.integers(0, 256, size, dtype=np.uint8) for _ in range(objects)]
+    sources = random_objects(objects, size, seed=index)
     outs = [np.ones(size, np.uint8) for _ in range(objects)]
     times = [roundtrip(c, 1000 * index + r, sources, outs) for r in range(rounds)]
     c.close()
@@ -129,8 +128,7 @@ def main() -> None:
         size = args.object_mib << 20
         head_dim = size // 512
         total = args.objects * size
-        rng = np.random.default_rng(0)
-        sources = [rng.integers(0, 256, size, dtype=np.uint8) for _ in range(args.objects)]
+        sources = random_objects(args.objects, size)
         outs = [np.ones(size, np.uint8) for _ in range(args.objects)]
         memcpy = statistics.median(
             timed(lambda: [np.copyto(o, s) for s, o in zip(sources, outs, strict=True)])

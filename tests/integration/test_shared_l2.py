@@ -16,6 +16,7 @@ import pytest
 from kvtier.keys import ObjectKey
 from kvtier.l1 import L1Config
 from kvtier.l2 import CompletionQueue, TaskResult, make_adapter
+from kvtier.l2.format import checksum
 from kvtier.layout import KVLayout
 from kvtier.protocol.client import CacheClient
 from kvtier.storage import StorageConfig, StorageManager
@@ -53,6 +54,21 @@ def written_back(client: CacheClient) -> int:
     return status.storage.store.stored_objects.get("shared", 0)
 
 
+def stored_and_written_back(
+    client: CacheClient, seed: int
+) -> tuple[int, list[bytes], list[np.ndarray]]:
+    """``CHUNKS`` chunks of ``seed`` stored through ``client`` and written back
+    to the shared store: their object size, hashes and payloads."""
+    chunk = client.chunk_size
+    assert chunk is not None
+    size = w.object_bytes(chunk)
+    hashes = w.chunk_hashes(chunk, seed, CHUNKS)
+    data = w.payloads(seed, CHUNKS, size)
+    assert client.store(f"s{seed}", hashes, data) == CHUNKS
+    assert wait_for(lambda: written_back(client), lambda n: n >= CHUNKS) >= CHUNKS
+    return size, hashes, data
+
+
 def test_node_b_hits_what_node_a_stored_and_other_tenants_miss(
     kvtier_server: ServerFactory, shared_spec: dict[str, Any]
 ) -> None:
@@ -62,13 +78,7 @@ def test_node_b_hits_what_node_a_stored_and_other_tenants_miss(
     on_b = CacheClient(w.client_config(b.rpc, salt=salt))
     other = CacheClient(w.client_config(b.rpc, salt=salt + "-other"))
     try:
-        chunk = on_a.chunk_size
-        assert chunk is not None
-        size = w.object_bytes(chunk)
-        hashes = w.chunk_hashes(chunk, 5, CHUNKS)
-        data = w.payloads(5, CHUNKS, size)
-        assert on_a.store("s", hashes, data) == CHUNKS
-        assert wait_for(lambda: written_back(on_a), lambda n: n >= CHUNKS) >= CHUNKS
+        size, hashes, data = stored_and_written_back(on_a, 5)
 
         state = on_b.lookup("r", hashes, wait_s=10.0)
         assert (state.hit_chunks, state.chunks_by_tier) == (
@@ -261,3 +271,61 @@ def test_a_stopped_store_does_not_hold_a_lookup_past_its_deadline(
         again = storage.lookup(keys, layout, deadline_s=30.0)  # the store is back
         assert again.hit_chunks == 4
         storage.release(list(again.placements))
+
+
+def test_objects_rewritten_in_the_store_with_a_valid_checksum_are_never_served(
+    kvtier_server: ServerFactory, redis_server: RedisProcess, tmp_path: Any
+) -> None:
+    """Two nodes sealing with one cluster secret share a real Redis. Someone
+    with write access to Redis but not the secret rewrites every object of a
+    prefix: a payload byte changed and the checksum made right again. Node
+    B serves none of it (counted corrupt, removed, a miss), keeps serving,
+    and hits again once node A stores the prefix anew."""
+    import redis
+
+    secret = tmp_path / "cluster.secret"
+    secret.write_text("0123456789abcdef0123456789abcdef\n")
+    spec = {"type": "redis", "url": redis_server.url, "name": "shared"}
+    a, b = (
+        kvtier_server.start(
+            "--cache-dir", "none", "--l2", json.dumps(spec), "--cluster-secret-file", str(secret)
+        )
+        for _ in range(2)
+    )
+    salt = f"sealed{time.monotonic_ns()}"
+    on_a = CacheClient(w.client_config(a.rpc, salt=salt))
+    on_b = CacheClient(w.client_config(b.rpc, salt=salt))
+    try:
+        size, hashes, data = stored_and_written_back(on_a, 9)
+        store = redis.Redis.from_url(redis_server.url)
+        names = list(store.scan_iter(match=f"*{salt}*"))
+        assert len(names) == CHUNKS
+        for name in names:
+            value = bytearray(store.get(name))
+            header_len = int.from_bytes(value[6:8], "little")
+            assert int.from_bytes(value[4:6], "little") == 3  # sealed
+            value[header_len] ^= 0x01
+            payload = np.frombuffer(bytes(value[header_len:]), dtype=np.uint8)
+            value[32:40] = checksum(payload).to_bytes(8, "little")
+            store.set(name, bytes(value))
+
+        state = on_b.lookup("r", hashes, wait_s=10.0)
+        assert state.hit_chunks == 0  # the first chunk is refused: nothing past it is a hit
+        on_b.end_session("r")
+        shared = on_b.status()
+        assert shared is not None
+        adapter = shared.storage.l2["shared"]
+        assert adapter.corrupt_objects >= 1 and adapter.failures.get("corrupt_mac", 0) >= 1
+        assert adapter.sealed_with
+        assert store.exists(*names) < CHUNKS  # the forged copies read are gone
+
+        _, fresh, data = stored_and_written_back(on_b, 10)  # the store works both ways
+        state = on_a.lookup("r2", fresh, wait_s=10.0)
+        assert (state.hit_chunks, state.chunks_by_tier) == (CHUNKS, {"shared": CHUNKS})
+        out = w.empty_buffers(CHUNKS, size)
+        assert on_a.retrieve_into("r2", 0, CHUNKS, out)
+        assert all(np.array_equal(o, d) for o, d in zip(out, data, strict=True))
+        on_a.end_session("r2")
+    finally:
+        for client in (on_a, on_b):
+            client.close()

@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import dataclasses
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -11,6 +12,7 @@ from kvtier.keys import KeySelector, ObjectKey
 from kvtier.l1 import L1Config, L1Result
 from kvtier.l1.quotas import OwnerLimit
 from kvtier.l2 import TaskResult
+from kvtier.l2.seal import Sealer
 from kvtier.storage import L1, Owners, StorageConfig, StorageManager, byte_view
 from tests.conftest import FakeClock, make_key
 from tests.ledger import assert_clean
@@ -191,6 +193,18 @@ def test_tiers_by_name(tmp_path: Path) -> None:
         with pytest.raises(ValueError, match=r"no L2 tier 'nope'; the tiers are \['L1', 'fs'"):
             storage.held_sizes("nope")
         assert storage.flush(10)
+
+
+def test_a_cluster_secret_seals_the_shared_stores_and_leaves_the_local_disk(
+    tmp_path: Path,
+) -> None:
+    seal = Sealer([b"s" * 32])
+    config = dataclasses.replace(two_tiers(tmp_path), seal=seal)
+    with StorageManager(config) as storage:
+        adapters = storage.status()["l2"]
+        assert isinstance(adapters, dict)
+        assert adapters["fs"]["sealed_with"] == ""  # written by this server alone
+        assert adapters["shared"]["sealed_with"] == seal.key_id.hex()
 
 
 def test_remove_older_than_takes_the_picked_old_objects_and_spares_a_held_one(

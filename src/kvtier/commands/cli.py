@@ -50,6 +50,7 @@ def _serve(args: argparse.Namespace) -> int:
         "cache_dir": args.cache_dir,
         "chunk_size": args.chunk_size,
         "auth_token_file": args.auth_token_file,
+        "cluster_secret_file": args.cluster_secret_file,
         "tenants_file": args.tenants_file,
         "l1.shm_dir": args.shm_dir,
         "l1.eviction_policy": args.eviction_policy,
@@ -262,8 +263,9 @@ def build_parser() -> argparse.ArgumentParser:
         description="Every option can be set in the --config TOML file (sections [l1], [store], "
         "[prefetch], [limits], [[l2]]), by KVTIER_<OPTION> or KVTIER_<SECTION>_<OPTION> "
         "variables, or by a flag; flags win over the environment, which wins over the file. "
-        "The auth token comes from KVTIER_AUTH_TOKEN, --auth-token-file or the file, never "
-        "from a flag (a command line shows in ps).",
+        "The auth token comes from KVTIER_AUTH_TOKEN, --auth-token-file or the file, and the "
+        "cluster secret from KVTIER_CLUSTER_SECRET or --cluster-secret-file, never from a flag "
+        "(a command line shows in ps).",
     )
     srv.add_argument("--config", help="TOML file with any of the options")
     srv.add_argument("--print-config", action="store_true", help="print the merged options, exit")
@@ -281,6 +283,11 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--chunk-size", type=int, help="minimum chunk size in tokens (default 256)")
     srv.add_argument(
         "--auth-token-file", help="a file holding the token clients and admin HTTP must give"
+    )
+    srv.add_argument(
+        "--cluster-secret-file",
+        help="a file holding the secret every node seals its L2 objects with (one a line, two "
+        "during a rotation; the first seals): objects a store's other writers cannot forge",
     )
     srv.add_argument(
         "--tenants-file",

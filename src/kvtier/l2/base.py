@@ -37,7 +37,9 @@ controller loop::
   looked up first and skipped if present; other keys are written directly,
   so new objects pay no extra round trip.
 - Corrupt copies (``kvtier.l2.format``) are misses and are deleted or
-  quarantined by the adapter, counted as ``corrupt_objects``.
+  quarantined by the adapter, counted as ``corrupt_objects``. With a
+  cluster secret (``seal_with``, ``kvtier.l2.seal``) every object written
+  is sealed, and one whose tag does not verify is a corrupt copy.
 - ``purge(selector, cursor, limit)`` is the operator's path, not the
   engines': it deletes up to about ``limit`` objects a ``KeySelector``
   matches, from ``cursor`` (None: the start), blocking, and returns a
@@ -65,6 +67,7 @@ import numpy.typing as npt
 
 from kvtier.keys import KeySelector, ObjectKey
 from kvtier.l2.codecs import codec_named
+from kvtier.l2.seal import Sealer
 from kvtier.layout import KVLayout
 
 log = logging.getLogger(__name__)
@@ -210,6 +213,11 @@ class L2Adapter(ABC):
         """The layouts by digest that the storage manager has seen (lossy
         codecs need a payload's shape, and the adapter is told only digests)."""
         return None
+
+    @abstractmethod
+    def seal_with(self, seal: Sealer | None) -> None:
+        """Seal every object written from now on, and take only objects
+        whose tag verifies (None: unsealed, checksums only)."""
 
     @property
     def recoveries(self) -> int:

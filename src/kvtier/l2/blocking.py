@@ -35,6 +35,7 @@ from kvtier.l2.base import (
 )
 from kvtier.l2.format import CorruptObject
 from kvtier.l2.payload_codec import PayloadCodec
+from kvtier.l2.seal import Sealer
 from kvtier.layout import KVLayout
 
 log = logging.getLogger(__name__)
@@ -106,6 +107,7 @@ class BlockingAdapter(L2Adapter):
         self.writable = config.write
         self.shared = self.shared_by_default if config.shared is None else config.shared
         self.codec = PayloadCodec(config.codec, {}, where=self.name)
+        self.seal: Sealer | None = None
         self.clock: Callable[[], float] = time.monotonic
         self._on_complete = on_complete
         self._tasks = itertools.count(1)
@@ -129,6 +131,9 @@ class BlockingAdapter(L2Adapter):
 
     def share_layouts(self, layouts: Mapping[str, KVLayout]) -> None:
         self.codec.layouts = layouts
+
+    def seal_with(self, seal: Sealer | None) -> None:
+        self.seal = seal
 
     def submit_store(
         self, keys: Sequence[ObjectKey], buffers: Sequence[Buffer], layout: str = ""
@@ -175,6 +180,7 @@ class BlockingAdapter(L2Adapter):
                 "type": self.type_name,
                 "name": self.name,
                 "codec": self.codec.writer.name,
+                "sealed_with": self.seal.key_id.hex() if self.seal else "",
                 "healthy": self.clock() >= self._down_until,
                 "closed": self._closed,
                 "recoveries": self._recoveries,

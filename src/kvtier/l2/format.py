@@ -25,6 +25,19 @@ the same fields, the payload length and checksum being those of the stored
 Uncoded objects keep version 1, which readers of every version read. A
 reader that takes payloads as they are stored (``verify_payload``) refuses a
 coded copy: its bytes are not the KV.
+
+A sealed object (a cluster secret is set, ``kvtier.l2.seal``) has a version 3
+header, the fields of version 2 (codec 0: stored as it is) and its tag before
+the key::
+
+    51      8     the sealing key's id
+    59      32    the tag: keyed BLAKE3 of the header, this field zeroed, and
+                  the stored payload
+    91      n     the key ...
+
+A reader with the secret refuses anything but a sealed object whose tag
+verifies (``Corruption.MAC``); one without reads a sealed object on its
+checksum.
 All integers are little-endian. A load whose magic, version, key, layout,
 length or checksum does not match what the reader asked for is a miss, and
 the adapter deletes or quarantines that copy: stale metadata can cost a miss,
@@ -36,6 +49,7 @@ from __future__ import annotations
 import enum
 import struct
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 import numpy.typing as npt
@@ -43,13 +57,19 @@ import xxhash
 
 from kvtier.keys import ObjectKey
 
+if TYPE_CHECKING:
+    from kvtier.l2.seal import Sealer
+
 MAGIC = b"KVTO"
 VERSION = 1
 CODED_VERSION = 2
+SEALED_VERSION = 3
 _FIXED = struct.Struct(
     "<4sHH16sQQH"
 )  # magic, version, header_len, layout, length, checksum, keylen
 _CODED = struct.Struct("<BQ")  # version 2: codec, decoded length
+_SEALED = struct.Struct("<BQ8s32s")  # version 3: codec, decoded length, key id, tag
+_TAG_AT = _FIXED.size + 1 + 8 + 8  # where a sealed header's tag starts
 HEADER_ALIGN = 64
 MAX_HEADER_BYTES = 4096
 # A stored copy of n payload bytes is at most this factor of n, plus a header
@@ -79,6 +99,7 @@ class Corruption(enum.Enum):
     LENGTH = "length"
     CHECKSUM = "checksum"
     CODEC = "codec"  # an unknown codec, one this node lacks, or bytes it cannot decode
+    MAC = "mac"  # unsealed, sealed under an unknown key, or a tag that does not verify
 
 
 class CorruptObject(Exception):
@@ -115,6 +136,9 @@ class Header:
     key: str
     codec: int = 0
     decoded_len: int = -1  # the payload's length once decoded (-1: payload_len)
+    key_id: bytes = b""  # sealed: the sealing key's id
+    tag: bytes = b""  # sealed: the tag ("" unsealed)
+    signed: bytes = b""  # sealed: the header as tagged (its tag zeroed)
 
     @property
     def plain_len(self) -> int:
@@ -128,24 +152,41 @@ def encode_header(
     align: int = HEADER_ALIGN,
     codec: int = 0,
     decoded_len: int = 0,
+    seal: Sealer | None = None,
 ) -> bytes:
     """The header for ``payload`` (the stored bytes: encoded by ``codec``
     from ``decoded_len`` bytes, if not 0) stored under ``key`` (checksums the
-    payload)."""
+    payload; with ``seal``, tags header and payload)."""
     key_bytes = key.to_str().encode("utf-8")
-    coded = _CODED.pack(codec, decoded_len) if codec else b""
-    used = _FIXED.size + len(coded) + len(key_bytes)
-    header_len = -(-used // align) * align
+    header_len = header_length(key, align, bool(codec), seal is not None)
+    if seal is not None:
+        version, extra = SEALED_VERSION, _SEALED.pack(codec, decoded_len, seal.key_id, b"")
+    elif codec:
+        version, extra = CODED_VERSION, _CODED.pack(codec, decoded_len)
+    else:
+        version, extra = VERSION, b""
     fixed = _FIXED.pack(
         MAGIC,
-        CODED_VERSION if codec else VERSION,
+        version,
         header_len,
         layout_bytes(layout),
         payload.nbytes,
         checksum(payload),
         len(key_bytes),
     )
-    return fixed + coded + key_bytes + bytes(header_len - used)
+    header = fixed + extra + key_bytes
+    header += bytes(header_len - len(header))
+    if seal is None:
+        return header
+    tag = seal.tag(header, payload)
+    return header[:_TAG_AT] + tag + header[_TAG_AT + len(tag) :]
+
+
+def header_length(key: ObjectKey, align: int, coded: bool, sealed: bool) -> int:
+    """The bytes of ``key``'s header, padded to ``align``."""
+    extra = _SEALED.size if sealed else _CODED.size if coded else 0
+    used = _FIXED.size + extra + len(key.to_str().encode("utf-8"))
+    return -(-used // align) * align
 
 
 def unpack_header(data: bytes | memoryview) -> Header:
@@ -158,9 +199,10 @@ def unpack_header(data: bytes | memoryview) -> Header:
     magic, version, header_len, stored_layout, length, digest, key_len = _FIXED.unpack_from(view)
     if magic != MAGIC:
         raise CorruptObject(Corruption.MAGIC, repr(magic))
-    if version not in (VERSION, CODED_VERSION):
+    if version not in (VERSION, CODED_VERSION, SEALED_VERSION):
         raise CorruptObject(Corruption.VERSION, str(version))
     start, codec, decoded = _FIXED.size, 0, -1
+    key_id = tag = signed = b""
     if version == CODED_VERSION:
         if len(view) < start + _CODED.size:
             raise CorruptObject(Corruption.SHORT, f"{len(view)} bytes")
@@ -168,10 +210,21 @@ def unpack_header(data: bytes | memoryview) -> Header:
         if codec == 0:  # written for coded payloads only; "none" has no decoded length
             raise CorruptObject(Corruption.CODEC, "version 2 header without a codec")
         start += _CODED.size
+    elif version == SEALED_VERSION:
+        if len(view) < max(start + _SEALED.size, header_len):
+            raise CorruptObject(Corruption.SHORT, f"{len(view)} bytes")
+        codec, decoded, key_id, tag = _SEALED.unpack_from(view, start)
+        decoded = decoded if codec else -1
+        zeroed = bytearray(view[:header_len])
+        zeroed[_TAG_AT : _TAG_AT + len(tag)] = bytes(len(tag))
+        signed = bytes(zeroed)
+        start += _SEALED.size
     if header_len < start + key_len or len(view) < start + key_len:
         raise CorruptObject(Corruption.SHORT, "header shorter than its key")
     stored_key = bytes(view[start : start + key_len]).decode("utf-8", "replace")
-    return Header(header_len, stored_layout, length, digest, stored_key, codec, decoded)
+    return Header(
+        header_len, stored_layout, length, digest, stored_key, codec, decoded, key_id, tag, signed
+    )
 
 
 def parse_header(data: bytes | memoryview, key: ObjectKey, layout: str) -> Header:
@@ -185,19 +238,25 @@ def parse_header(data: bytes | memoryview, key: ObjectKey, layout: str) -> Heade
     return header
 
 
-def verify_payload(header: Header, payload: Payload) -> None:
+def verify_payload(header: Header, payload: Payload, seal: Sealer | None = None) -> None:
     """Check a payload already read into memory, for a reader that takes
-    payloads as they are stored: its length and checksum, and that it was
-    stored as it is (a coded copy, ``Corruption.CODEC``, is not the KV)."""
+    payloads as they are stored: its length and checksum (its tag, with
+    ``seal``), and that it was stored as it is (a coded copy,
+    ``Corruption.CODEC``, is not the KV)."""
     if header.codec:
         raise CorruptObject(Corruption.CODEC, f"codec {header.codec} where none is read")
-    verify_stored(header, payload)
+    verify_stored(header, payload, seal)
 
 
-def verify_stored(header: Header, payload: Payload) -> None:
-    """Check length and checksum of the stored bytes (coded or not)."""
+def verify_stored(header: Header, payload: Payload, seal: Sealer | None = None) -> None:
+    """Check the stored bytes (coded or not): their length, then their tag
+    with ``seal`` (an unsealed object is refused), else their checksum."""
     size = payload.nbytes
     if size != header.payload_len:
         raise CorruptObject(Corruption.LENGTH, f"{size} != {header.payload_len}")
-    if checksum(payload) != header.checksum:
+    if seal is not None:
+        if not header.tag:
+            raise CorruptObject(Corruption.MAC, "unsealed, and this reader has a secret")
+        seal.verify(header.key_id, header.tag, header.signed, payload)
+    elif checksum(payload) != header.checksum:
         raise CorruptObject(Corruption.CHECKSUM)

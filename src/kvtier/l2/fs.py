@@ -132,7 +132,7 @@ class FSAdapter(BlockingAdapter):
     def _store_one(self, key: ObjectKey, buffer: Buffer, layout: str) -> int | None:
         final = self.path_of(key)
         direct = self._direct_ok(buffer)
-        header = encode_header(key, layout, buffer, DIRECT_ALIGN if direct else 64)
+        header = encode_header(key, layout, buffer, DIRECT_ALIGN if direct else 64, seal=self.seal)
         with self._index_lock:
             refused = self._index.refuses(key, len(header) + buffer.nbytes)
         if refused:
@@ -198,7 +198,7 @@ class FSAdapter(BlockingAdapter):
             read = self._read_payload(path, fd, buffer, header.header_len)
             if read != buffer.nbytes:
                 raise CorruptObject(Corruption.SHORT, f"read {read} of {buffer.nbytes}")
-            verify_payload(header, buffer)
+            verify_payload(header, buffer, self.seal)
         except CorruptObject as error:
             self._corrupt(key, error)
             self._delete(key, path)

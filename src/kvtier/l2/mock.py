@@ -133,7 +133,7 @@ class MockAdapter(BlockingAdapter):
         self, keys: Sequence[ObjectKey], buffers: Sequence[Buffer], layout: str
     ) -> list[int | None]:
         pairs = zip(keys, buffers, strict=True)
-        values = [encode_object(k, layout, b, self.codec) for k, b in pairs]
+        values = [encode_object(k, layout, b, self.codec, self.seal) for k, b in pairs]
         self._delay(sum(len(v) for v in values))  # what goes over the wire
         written: list[int | None] = []
         for key, buffer, encoded in zip(keys, buffers, values, strict=True):
@@ -208,7 +208,7 @@ class MockAdapter(BlockingAdapter):
 
     def _decode(self, key: ObjectKey, value: bytes, layout: str, buffer: Buffer) -> bool:
         try:
-            decode_object(value, key, layout, buffer, self.codec)
+            decode_object(value, key, layout, buffer, self.codec, self.seal)
         except CorruptObject as error:
             self._corrupt(key, error)
             with self._data_lock:

@@ -35,9 +35,11 @@ from kvtier.keys import KeySelector, ObjectKey
 from kvtier.l2.base import AdapterConfig, Buffer, CompletionCallback, PurgeStep
 from kvtier.l2.blocking import BackendUnavailable, BlockingAdapter
 from kvtier.l2.format import (
+    HEADER_ALIGN,
     Corruption,
     CorruptObject,
     encode_header,
+    header_length,
     parse_header,
     verify_payload,
 )
@@ -129,7 +131,7 @@ class MooncakeAdapter(BlockingAdapter):
             with self._slots(len(part)) as slots:
                 ptrs, sizes = [], []
                 for slot, i in zip(slots, part, strict=True):
-                    header = encode_header(keys[i], layout, buffers[i])
+                    header = encode_header(keys[i], layout, buffers[i], seal=self.seal)
                     staged = self._slot(slot, len(header))
                     staged[:] = np.frombuffer(header, dtype=np.uint8)
                     ptrs.append([staged.ctypes.data, buffers[i].ctypes.data])
@@ -165,7 +167,9 @@ class MooncakeAdapter(BlockingAdapter):
         for start in range(0, len(keys), self.mc_config.max_batch):
             part = range(start, min(len(keys), start + self.mc_config.max_batch))
             with self._slots(len(part)) as slots:
-                lengths = [len(encode_header_size(keys[i], layout)) for i in part]
+                lengths = [
+                    header_length(keys[i], HEADER_ALIGN, False, self.seal is not None) for i in part
+                ]
                 views = [self._slot(s, n) for s, n in zip(slots, lengths, strict=True)]
                 codes = self._client(
                     "batch_get_into_multi_buffers",
@@ -230,7 +234,7 @@ class MooncakeAdapter(BlockingAdapter):
             parsed = parse_header(header.data, key, layout)
             if parsed.header_len != header.nbytes:
                 raise CorruptObject(Corruption.SHORT, "header length")
-            verify_payload(parsed, payload)
+            verify_payload(parsed, payload, self.seal)
         except CorruptObject as error:
             self._corrupt(key, error)
             self._client("batch_remove", [self.name_of(key)], True)
@@ -259,12 +263,6 @@ class MooncakeAdapter(BlockingAdapter):
 
     def _slots(self, n: int) -> _Slots:
         return _Slots(self, n)
-
-
-def encode_header_size(key: ObjectKey, layout: str) -> bytes:
-    """A header of the right length for ``key`` (its length does not depend
-    on the payload), to size the header part of a load."""
-    return encode_header(key, layout, np.zeros(0, dtype=np.uint8))
 
 
 class _Slots:

@@ -104,7 +104,7 @@ class RedisAdapter(BlockingAdapter):
             pipe = self._client.pipeline(transaction=False)
             sizes = []
             for i in part:
-                value = encode_object(keys[i], layout, buffers[i], self.codec)
+                value = encode_object(keys[i], layout, buffers[i], self.codec, self.seal)
                 pipe.set(self.name_of(keys[i]), value, px=ttl_ms)
                 sizes.append(len(value))
             replies = self._execute(pipe)
@@ -201,7 +201,7 @@ class RedisAdapter(BlockingAdapter):
         try:
             if len(value) > stored_bound(buffer.nbytes):
                 raise CorruptObject(Corruption.LENGTH, "longer than any copy of this object")
-            decode_object(value, key, layout, buffer, self.codec)
+            decode_object(value, key, layout, buffer, self.codec, self.seal)
         except CorruptObject as error:
             self._corrupt(key, error)
             self._delete(key)

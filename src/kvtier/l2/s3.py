@@ -114,7 +114,7 @@ class S3Adapter(BlockingAdapter):
     ) -> list[int | None]:
         written: list[int | None] = []
         for key, buffer in zip(keys, buffers, strict=True):
-            body = encode_object(key, layout, buffer, self.codec)
+            body = encode_object(key, layout, buffer, self.codec, self.seal)
             ok = self._call(
                 key, "put_object", Bucket=self.s3_config.bucket, Key=self.name_of(key), Body=body
             )
@@ -144,7 +144,7 @@ class S3Adapter(BlockingAdapter):
                 if int(reply.get("ContentLength", 0)) > bound:
                     body.close()
                     raise CorruptObject(Corruption.LENGTH, "longer than any copy of this object")
-                decode_object(body.read(bound + 1), key, layout, buffer, self.codec)
+                decode_object(body.read(bound + 1), key, layout, buffer, self.codec, self.seal)
             except CorruptObject as error:
                 self._corrupt(key, error)
                 self._call(

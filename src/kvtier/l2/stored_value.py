@@ -19,15 +19,20 @@ from kvtier.l2.format import (
     verify_stored,
 )
 from kvtier.l2.payload_codec import PayloadCodec
+from kvtier.l2.seal import Sealer
 
 
 def encode_object(
-    key: ObjectKey, layout: str, payload: Payload, codec: PayloadCodec | None = None
+    key: ObjectKey,
+    layout: str,
+    payload: Payload,
+    codec: PayloadCodec | None = None,
+    seal: Sealer | None = None,
 ) -> bytes:
     """Header and stored payload in one value (for stores whose client wants
-    one value); ``codec`` encodes the payload, if given."""
+    one value); ``codec`` encodes the payload, if given; ``seal`` tags it."""
     ident, stored = (0, payload) if codec is None else codec.encode(layout, payload)
-    header = encode_header(key, layout, stored, codec=ident, decoded_len=payload.nbytes)
+    header = encode_header(key, layout, stored, codec=ident, decoded_len=payload.nbytes, seal=seal)
     return b"".join((header, stored.data))
 
 
@@ -37,9 +42,10 @@ def decode_object(
     layout: str,
     out: Payload,
     codec: PayloadCodec | None = None,
+    seal: Sealer | None = None,
 ) -> None:
-    """Check a whole stored value and write its payload into ``out``
-    (decoded by ``codec`` when it was stored with one)."""
+    """Check a whole stored value (its tag, with ``seal``) and write its
+    payload into ``out`` (decoded by ``codec`` when it was stored with one)."""
     header = parse_header(data, key, layout)
     view = memoryview(data)
     expected = header.header_len + header.payload_len
@@ -51,8 +57,8 @@ def decode_object(
         raise CorruptObject(Corruption.LENGTH, f"reader expects {out.nbytes} bytes")
     payload = np.frombuffer(view, dtype=np.uint8, offset=header.header_len)
     if codec is None or header.codec == 0:
-        verify_payload(header, payload)
+        verify_payload(header, payload, seal)
         np.copyto(out, payload)
     else:
-        verify_stored(header, payload)
+        verify_stored(header, payload, seal)
         codec.decode(header.codec, layout, payload, out)

@@ -103,6 +103,7 @@ class L2AdapterStatus(Section):
     type: str = ""
     name: str = ""
     codec: str = ""
+    sealed_with: str = ""  # the key id its objects are sealed with ("" unsealed)
     healthy: Flag = True
     closed: Flag = False
     recoveries: Count = 0

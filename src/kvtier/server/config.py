@@ -12,7 +12,9 @@ them with ``kvtier.config.load``'s precedence (flags > ``KVTIER_*``
 environment > ``--config`` TOML file > defaults); ``--print-config`` shows
 the result. The auth token comes from the environment (``KVTIER_AUTH_TOKEN``),
 a file (``--auth-token-file``) or the TOML file, never from a flag: a command
-line is visible to every user of the machine in ``ps``.
+line is visible to every user of the machine in ``ps``. So does the cluster
+secret that seals L2 objects (``KVTIER_CLUSTER_SECRET``,
+``--cluster-secret-file``; ``kvtier.l2.seal``).
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from kvtier.controllers import PrefetchConfig, StoreConfig
 from kvtier.events.publisher import EventsConfig
 from kvtier.l1 import L1Config
 from kvtier.l2.registry import parse_spec
+from kvtier.l2.seal import Sealer, parse_secrets
 from kvtier.paths import cache_home
 from kvtier.server.limits import ServerLimits
 from kvtier.tenancy.purge import PurgeConfig
@@ -65,6 +68,10 @@ class ServerConfig:
     chunk_size: int = 256
     auth_token: str = ""  # secret: from KVTIER_AUTH_TOKEN, auth_token_file or the file
     auth_token_file: str = ""
+    # The secret L2 objects are sealed with (kvtier.l2.seal): from
+    # KVTIER_CLUSTER_SECRET, cluster_secret_file or the file; "" unsealed.
+    cluster_secret: str = ""
+    cluster_secret_file: str = ""
     # Tenants the server enforces (kvtier.tenancy.tenants): token digests, salts,
     # quotas, roles. Without it the auth token (if any) is one admin tenant.
     tenants_file: str = ""
@@ -90,6 +97,13 @@ class ServerConfig:
             raise ValueError(f"--chunk-size must be positive, got {self.chunk_size}")
         for spec in self.l2:
             parse_spec(spec)  # a clear error for a spec without a type
+
+    @property
+    def sealer(self) -> Sealer | None:
+        """What L2 objects are sealed with (None: no cluster secret)."""
+        if not self.cluster_secret:
+            return None
+        return Sealer(parse_secrets(self.cluster_secret, "the cluster secret"))
 
     @property
     def l2_dir(self) -> str | None:
@@ -118,8 +132,8 @@ def load_config(
     (None: not given; keys may be dotted), then read the token file."""
     if any(flags.get(key) for key in SECRET_FIELDS):
         raise ValueError(
-            "the auth token is never a flag (a command line shows in ps): use --auth-token-file "
-            "or KVTIER_AUTH_TOKEN"
+            "a secret is never a flag (a command line shows in ps): use --auth-token-file or "
+            "KVTIER_AUTH_TOKEN, --cluster-secret-file or KVTIER_CLUSTER_SECRET"
         )
     file = read_toml(config_file, "--config") if config_file else {}
     config = load(
@@ -135,6 +149,20 @@ def load_config(
     if config.auth_token_file:
         token = secret(config.auth_token_file, "--auth-token-file", ENV_PREFIX + "AUTH_TOKEN")
         config = dataclasses.replace(config, auth_token=token)
+    if config.cluster_secret_file:
+        text = secret(
+            config.cluster_secret_file, "--cluster-secret-file", ENV_PREFIX + "CLUSTER_SECRET"
+        )
+        config = dataclasses.replace(config, cluster_secret=text)
+    if config.cluster_secret:
+        where = (
+            f"--cluster-secret-file {config.cluster_secret_file}"
+            if config.cluster_secret_file
+            else "the cluster secret (KVTIER_CLUSTER_SECRET or the file's cluster_secret)"
+        )
+        parse_secrets(config.cluster_secret, where)
+    elif config.cluster_secret_file:
+        raise ValueError(f"--cluster-secret-file {config.cluster_secret_file} is empty")
     if config.tenants_file and config.auth_token:
         raise ValueError(
             "give --tenants-file or an auth token, not both: the tenants file holds every "

@@ -54,6 +54,7 @@ from kvtier.events.residency import Residency
 from kvtier.keys import ObjectKey
 from kvtier.l1 import IOFence, L1Config, L1Result, Placement, WriterTag
 from kvtier.l2 import TaskKind, TaskResult
+from kvtier.l2.seal import Sealer
 from kvtier.layout import KVLayout
 from kvtier.storage.tiers import Owners, StorageTiers
 
@@ -80,6 +81,7 @@ class StorageConfig:
     l2: tuple[Mapping[str, Any], ...] = ()
     store: StoreConfig = field(default_factory=StoreConfig)
     prefetch: PrefetchConfig = field(default_factory=PrefetchConfig)
+    seal: Sealer | None = None  # every L2 object sealed (kvtier.l2.seal); None: unsealed
 
 
 @dataclass(slots=True)
@@ -117,6 +119,7 @@ class StorageManager(StorageTiers):
             residency=residency,
             clock=clock,
             owners=owners,
+            seal=self.config.seal,
         )
         self._store_controller = StoreController(
             self.config.store,

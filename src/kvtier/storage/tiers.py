@@ -41,6 +41,7 @@ from kvtier.l1 import L1Config, L1Manager, L1Result, Placement
 from kvtier.l1.quotas import OwnerLimit
 from kvtier.l2 import L2Adapter, TaskKind, TaskResult, make_adapter
 from kvtier.l2.base import CompletionCallback, PurgeStep
+from kvtier.l2.seal import Sealer
 from kvtier.layout import KVLayout
 
 L1 = L1_TIER.name  # the tier name of L1; the others are the adapters' names
@@ -70,9 +71,12 @@ class StorageTiers:
         residency: Residency | None = None,
         clock: Callable[[], float] = time.monotonic,
         owners: Owners | None = None,
+        seal: Sealer | None = None,
     ) -> None:
         """``l2``: adapter specs, fastest first; ``on_complete``: told of
-        every adapter task's result (the adapters' threads)."""
+        every adapter task's result (the adapters' threads); ``seal``: what
+        every shared store seals its objects with (a node-local tier, written
+        by this server alone, is inside its trust as L1 is: unsealed)."""
         self._residency = residency
         self._events_tiers: dict[str, Tier] = {}  # adapter name -> its tier in KV events
         self._l1 = L1Manager(l1, clock=clock)
@@ -96,6 +100,7 @@ class StorageTiers:
         for adapter in self._adapters:
             adapter.register_memory(self._l1.memory)
             adapter.share_layouts(self._layouts)
+            adapter.seal_with(seal if adapter.shared else None)
         self._self_capped = self._set_owners(owners) if owners is not None else frozenset()
         if residency is not None:
             self._report_residency(residency)

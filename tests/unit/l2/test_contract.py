@@ -12,6 +12,7 @@ tests (a server) never sees another test's objects.
 
 from __future__ import annotations
 
+import struct
 import threading
 import time
 import uuid
@@ -34,12 +35,14 @@ from kvtier.l2 import (
     make_adapter,
 )
 from kvtier.l2.base import Buffer, CompletionCallback
+from kvtier.l2.format import checksum
 from kvtier.l2.fs import FSAdapter
 from kvtier.l2.mock import MockAdapter
 from kvtier.l2.mooncake import MooncakeAdapter
 from kvtier.l2.payload_codec import PayloadCodec
 from kvtier.l2.redis import RedisAdapter
 from kvtier.l2.s3 import S3Adapter
+from kvtier.l2.seal import Sealer
 from kvtier.l2.stored_value import decode_object, encode_object
 from tests.conftest import make_key
 from tests.servers import MooncakeProcess, RedisProcess, SeaweedProcess
@@ -473,6 +476,82 @@ def test_planted_bad_copy_is_a_counted_miss_and_is_removed(
     out = _blank(size)
     assert h.load([key], out, LAYOUT_A).ok == (True,)
     assert np.array_equal(out[0], data)
+
+
+# ---------------------------------------------------------------- sealing
+
+CLUSTER_SECRET = b"c" * 40
+OTHER_SECRET = b"o" * 40  # a writer that does not hold the cluster's secret
+
+
+def _recheck_summed(data: bytes) -> bytes:
+    """A payload byte flipped and the header's checksum made right again:
+    what a writer who knows the format but not the secret can do."""
+    header_len = struct.unpack_from("<H", data, 6)[0]
+    changed = bytearray(data)
+    changed[header_len] ^= 0x01
+    payload_view = np.frombuffer(bytes(changed[header_len:]), dtype=np.uint8)
+    struct.pack_into("<Q", changed, 32, checksum(payload_view))
+    return bytes(changed)
+
+
+@pytest.mark.parametrize(
+    ("plant", "reasons"),
+    [
+        ("rechecksummed", {"corrupt_mac"}),
+        ("unsealed", {"corrupt_mac", "corrupt_short", "corrupt_length"}),
+        ("other_secret", {"corrupt_mac"}),
+        ("other_key_sealed", {"corrupt_key"}),
+    ],
+)
+def test_a_forged_object_with_a_valid_checksum_is_a_counted_miss_and_removed(
+    h: ContractHarness, plant: str, reasons: set[str]
+) -> None:
+    """With the cluster secret, only objects sealed under it are served: a
+    copy re-checksummed after tampering, an unsealed one, one sealed under
+    another secret each cost one counted miss and are removed; what was
+    stored is served bit-exact."""
+    h.adapter.seal_with(Sealer([CLUSTER_SECRET]))
+    size = 2000
+    key, other, data = h.key(0), h.key(1), payload(size, seed=3)
+    forged = payload(size, seed=4)
+    _store_one(h, key, data, LAYOUT_A)
+    assert struct.unpack_from("<H", h.raw(key), 4)[0] == 3  # a sealed header
+    out = _blank(size)
+    assert h.load([key], out, LAYOUT_A).ok == (True,) and np.array_equal(out[0], data)
+    change: Change = {
+        "rechecksummed": _recheck_summed,
+        "unsealed": lambda b: encode_object(key, LAYOUT_A, forged),
+        "other_secret": lambda b: encode_object(key, LAYOUT_A, forged, seal=Sealer([OTHER_SECRET])),
+        "other_key_sealed": lambda b: encode_object(
+            other, LAYOUT_A, forged, seal=Sealer([CLUSTER_SECRET])
+        ),
+    }[plant]
+    h.tamper(key, change)
+    out = _blank(size)
+    assert h.load([key], out, LAYOUT_A).ok == (False,)  # the buffer is not the caller's
+    assert h.counter("corrupt_objects") == 1
+    assert set(h.failures()) <= reasons, h.failures()
+    assert h.lookup([key]).ok == (False,)  # removed
+    _store_one(h, key, data, LAYOUT_A)
+    assert h.load([key], out, LAYOUT_A).ok == (True,) and np.array_equal(out[0], data)
+
+
+def test_a_rotation_accepts_both_secrets_and_a_reader_without_one_reads_checksums(
+    h: ContractHarness,
+) -> None:
+    old, new = Sealer([OTHER_SECRET]), Sealer([CLUSTER_SECRET, OTHER_SECRET])
+    key, data = h.key(0), payload(900, seed=5)
+    h.adapter.seal_with(old)
+    _store_one(h, key, data)
+    out = _blank(900)
+    h.adapter.seal_with(new)  # mid-rotation: the new secret seals, the old one still opens
+    assert h.load([key], out).ok == (True,) and np.array_equal(out[0], data)
+    h.adapter.seal_with(None)  # no secret: as before sealing existed
+    assert h.load([key], out).ok == (True,) and np.array_equal(out[0], data)
+    h.adapter.seal_with(Sealer([CLUSTER_SECRET]))  # the rotation is over
+    assert h.load([key], out).ok == (False,)
+    assert h.failures() == Counter({"corrupt_mac": 1})
 
 
 def test_bad_copy_in_a_batch_fails_only_its_own_key(h: ContractHarness) -> None:

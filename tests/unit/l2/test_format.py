@@ -20,8 +20,10 @@ from kvtier.l2.format import (
     encode_header,
     layout_bytes,
     parse_header,
+    unpack_header,
     verify_payload,
 )
+from kvtier.l2.seal import Sealer, parse_secrets
 from kvtier.l2.stored_value import decode_object, encode_object
 from tests.conftest import make_key
 from tests.unit.l2.harness import payload
@@ -151,7 +153,7 @@ def test_bad_magic(stored: Stored) -> None:
     assert _corrupt_reason(bad, key, LAYOUT_A, np.zeros(3000, np.uint8)) is Corruption.MAGIC
 
 
-@pytest.mark.parametrize("version", [0, 3, 0xFFFF])
+@pytest.mark.parametrize("version", [0, 4, 0xFFFF])
 def test_wrong_version(stored: Stored, version: int) -> None:
     key, obj = stored.key, stored.obj
     bad = obj[:4] + struct.pack("<H", version) + obj[6:]
@@ -324,3 +326,57 @@ def test_layout_bytes_error_names_the_digest() -> None:
     with pytest.raises(ValueError, match="32 hex digits") as info:
         layout_bytes("ab" * 8)
     assert repr("ab" * 8) in str(info.value)
+
+
+# -------------------------------------------------------------- sealed (v3)
+
+SECRET = b"f" * 32
+
+
+def test_a_sealed_header_carries_its_key_id_and_tag_where_the_format_says() -> None:
+    key, data = make_key(21), payload(3000, seed=2)
+    seal = Sealer([SECRET])
+    obj = encode_object(key, LAYOUT_A, data, seal=seal)
+    assert struct.unpack_from("<H", obj, 4)[0] == 3
+    assert obj[42] == 0 and struct.unpack_from("<Q", obj, 43)[0] == 3000  # codec, length
+    assert obj[51:59] == seal.key_id
+    header = parse_header(obj, key, LAYOUT_A)
+    assert header.tag == obj[59:91] and header.key == key.to_str()
+    out = np.zeros(3000, np.uint8)
+    decode_object(obj, key, LAYOUT_A, out, seal=seal)
+    assert np.array_equal(out, data)
+    decode_object(obj, key, LAYOUT_A, out)  # no secret: read on its checksum
+
+
+@pytest.mark.parametrize("at", [8, 24, 32, 51, 60, 95, 200])
+def test_any_byte_changed_in_a_sealed_object_fails_its_tag(at: int) -> None:
+    """The layout (8), the length field (24), the checksum (32), the key id
+    (51), the tag (60), the key (95), the payload (200): each is covered."""
+    key, data = make_key(22), payload(3000, seed=3)
+    seal = Sealer([SECRET])
+    obj = bytearray(encode_object(key, LAYOUT_A, data, seal=seal))
+    obj[at] ^= 0x01
+    header = unpack_header(bytes(obj))
+    stored = np.frombuffer(bytes(obj), np.uint8, offset=header.header_len)
+    with pytest.raises(CorruptObject) as info:
+        verify_payload(header, stored, seal)
+    assert info.value.reason in (Corruption.MAC, Corruption.LENGTH)
+
+
+def test_a_reader_with_a_secret_refuses_an_unsealed_object() -> None:
+    key, data = make_key(23), payload(100, seed=4)
+    obj = encode_object(key, LAYOUT_A, data)
+    with pytest.raises(CorruptObject, match="unsealed") as info:
+        decode_object(obj, key, LAYOUT_A, np.zeros(100, np.uint8), seal=Sealer([SECRET]))
+    assert info.value.reason is Corruption.MAC
+
+
+def test_secrets_are_checked_and_name_what_to_change() -> None:
+    assert parse_secrets("a" * 32 + "\n\n" + "b" * 40 + "\n", "x") == (b"a" * 32, b"b" * 40)
+    with pytest.raises(ValueError, match="x is empty"):
+        parse_secrets(" \n", "x")
+    with pytest.raises(ValueError, match="secret 2 is 31 characters"):
+        parse_secrets("a" * 32 + "\n" + "b" * 31, "x")
+    one, two = Sealer([b"a" * 32]), Sealer([b"a" * 32, b"b" * 32])
+    assert one.key_id == two.key_id and two.key_ids[0] == one.key_ids[0]
+    assert Sealer([b"b" * 32]).key_id != one.key_id

@@ -1,11 +1,13 @@
 from __future__ import annotations
 
+import logging
 import tomllib
 from pathlib import Path
 
 import pytest
 
 from kvtier.commands.cli import main
+from kvtier.commands.serve import storage_config
 from kvtier.config import dump_toml
 from kvtier.server.config import ServerConfig, default_l1_bytes, flag_name, load_config
 
@@ -138,3 +140,63 @@ def test_no_secret_on_a_command_line_or_in_print_config() -> None:
     printed = dump_toml(config)
     assert "pw123" not in printed and "SUPERSECRET" not in printed
     assert "redis://:***@cache:6379/0" in printed
+
+
+GOOD_SECRET = "0123456789abcdef0123456789abcdef"
+
+
+def test_the_cluster_secret_comes_from_a_file_or_the_environment(tmp_path: Path) -> None:
+    file = tmp_path / "cluster.secret"
+    file.write_text(f"{GOOD_SECRET}\n{GOOD_SECRET[::-1]}\n")  # mid-rotation: two
+    config = load_config({"cluster_secret_file": str(file)}, environ=NO_ENV)
+    sealer = config.sealer
+    assert sealer is not None and len(sealer.key_ids) == 2
+    from_env = load_config({}, environ={"KVTIER_CLUSTER_SECRET": GOOD_SECRET})
+    assert from_env.sealer is not None and from_env.sealer.key_ids[0] == sealer.key_ids[0]
+    assert load_config({}, environ=NO_ENV).sealer is None  # no secret: unsealed
+    with pytest.raises(ValueError, match=r"--cluster-secret-file .*No such file"):
+        load_config({"cluster_secret_file": str(tmp_path / "missing")}, environ=NO_ENV)
+    assert GOOD_SECRET not in dump_toml(config)
+    with pytest.raises(ValueError, match="never a flag"):
+        load_config({"cluster_secret": GOOD_SECRET}, environ={})
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("", "is empty"),
+        ("short\n", "secret 1 is 5 characters: at least 32"),
+        (f"{GOOD_SECRET} {GOOD_SECRET}\n", "secret 1 is malformed"),
+        (f"{GOOD_SECRET}\n{GOOD_SECRET}\n{GOOD_SECRET}\n", "holds 3 secrets: at most 2"),
+        ("é" * 40, "secret 1 is malformed"),
+    ],
+)
+def test_a_missing_short_or_malformed_secret_stops_the_server_naming_the_setting(
+    tmp_path: Path, text: str, message: str
+) -> None:
+    file = tmp_path / "cluster.secret"
+    file.write_text(text)
+    with pytest.raises(ValueError, match=f"--cluster-secret-file .*{message}"):
+        load_config({"cluster_secret_file": str(file)}, environ=NO_ENV)
+    if text.strip():
+        with pytest.raises(ValueError, match=f"KVTIER_CLUSTER_SECRET.*{message}"):
+            load_config({}, environ={"KVTIER_CLUSTER_SECRET": text})
+
+
+def test_serve_says_at_start_whether_l2_objects_are_sealed(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    with caplog.at_level(logging.INFO):
+        storage_config(load_config({}, environ=NO_ENV))  # the local disk alone
+    assert "sealed" not in caplog.text
+    shared = {"l2": [{"type": "mock", "shared": True}]}
+    with caplog.at_level(logging.INFO):
+        storage = storage_config(load_config(shared, environ=NO_ENV))
+    assert storage.seal is None
+    assert "not sealed (no cluster secret)" in caplog.text
+    caplog.clear()
+    with caplog.at_level(logging.INFO):
+        config = load_config(shared, environ={"KVTIER_CLUSTER_SECRET": GOOD_SECRET})
+        storage = storage_config(config)
+    assert storage.seal is not None
+    assert f"sealed (key {storage.seal.key_ids[0]})" in caplog.text
