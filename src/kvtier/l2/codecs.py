@@ -16,8 +16,9 @@ stored, and a copy whose codec this node cannot decode is a miss:
   channel, over the chunk's tokens: key outliers live in channels), values per
   token (over the channels); ``int4`` in groups of 32 along the same axes.
   Scales and offsets are float16. A chunk they cannot describe (KV beyond
-  float16's range, or codes that would decode past its dtype's largest finite
-  value) is stored with ``none``, exact; a reader refuses a copy whose scales
+  float16's range, a group's lowest value among it, or codes that would
+  decode past its dtype's largest finite value) is stored with ``none``,
+  exact; a reader refuses a copy whose scales
   decode to anything but finite values of its dtype (such as one written from
   such KV before this rule).
 
@@ -155,8 +156,9 @@ class Quantized(Codec):
         return layout is not None and layout.lossy_codec == self.name
 
     def encode(self, payload: Payload, layout: KVLayout | None) -> Payload | None:
-        """The codes and scales; None for KV that float16 scales cannot
-        describe (see ``_decodes_finite``)."""
+        """The codes and scales; None for KV that float16 scales and offsets
+        cannot describe (a group whose lowest value is past float16's largest,
+        or whose codes would decode beyond its dtype: ``_decodes_finite``)."""
         layout = self._check(layout, payload.nbytes)
         k, v = _planes(payload, layout)
         keys = self._quantize(k, self._grouped(layout, 2), 3, layout.dtype)
@@ -223,6 +225,10 @@ class Quantized(Codec):
         g = x.reshape(grouped)
         top = (1 << self.bits) - 1
         low, high = g.min(axis=axis, keepdims=True), g.max(axis=axis, keepdims=True)
+        if np.any(np.abs(low) > _FINITE_MAX["float16"]):
+            # the offset is a float16: past its largest value it would saturate
+            # and the codes of a narrow group would be whole steps off
+            return None
         # float16 scale and offset, rounded outwards so that [low, high] maps
         # into [0, top]; KV beyond float16 overflows here and is caught below
         with np.errstate(over="ignore", invalid="ignore"):

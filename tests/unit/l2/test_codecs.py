@@ -168,6 +168,22 @@ def test_kv_beyond_float16_scales_is_stored_exact(dtype: str, codec: str, magnit
     assert ident == codec_named(codec).ident
 
 
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+@pytest.mark.parametrize("codec", [Int8(), Int4()])
+def test_narrow_kv_past_float16s_largest_value_is_stored_exact(
+    dtype: str, codec: Int8 | Int4
+) -> None:
+    """KV near 131,072 with a spread of a few units: a float16 offset would
+    saturate at 65,504 and every code be tens of units off (Hypothesis found
+    30 for float32 int8). Such a chunk is stored exact."""
+    shape = layout(dtype, codec.name)
+    _, x = kv(shape, seed=6)
+    data, _ = typed((131072 + x / 4).astype(np.float32), dtype)
+    ident, out = _through_the_format(shape, data)
+    assert ident == 0
+    assert out.tobytes() == data.tobytes()
+
+
 @pytest.mark.parametrize("codec", [Int8(), Int4()])
 def test_float16_kv_whose_top_code_would_pass_its_largest_value_is_stored_exact(
     codec: Int8 | Int4,
