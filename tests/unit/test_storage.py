@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import dataclasses
+import logging
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -196,15 +197,28 @@ def test_tiers_by_name(tmp_path: Path) -> None:
 
 
 def test_a_cluster_secret_seals_the_shared_stores_and_leaves_the_local_disk(
-    tmp_path: Path,
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     seal = Sealer([b"s" * 32])
     config = dataclasses.replace(two_tiers(tmp_path), seal=seal)
-    with StorageManager(config) as storage:
+    with caplog.at_level(logging.INFO), StorageManager(config) as storage:
         adapters = storage.status()["l2"]
         assert isinstance(adapters, dict)
         assert adapters["fs"]["sealed_with"] == ""  # written by this server alone
         assert adapters["shared"]["sealed_with"] == seal.key_id.hex()
+    assert f"L2 shared: objects sealed (key {seal.key_ids[0]})" in caplog.text
+
+
+def test_the_storage_says_at_start_whether_shared_objects_are_sealed(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    local = StorageConfig(l1=L1Config(size_bytes=64 * PAGE, populate=False))
+    with caplog.at_level(logging.INFO), StorageManager(local):
+        pass
+    assert "sealed" not in caplog.text  # no shared store: nothing to seal
+    with caplog.at_level(logging.INFO), StorageManager(two_tiers(tmp_path)):
+        pass
+    assert "L2 shared: objects not sealed (no cluster secret)" in caplog.text
 
 
 def test_remove_older_than_takes_the_picked_old_objects_and_spares_a_held_one(

@@ -263,8 +263,9 @@ def _run_route(o: BenchOptions, command: str) -> int:
     from kvtier.traces import load_trace
 
     if o.trace:
-        trace = load_trace(Path(o.trace), replay_spec(o))
-        source: dict[str, Any] = {"file": o.trace, "replay": dataclasses.asdict(replay_spec(o))}
+        replay = replay_spec(o)
+        trace = load_trace(Path(o.trace), replay)
+        source: dict[str, Any] = {"file": o.trace, "replay": dataclasses.asdict(replay)}
     else:
         names = {f.name for f in dataclasses.fields(TenancySpec)}
         spec = TenancySpec(**{k: v for k, v in trace_options(o).items() if k in names})

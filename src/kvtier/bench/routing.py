@@ -22,10 +22,10 @@ cache and the connector; the cache servers' hits by tier), requests per
 engine, failures, and outputs compared token by token with the first run's
 (greedy, exact reuse: they must be equal); the kvtier policy's speed-up over
 each other policy is the ratio of the rounds' median p50 (and p95), with a
-bootstrap 95 % interval over rounds. The kvtier policy's learned costs
-(prefill seconds per token per engine, load seconds per token per tier) are
-what the simulator (``benchmarks/bench_route_sim.py``) takes to scale the
-comparison out.
+bootstrap 95 % interval over rounds. Before the runs, ``calibrate`` measures
+engine 0 and its L1 one request at a time; those costs are what
+``benchmarks/bench_route_calibrate.py`` gives the simulator to check it
+against the run.
 """
 
 from __future__ import annotations

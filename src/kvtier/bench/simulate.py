@@ -271,7 +271,7 @@ class _Simulation:
         self.load.dispatch(now, service)
         self.index.note_routed(plan.node, hashes)
         node.requests += 1
-        decode = request.output_tokens - 1 if self.config.costs.decode_s_per_token else 0
+        decode = max(request.output_tokens - 1, 0) if self.config.costs.decode_s_per_token else 0
         self.result.routed[plan.node] += 1
         routed_to = self.result.routed[plan.node]
         job = _Job(
@@ -372,10 +372,10 @@ class _Simulation:
         best, best_ttft = 0, float("inf")
         for index, node in enumerate(self.nodes):
             at = node.step_end if node.step else self.now
-            in_step = {id(job): take for job, take in node.step}
+            in_step = dict(node.step)  # jobs compare by identity
             tokens, ahead = 0, set[bytes]()
             for job in node.running + node.loading:
-                tokens += max(job.remaining - in_step.get(id(job), 0), 0)
+                tokens += max(job.remaining - in_step.get(job, 0), 0)
                 ahead.update(job.hashes)
             for job in node.waiting:
                 tokens += job.prompt - sum(self.loads(node, job.hashes, job.prompt, ahead).values())

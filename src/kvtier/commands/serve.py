@@ -24,7 +24,7 @@ import zmq
 
 from kvtier.events.publisher import EventPublisher
 from kvtier.events.residency import Residency
-from kvtier.l2.registry import adapter_class, parse_spec
+from kvtier.l2.registry import parse_spec
 from kvtier.operations.admin import AdminHTTP
 from kvtier.server.config import ServerConfig
 from kvtier.server.core import CacheServer
@@ -44,18 +44,9 @@ def storage_config(config: ServerConfig) -> StorageConfig:
     local = () if config.l2_dir is None else ({"type": "fs", "path": config.l2_dir},)
     l2 = (*local, *(parse_spec(spec) for spec in config.l2))  # the local disk first
     l1 = dataclasses.replace(config.l1, reaper=True)  # a killed server leaves no arena
-    seal = config.sealer
-    shared = [s for s in l2 if s.get("shared", adapter_class(s["type"]).shared_by_default)]
-    if shared:
-        if seal is None:
-            log.info(
-                "kvtier serve: L2 objects are not sealed (no cluster secret): a copy is checked "
-                "against its checksum only, so whoever can write to a shared store can plant KV; "
-                "set --cluster-secret-file to seal them"
-            )
-        else:
-            log.info("kvtier serve: L2 objects are sealed (key %s)", seal.key_ids[0])
-    return StorageConfig(l1=l1, l2=l2, store=config.store, prefetch=config.prefetch, seal=seal)
+    return StorageConfig(
+        l1=l1, l2=l2, store=config.store, prefetch=config.prefetch, seal=config.sealer
+    )
 
 
 def tenant_table(config: ServerConfig) -> TenantTable:

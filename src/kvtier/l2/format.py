@@ -5,8 +5,11 @@ Each object is a header followed by the payload (the chunk's KV bytes)::
     offset  size  field
     0       4     magic b"KVTO"
     4       2     format version (1)
-    6       2     header length in bytes (fixed part + key, padded to 64;
-                  to 4096 for O_DIRECT), i.e. where the payload starts
+    6       2     header length in bytes (fixed part + key + the 49
+                  bytes a sealed header adds, padded to 64; to 4096 for
+                  O_DIRECT), i.e. where the payload starts: the same for
+                  every version, so a reader may split header from payload
+                  before parsing
     8       16    layout digest (``KVLayout.digest()``, 16 bytes; zeros if none)
     24      8     payload length in bytes
     32      8     xxh3-64 of the payload
@@ -158,7 +161,7 @@ def encode_header(
     from ``decoded_len`` bytes, if not 0) stored under ``key`` (checksums the
     payload; with ``seal``, tags header and payload)."""
     key_bytes = key.to_str().encode("utf-8")
-    header_len = header_length(key, align, bool(codec), seal is not None)
+    header_len = header_length(key, align)
     if seal is not None:
         version, extra = SEALED_VERSION, _SEALED.pack(codec, decoded_len, seal.key_id, b"")
     elif codec:
@@ -182,10 +185,12 @@ def encode_header(
     return header[:_TAG_AT] + tag + header[_TAG_AT + len(tag) :]
 
 
-def header_length(key: ObjectKey, align: int, coded: bool, sealed: bool) -> int:
-    """The bytes of ``key``'s header, padded to ``align``."""
-    extra = _SEALED.size if sealed else _CODED.size if coded else 0
-    used = _FIXED.size + extra + len(key.to_str().encode("utf-8"))
+def header_length(key: ObjectKey, align: int = HEADER_ALIGN) -> int:
+    """The bytes of ``key``'s header, padded to ``align``. Every version
+    leaves room for the sealed fields, so a header is as long sealed or not
+    and coded or not: a reader that splits header from payload before it
+    parses either (Mooncake) reads both kinds."""
+    used = _FIXED.size + _SEALED.size + len(key.to_str().encode("utf-8"))
     return -(-used // align) * align
 
 

@@ -35,7 +35,6 @@ from kvtier.keys import KeySelector, ObjectKey
 from kvtier.l2.base import AdapterConfig, Buffer, CompletionCallback, PurgeStep
 from kvtier.l2.blocking import BackendUnavailable, BlockingAdapter
 from kvtier.l2.format import (
-    HEADER_ALIGN,
     Corruption,
     CorruptObject,
     encode_header,
@@ -167,9 +166,7 @@ class MooncakeAdapter(BlockingAdapter):
         for start in range(0, len(keys), self.mc_config.max_batch):
             part = range(start, min(len(keys), start + self.mc_config.max_batch))
             with self._slots(len(part)) as slots:
-                lengths = [
-                    header_length(keys[i], HEADER_ALIGN, False, self.seal is not None) for i in part
-                ]
+                lengths = [header_length(keys[i]) for i in part]
                 views = [self._slot(s, n) for s, n in zip(slots, lengths, strict=True)]
                 codes = self._client(
                     "batch_get_into_multi_buffers",

@@ -27,6 +27,7 @@ caller at a time extends, and that readers only index).
 from __future__ import annotations
 
 import functools
+import logging
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -45,6 +46,8 @@ from kvtier.l2.seal import Sealer
 from kvtier.layout import KVLayout
 
 L1 = L1_TIER.name  # the tier name of L1; the others are the adapters' names
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, slots=True)
@@ -101,9 +104,25 @@ class StorageTiers:
             adapter.register_memory(self._l1.memory)
             adapter.share_layouts(self._layouts)
             adapter.seal_with(seal if adapter.shared else None)
+        self._say_sealing(seal)
         self._self_capped = self._set_owners(owners) if owners is not None else frozenset()
         if residency is not None:
             self._report_residency(residency)
+
+    def _say_sealing(self, seal: Sealer | None) -> None:
+        """Whether the shared stores' objects are sealed, once at start."""
+        shared = ", ".join(a.name for a in self._adapters if a.shared)
+        if not shared:
+            return
+        if seal is None:
+            log.info(
+                "L2 %s: objects not sealed (no cluster secret): a copy is checked against its "
+                "checksum only, so whoever can write to the store can plant KV; set a cluster "
+                "secret (kvtier serve --cluster-secret-file) to seal them",
+                shared,
+            )
+        else:
+            log.info("L2 %s: objects sealed (key %s)", shared, seal.key_ids[0])
 
     # -------------------------------------------------------------------- L1
 

@@ -18,6 +18,7 @@ from kvtier.l2.format import (
     Header,
     checksum,
     encode_header,
+    header_length,
     layout_bytes,
     parse_header,
     unpack_header,
@@ -31,10 +32,11 @@ from tests.unit.l2.harness import payload
 LAYOUT_A = "00112233445566778899aabbccddeeff"
 LAYOUT_B = "ffeeddccbbaa99887766554433221100"
 FIXED = 42  # bytes before the key: magic, version, header_len, layout, length, checksum, keylen
+SEAL_ROOM = 49  # codec, decoded length, key id, tag: room in every header
 
 
 def _expected_header_len(key: ObjectKey, align: int) -> int:
-    used = FIXED + len(key.to_str().encode())
+    used = FIXED + SEAL_ROOM + len(key.to_str().encode())
     return (used + align - 1) // align * align
 
 
@@ -346,6 +348,18 @@ def test_a_sealed_header_carries_its_key_id_and_tag_where_the_format_says() -> N
     decode_object(obj, key, LAYOUT_A, out, seal=seal)
     assert np.array_equal(out, data)
     decode_object(obj, key, LAYOUT_A, out)  # no secret: read on its checksum
+
+
+def test_a_header_is_as_long_sealed_or_not_and_coded_or_not() -> None:
+    """Mooncake's loads split header from payload by the length they expect:
+    a copy of either kind must have it."""
+    data = payload(64, seed=1)
+    for model_chars in range(1, 129):
+        key = ObjectKey(bytes(32), "m" * model_chars, 1, 0, "s")
+        plain = encode_header(key, LAYOUT_A, data)
+        coded = encode_header(key, LAYOUT_A, data, codec=1, decoded_len=128)
+        sealed = encode_header(key, LAYOUT_A, data, seal=Sealer([SECRET]))
+        assert len(plain) == len(coded) == len(sealed) == header_length(key)
 
 
 @pytest.mark.parametrize("at", [8, 24, 32, 51, 60, 95, 200])

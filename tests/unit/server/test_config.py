@@ -1,13 +1,11 @@
 from __future__ import annotations
 
-import logging
 import tomllib
 from pathlib import Path
 
 import pytest
 
 from kvtier.commands.cli import main
-from kvtier.commands.serve import storage_config
 from kvtier.config import dump_toml
 from kvtier.server.config import ServerConfig, default_l1_bytes, flag_name, load_config
 
@@ -181,22 +179,3 @@ def test_a_missing_short_or_malformed_secret_stops_the_server_naming_the_setting
     if text.strip():
         with pytest.raises(ValueError, match=f"KVTIER_CLUSTER_SECRET.*{message}"):
             load_config({}, environ={"KVTIER_CLUSTER_SECRET": text})
-
-
-def test_serve_says_at_start_whether_l2_objects_are_sealed(
-    caplog: pytest.LogCaptureFixture,
-) -> None:
-    with caplog.at_level(logging.INFO):
-        storage_config(load_config({}, environ=NO_ENV))  # the local disk alone
-    assert "sealed" not in caplog.text
-    shared = {"l2": [{"type": "mock", "shared": True}]}
-    with caplog.at_level(logging.INFO):
-        storage = storage_config(load_config(shared, environ=NO_ENV))
-    assert storage.seal is None
-    assert "not sealed (no cluster secret)" in caplog.text
-    caplog.clear()
-    with caplog.at_level(logging.INFO):
-        config = load_config(shared, environ={"KVTIER_CLUSTER_SECRET": GOOD_SECRET})
-        storage = storage_config(config)
-    assert storage.seal is not None
-    assert f"sealed (key {storage.seal.key_ids[0]})" in caplog.text
