@@ -1,0 +1,92 @@
+"""A robustness campaign: many seeded runs of the fault-injection harness
+(``tests/robustness``), each against a real ``kvtier serve`` with an fs L2
+and a real Redis, every history checked against the guarantees.
+
+    python benchmarks/bench_robustness.py --seeds 1-200 --faults 5 --jobs 2
+
+Reports the runs, the faults injected (by kind), the operations checked, the
+violations and hangs, what the servers counted (objects loaded from each L2
+tier, corrupt or forged copies refused, by reason), and the recovery time
+after each kind of fault (from the fault's end until a store and read round
+trip through the server works and every L2 tier is healthy again): p50 and
+max. Exits 1 on any violation.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from collections import Counter, defaultdict
+from concurrent.futures import ProcessPoolExecutor
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo root, for tests
+
+from tests.robustness.run import RunReport, run, seeds_of
+
+
+def _one(seed: int, faults: int, ops: int, keep: Path) -> RunReport:
+    return run(seed, faults, ops, keep=keep)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--seeds", default="1-200")
+    parser.add_argument("--faults", type=int, default=5)
+    parser.add_argument("--ops", type=int, default=30, help="operations per tenant, at least")
+    parser.add_argument("--jobs", type=int, default=2, help="runs at once")
+    parser.add_argument("--keep", type=Path, default=Path("robustness-failures"))
+    args = parser.parse_args()
+    seeds = seeds_of(args.seeds)
+    began = time.monotonic()
+    reports: list[RunReport] = []
+    with ProcessPoolExecutor(args.jobs) as pool:
+        futures = [pool.submit(_one, s, args.faults, args.ops, args.keep) for s in seeds]
+        for future in futures:
+            report = future.result()
+            reports.append(report)
+            print(report.line(), flush=True)
+    elapsed = time.monotonic() - began
+
+    kinds: Counter[str] = Counter()
+    recovery: dict[str, list[float]] = defaultdict(list)
+    for report in reports:
+        for fault in report.faults:
+            kinds[fault["fault"]] += 1
+            if fault["recovery_s"] is not None:
+                recovery[fault["fault"]].append(fault["recovery_s"])
+    violations = [v for report in reports for v in report.violations]
+    hangs = [v for v in violations if v.rule == "within_timeout"]
+    print(
+        f"\n{len(reports)} runs in {elapsed / 60:.1f} min; {sum(kinds.values())} faults; "
+        f"{sum(r.ops for r in reports)} operations checked; "
+        f"{len(violations)} violations ({len(hangs)} hangs) in "
+        f"{sum(1 for r in reports if r.violations)} runs"
+    )
+    print("\n| fault | injected | recovery p50 (s) | recovery max (s) |\n|---|---|---|---|")
+    everything = [t for times in recovery.values() for t in times]
+    for kind in sorted(kinds):
+        times = recovery[kind]
+        p50 = f"{np.percentile(times, 50):.3f}" if times else "-"
+        worst = f"{max(times):.3f}" if times else "-"
+        print(f"| {kind} | {kinds[kind]} | {p50} | {worst} |")
+    print(
+        f"| all | {sum(kinds.values())} | {np.percentile(everything, 50):.3f} | "
+        f"{max(everything):.3f} |"
+    )
+    tally: Counter[str] = Counter()
+    for report in reports:
+        tally.update(report.tally)
+    print("\nwhat the servers counted (L2 loads, copies refused by reason):")
+    for name, count in sorted(tally.items()):
+        print(f"  {name}: {count}")
+    for rule, count in Counter(v.rule for v in violations).items():
+        print(f"violations of {rule}: {count}")
+    return 1 if violations else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,199 @@
+"""The faults a robustness run injects, each a function of the cluster and
+the run's random generator that returns what it did (recorded in the history).
+
+| fault          | what happens                                                    |
+|----------------|-----------------------------------------------------------------|
+| server_kill    | SIGKILL of the cache server, then a restart on its directory     |
+| server_stop    | SIGSTOP of the cache server for a while, then SIGCONT            |
+| redis_kill     | SIGKILL of Redis, down a while, restarted empty                  |
+| redis_stop     | SIGSTOP of Redis for a while, then SIGCONT                       |
+| disk_full      | the fs tier's tmpfs filled for a while (where one is mounted)    |
+| corrupt_fs     | a byte of some fs objects flipped in place                       |
+| fs_lost        | the fs objects deleted behind the server (a wiped disk): reads   |
+|                | find them missing, then load from Redis                          |
+| forge_redis    | some Redis objects rewritten with a byte changed and the         |
+|                | checksum made right again (sealing must refuse them)             |
+| proxy_latency  | the link to Redis slowed for a while                             |
+| proxy_drop     | every connection to Redis cut, new ones refused for a while      |
+| client_kill    | a client process SIGKILLed mid-store or mid-retrieve             |
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+
+from kvtier.l2.format import checksum
+from kvtier.process import clean_env, read_line, stop_process
+from tests.integration.harness import ROOT
+from tests.robustness.cluster import TOKENS, Cluster
+
+Fault = Callable[[Cluster, random.Random], dict[str, Any]]
+
+
+def _pause(rng: random.Random) -> float:
+    return round(rng.uniform(0.3, 1.5), 2)
+
+
+def server_kill(cluster: Cluster, rng: random.Random) -> dict[str, Any]:
+    files, indexed = cluster.restart_server()
+    return {"files": files, "indexed": indexed}
+
+
+def server_stop(cluster: Cluster, rng: random.Random) -> dict[str, Any]:
+    return _stopped([cluster.server.pid], _pause(rng))
+
+
+def redis_kill(cluster: Cluster, rng: random.Random) -> dict[str, Any]:
+    down_s = _pause(rng)
+    cluster.redis.kill()
+    time.sleep(down_s)
+    cluster.redis.launch()
+    return {"down_s": down_s}
+
+
+def redis_stop(cluster: Cluster, rng: random.Random) -> dict[str, Any]:
+    return _stopped(cluster.redis.pids, _pause(rng))
+
+
+def disk_full(cluster: Cluster, rng: random.Random) -> dict[str, Any]:
+    full_s = _pause(rng)
+    ballast = cluster.fs_dir / "fill.ballast"
+    written = 0
+    with ballast.open("wb") as out, contextlib.suppress(OSError):
+        block = bytes(1 << 20)
+        while True:
+            written += out.write(block)
+            out.flush()
+    time.sleep(full_s)
+    ballast.unlink()
+    return {"full_s": full_s, "ballast_bytes": written}
+
+
+def corrupt_fs(cluster: Cluster, rng: random.Random) -> dict[str, Any]:
+    files = sorted(cluster.object_files())
+    flipped = []
+    for path in rng.sample(files, min(8, len(files))):
+        with contextlib.suppress(OSError), path.open("r+b") as handle:
+            data = handle.read()
+            header_len = int.from_bytes(data[6:8], "little")
+            if len(data) <= header_len:
+                continue
+            at = rng.randrange(header_len, len(data))
+            handle.seek(at)
+            handle.write(bytes([data[at] ^ 0x5A]))
+            flipped.append(path.name)
+    return {"flipped": flipped}
+
+
+def fs_lost(cluster: Cluster, rng: random.Random) -> dict[str, Any]:
+    files = cluster.object_files()
+    for path in files:
+        path.unlink(missing_ok=True)
+    return {"lost": len(files)}
+
+
+def forge_redis(cluster: Cluster, rng: random.Random) -> dict[str, Any]:
+    import numpy as np
+    import redis
+
+    store = redis.Redis(port=cluster.redis.port, socket_timeout=5)
+    forged = []
+    with contextlib.suppress(redis.RedisError):
+        names = sorted(store.scan_iter(count=1000))
+        for name in rng.sample(names, min(8, len(names))):
+            value = store.get(name)
+            if value is None:
+                continue
+            value = bytearray(value)
+            header_len = int.from_bytes(value[6:8], "little")
+            if len(value) <= header_len:
+                continue
+            value[rng.randrange(header_len, len(value))] ^= 0x5A
+            payload = np.frombuffer(bytes(value[header_len:]), dtype=np.uint8)
+            value[32:40] = checksum(payload).to_bytes(8, "little")
+            store.set(name, bytes(value))
+            forged.append(name.decode(errors="replace"))
+    return {"forged": forged}
+
+
+def proxy_latency(cluster: Cluster, rng: random.Random) -> dict[str, Any]:
+    slow_s, latency_s = _pause(rng), round(rng.uniform(0.05, 0.5), 2)
+    cluster.proxy.latency_s = latency_s
+    time.sleep(slow_s)
+    cluster.proxy.latency_s = 0.0
+    return {"slow_s": slow_s, "latency_s": latency_s}
+
+
+def proxy_drop(cluster: Cluster, rng: random.Random) -> dict[str, Any]:
+    refuse_s = _pause(rng)
+    cluster.proxy.refusing = True
+    dropped = cluster.proxy.drop()
+    time.sleep(refuse_s)
+    cluster.proxy.refusing = False
+    return {"dropped": dropped, "refuse_s": refuse_s}
+
+
+def client_kill(cluster: Cluster, rng: random.Random) -> dict[str, Any]:
+    mode = rng.choice(["mid-store", "mid-retrieve"])
+    tenant = rng.choice(sorted(TOKENS))
+    seed = rng.randrange(1 << 30)
+    command = [sys.executable, "-m", "tests.robustness.victim", cluster.server.rpc]
+    proc = subprocess.Popen(
+        [*command, TOKENS[tenant], str(seed), mode],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        stdin=subprocess.DEVNULL,
+        text=True,
+        cwd=ROOT,
+        env=clean_env(),
+    )
+    try:
+        assert proc.stdout is not None
+        line = read_line(proc.stdout, 30.0)
+    finally:
+        stop_process(proc, signal.SIGKILL)
+        if proc.stdout is not None:
+            proc.stdout.close()
+    return {"mode": mode, "tenant": tenant, "victim": (line or "").strip()}
+
+
+def _stopped(pids: list[int], pause_s: float) -> dict[str, Any]:
+    for pid in pids:
+        os.kill(pid, signal.SIGSTOP)
+    try:
+        time.sleep(pause_s)
+    finally:
+        for pid in pids:
+            os.kill(pid, signal.SIGCONT)
+    return {"stopped_s": pause_s}
+
+
+FAULTS: dict[str, Fault] = {
+    fault.__name__: fault
+    for fault in (
+        server_kill,
+        server_stop,
+        redis_kill,
+        redis_stop,
+        disk_full,
+        corrupt_fs,
+        fs_lost,
+        forge_redis,
+        proxy_latency,
+        proxy_drop,
+        client_kill,
+    )
+}
+
+
+def available(cluster: Cluster) -> list[str]:
+    """The faults this machine can inject (disk_full needs the tmpfs)."""
+    return [name for name in FAULTS if cluster.mounted or name != "disk_full"]
