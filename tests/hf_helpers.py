@@ -123,6 +123,9 @@ class DelegatingLink:
     def report_shadow(self, checked: int, mismatched: int) -> None:
         self.inner.report_shadow(checked, mismatched)
 
+    def report_quality(self, path: str, agreed: bool, kl: float, off: bool) -> None:
+        self.inner.report_quality(path, agreed, kl, off)
+
     def pin(self, hashes: Sequence[bytes], ttl_s: float) -> int:
         return self.inner.pin(hashes, ttl_s)
 

@@ -48,6 +48,7 @@ from kvtier.blend import BlendConfig, RopeShift
 from kvtier.blend.forward import cache_keyword
 from kvtier.engine.hf_identity import model_identity
 from kvtier.engine.link import CacheLink, LocalLink, ServerLink, new_request_id
+from kvtier.engine.quality_gate import GateState, QualityGate, Sample, compare
 from kvtier.engine.segments import BlendStats, SegmentStore, Span, blend_prefill, check_segments
 from kvtier.engine.shadow import ShadowCheck
 from kvtier.engine.tensors import cache_layers, dynamic_cache, object_tensor, read_chunks
@@ -124,6 +125,11 @@ class Prefill:
     miss_reason: str = ""  # why the hit ends where it does (``Hit.miss_reason``)
     shadow_error: float | None = None  # the shadow check's error, if this prompt was sampled
     blend: BlendStats | None = None  # a blended prefill's (segments given)
+    # The quality gate (``kvtier.engine.quality_gate``): "" not asked; "shadowed": a
+    # lossy prefill sampled, compared (``quality``) and answered from full prefill;
+    # "off": the lossy path is off for this namespace, exact reuse or recompute served.
+    gate: str = ""
+    quality: Sample | None = None
     timings: Timings = field(default_factory=Timings)
 
 
@@ -147,6 +153,9 @@ class KVTierModel:
     ``lossy_codec``: let slower tiers keep this model's KV with that lossy
     codec (``"int8"``, ``"int4"``; ``KVLayout.lossy_codec``): its keys are
     then its own, apart from exact KV's.
+    ``quality_gate``: shadow a sampled share of lossy prefills (blends, and
+    loads under ``lossy_codec``) with full prefill, and turn the lossy path
+    off for this model when quality falls (``kvtier.engine.quality_gate``).
     """
 
     def __init__(
@@ -164,11 +173,13 @@ class KVTierModel:
         client_options: dict[str, Any] | None = None,
         shadow: ShadowCheck | None = None,
         lossy_codec: str = "",
+        quality_gate: QualityGate | None = None,
     ) -> None:
         if server is not None and storage is not None:
             raise ValueError("pass server= or storage=, not both")
         self.model = model.eval()
         self.shadow = shadow
+        self.quality_gate = quality_gate
         self.identity = model_identity(model, name, revision, salt)
         self._cache_argument = cache_argument(model)
         self._vocab = int(model.config.get_text_config(decoder=True).vocab_size)
@@ -212,16 +223,29 @@ class KVTierModel:
         cannot move (``RopeShift.of``)."""
         ids = self._token_ids(input_ids)
         if segments is not None:
-            return self._blend(ids, check_segments(segments, len(ids)), blend or BlendConfig())
+            spans = check_segments(segments, len(ids))
+            if self._lossy_allowed("blend"):
+                return self._gated("blend", ids, self._blend(ids, spans, blend or BlendConfig()))
+            return self._gated_off(self._prefix(ids))
+        return self._prefix(ids)
+
+    def _prefix(self, ids: list[int]) -> Prefill:
+        """Prefix reuse; under a lossy codec a hit is lossy KV, gated as a blend is."""
+        if not self._lossy_codec:
+            return self._exact(ids)
+        path = f"codec:{self._lossy_codec}"
+        if not self._lossy_allowed(path):
+            return self._gated_off(self._full(ids))
+        prefill = self._exact(ids)
+        return self._gated(path, ids, prefill) if prefill.hit_tokens else prefill
+
+    def _exact(self, ids: list[int]) -> Prefill:
+        """Prefix reuse of exact chunks (lossy ones under ``lossy_codec``)."""
         started = time.perf_counter()
         timings = Timings()
         chunk_size = self.link.chunk_size if self.link is not None else None
         if self.link is None or chunk_size is None:
-            cache = DynamicCache()
-            result = Prefill(self._forward(ids, cache), cache, len(ids), computed_tokens=len(ids))
-            timings.prefill_s = timings.ttft_s = time.perf_counter() - started
-            result.timings = timings
-            return result
+            return self._full(ids)
         layout, hasher = self._hasher(chunk_size)
         hashes = hasher.chunk_hashes(ids)
         request_id = new_request_id("hf")
@@ -230,6 +254,43 @@ class KVTierModel:
         finally:
             if hashes:  # a prompt shorter than a chunk never opened a session
                 self.link.end(request_id)
+
+    def _full(self, ids: list[int]) -> Prefill:
+        """Full prefill, no cache: what the engine computes without kvtier."""
+        started = time.perf_counter()
+        cache = DynamicCache()
+        result = Prefill(self._forward(ids, cache), cache, len(ids), computed_tokens=len(ids))
+        result.timings.prefill_s = result.timings.ttft_s = time.perf_counter() - started
+        return result
+
+    def _gate_namespace(self, path: str) -> str:
+        return f"{self.identity.model}/{path}"
+
+    def _lossy_allowed(self, path: str) -> bool:
+        gate = self.quality_gate
+        return gate is None or gate.allows(self._gate_namespace(path))
+
+    def _gated(self, path: str, ids: list[int], lossy: Prefill) -> Prefill:
+        """``lossy``, unless the gate samples it: then full prefill too, the
+        comparison counted (and reported), and full prefill's answer."""
+        gate = self.quality_gate
+        if gate is None or not gate.sample():
+            return lossy
+        started = time.perf_counter()
+        full = self._full(ids)
+        sample = compare(lossy.logits, full.logits)
+        verdict = gate.observe(self._gate_namespace(path), sample)
+        if self.link is not None:
+            self.link.report_quality(path, sample.agreed, sample.kl, verdict.state is GateState.OFF)
+        full.gate, full.quality, full.blend = "shadowed", sample, lossy.blend
+        full.timings.shadow_s = time.perf_counter() - started
+        full.timings.ttft_s = lossy.timings.ttft_s + full.timings.shadow_s
+        return full
+
+    @staticmethod
+    def _gated_off(prefill: Prefill) -> Prefill:
+        prefill.gate = "off"
+        return prefill
 
     @torch.inference_mode()
     def generate(

@@ -67,6 +67,10 @@ class CacheLink(Protocol):
         """Shadow-check results (``kvtier.engine.shadow``), for the cache's metrics."""
         ...
 
+    def report_quality(self, path: str, agreed: bool, kl: float, off: bool) -> None:
+        """One quality-gate sample of a lossy path (``kvtier.engine.quality_gate``)."""
+        ...
+
     def pin(self, hashes: Sequence[bytes], ttl_s: float) -> int:
         """Keep these chunks in L1 for ``ttl_s`` (0: unpin); chunks pinned."""
         ...
@@ -144,6 +148,9 @@ class ServerLink:
     def report_shadow(self, checked: int, mismatched: int) -> None:
         self.client.report_shadow(checked, mismatched)
 
+    def report_quality(self, path: str, agreed: bool, kl: float, off: bool) -> None:
+        self.client.report_quality(path, agreed, kl, off)
+
     def pin(self, hashes: Sequence[bytes], ttl_s: float) -> int:
         reply = self.client.pin(hashes, ttl_s)
         return reply.pinned if reply is not None else 0
@@ -208,6 +215,9 @@ class LocalLink:
 
     def report_shadow(self, checked: int, mismatched: int) -> None:
         return None  # no server to tell: the caller's ShadowCheck holds the counts
+
+    def report_quality(self, path: str, agreed: bool, kl: float, off: bool) -> None:
+        return None  # no server to tell: the caller's QualityGate holds the verdicts
 
     def pin(self, hashes: Sequence[bytes], ttl_s: float) -> int:
         results = self.storage.pin(self._keys(hashes), ttl_s)

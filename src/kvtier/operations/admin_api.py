@@ -33,6 +33,8 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+import msgspec
+
 from kvtier.keys import KeySelector, NamespaceLabel
 from kvtier.l1 import L1Result
 from kvtier.l1.quotas import OwnerLimit
@@ -177,6 +179,7 @@ class AdminAPI:
             "series": self.history.series() if self.history is not None else {},
             "totals": totals(self.transport.snapshot),
             "ledger": self.core.ledger.report(),
+            "quality": msgspec.to_builtins(self.transport.snapshot.quality),
             "namespaces": self._top_namespaces(),
             "tenants": self.tenants(body)["tenants"],
         }

@@ -225,6 +225,11 @@ class CacheClient:
         sent without waiting for the ack."""
         self._connection.post(p.ShadowReport(checked, mismatched, unavailable))
 
+    def report_quality(self, path: str, agreed: bool, kl: float, off: bool) -> None:
+        """Tell the server about one quality-gate sample of a lossy path
+        (``kvtier.engine.quality_gate``); sent without waiting for the ack."""
+        self._connection.post(p.QualityReport(path, agreed, min(kl, p.MAX_REPORTED_KL), off))
+
     # ----------------------------------------------------------------- store
 
     def store(

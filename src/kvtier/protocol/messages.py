@@ -164,6 +164,20 @@ class ShadowReport(Message, tag="shadow_report"):
     unavailable: int = 0
 
 
+MAX_REPORTED_KL = 1000.0  # nats: an engine reports a larger KL (or NaN logits) as this
+
+
+class QualityReport(Message, tag="quality_report"):
+    """One quality-gate sample of a lossy path (``kvtier.engine.quality_gate``):
+    ``path`` ("blend", "codec:int8"...), whether full prefill's next token
+    agreed, ``kl`` (nats), and whether the engine's gate is now off for it."""
+
+    path: str
+    agreed: bool
+    kl: float
+    off: bool = False
+
+
 class Pin(Message, tag="pin"):
     """Keep these chunks (every rank's object, in the client's namespace) in
     L1 for ``ttl_s`` (within the tenant's pin cap); ``ttl_s`` 0 unpins."""
@@ -257,6 +271,7 @@ Request = (
     | Ping
     | Status
     | ShadowReport
+    | QualityReport
     | Pin
     | UsageReport
     | HandoffOffer

@@ -14,8 +14,8 @@ Numbers carry what ``/metrics`` makes of them, in their type:
 - ``Level`` / ``Reading`` / ``Flag``: a value as it stands now, a gauge;
 - a family (``ByTier``, ``ByAdapter``, ...): a dict whose key becomes a
   label (``tier``, ``adapter``, ``reason``, ``tenant``...);
-- ``TenantName`` / ``NamespaceName``: a string field that labels its
-  struct's numbers (the ledger's rows).
+- ``TenantName`` / ``NamespaceName`` / ``PathName``: a string field that
+  labels its struct's numbers (the ledger's and the quality gate's rows).
 
 A number without one of these marks is data, not a metric (a layout's
 ``num_layers``). The metric's name is ``kvtier_`` and the field path joined
@@ -44,6 +44,7 @@ Reading = Annotated[float, Meta(extra={"metric": GAUGE})]
 Flag = Annotated[bool, Meta(extra={"metric": GAUGE})]
 TenantName = Annotated[str, Meta(extra={"label": "tenant"})]
 NamespaceName = Annotated[str, Meta(extra={"label": "namespace"})]
+PathName = Annotated[str, Meta(extra={"label": "path"})]
 
 # Families: one number per label value
 ByTier = Annotated[dict[str, Count], Meta(extra={"label": "tier"})]
@@ -317,6 +318,20 @@ class LedgerEntry(Section):
     net_seconds: Reading | None = None
 
 
+class QualityEntry(Section):
+    """Quality-gate samples of one lossy path ("blend", "codec:int8") of one
+    (tenant, namespace), as its engines reported them
+    (``kvtier.engine.quality_gate``); ``off``: an engine turned the path off."""
+
+    tenant: TenantName
+    namespace: NamespaceName  # model@salt
+    path: PathName
+    samples: Count = 0
+    agreed: Count = 0  # samples whose next token agreed with full prefill's
+    kl_sum: CountS = 0.0  # KL(full || lossy) summed, nats
+    off: Flag = False
+
+
 class L2Usage(Section):
     tenant_bytes: LevelByTenantAdapter = msgspec.field(default_factory=dict)
     over_quota: ByAdapter = msgspec.field(default_factory=dict)  # stores refused
@@ -380,6 +395,7 @@ class ServerStatus(Section, kw_only=True):
     warmup: WarmupStatus = msgspec.field(default_factory=WarmupStatus)
     purges: PurgeCounts = msgspec.field(default_factory=PurgeCounts)
     ledger: list[LedgerEntry] = msgspec.field(default_factory=list)
+    quality: list[QualityEntry] = msgspec.field(default_factory=list)
     l2_usage: L2Usage = msgspec.field(default_factory=L2Usage)
     retention: RetentionCounts = msgspec.field(default_factory=RetentionCounts)
     upkeep: UpkeepCounts = msgspec.field(default_factory=UpkeepCounts)

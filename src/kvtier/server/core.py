@@ -51,6 +51,7 @@ from kvtier.server.handoff.requests import HandoffRequests
 from kvtier.server.handoff.table import HandoffTable
 from kvtier.server.limits import RequestError, ServerLimits, check_hello, check_layouts
 from kvtier.server.metrics import ServerMetrics
+from kvtier.server.quality import QualityBoard
 from kvtier.server.registrations import Registrations
 from kvtier.server.reports import EngineReports
 from kvtier.server.requests import (
@@ -130,7 +131,8 @@ class CacheServer:
         )
         self._started = clock()
         self.registrations = Registrations()  # what /status shows of registered clients
-        reports = EngineReports(self.counters, self.ledger)
+        self.quality = QualityBoard()
+        reports = EngineReports(self.counters, self.ledger, self.quality)
         self._handlers: dict[type[p.Message], Handler] = {
             p.Lookup: self._lookup,
             p.Query: self._answer_lookup,
@@ -144,6 +146,7 @@ class CacheServer:
             p.EndSession: self._end_session,
             p.Status: self._status,
             p.ShadowReport: reports.shadow,
+            p.QualityReport: reports.quality,
             p.Pin: self._pin,
             p.UsageReport: reports.usage,
             p.HandoffOffer: handoff_requests.offer,

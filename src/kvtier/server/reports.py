@@ -1,11 +1,13 @@
 """``EngineReports``: what engines report to the cache server, counted.
 
-Two requests carry an engine's own measurements, and each feeds one part of
+Three requests carry an engine's own measurements, and each feeds one part of
 ``/status``:
 
 - ``SHADOW_REPORT``: its shadow checks of loaded KV against recomputation
   (``server.shadow_chunks``: checked, mismatched, unavailable); a mismatch is
   logged, since it means kvtier served KV that differs from the model's;
+- ``QUALITY_REPORT``: one quality-gate sample of a lossy path (``quality``,
+  ``kvtier.server.quality``);
 - ``USAGE_REPORT``: its prefill rate, and the seconds and tokens it spent
   loading KV, for the savings ledger (``ledger``).
 
@@ -24,6 +26,7 @@ from kvtier.counters import Counters
 from kvtier.keys import NamespaceLabel
 from kvtier.protocol import messages as p
 from kvtier.server.limits import RequestError
+from kvtier.server.quality import QualityBoard
 from kvtier.server.requests import Buffer, Outcome
 from kvtier.server.sessions import Client, shown
 from kvtier.tenancy.ledger import SavingsLedger
@@ -32,14 +35,16 @@ log = logging.getLogger(__name__)
 
 MAX_SHADOW_REPORT = 1 << 32  # chunks (or tokens) in one report
 MAX_REPORT_S = 1e6  # seconds in one usage report
+MAX_PATH_CHARS = 64  # a lossy path's name: "blend", "codec:int8"
 
 
 class EngineReports:
     """The handlers of the two reports; see the module docstring."""
 
-    def __init__(self, counters: Counters, ledger: SavingsLedger) -> None:
+    def __init__(self, counters: Counters, ledger: SavingsLedger, quality: QualityBoard) -> None:
         self._counters = counters
         self._ledger = ledger
+        self._quality = quality
 
     def shadow(self, client: Client, req: p.ShadowReport, frames: Sequence[Buffer]) -> Outcome:
         counts = {"checked": req.checked, "mismatched": req.mismatched}
@@ -59,6 +64,24 @@ class EngineReports:
             )
         for name, n in counts.items():
             self._counters.add(f"shadow_chunks.{name}", n)
+        return p.Ack(), []
+
+    def quality(self, client: Client, req: p.QualityReport, frames: Sequence[Buffer]) -> Outcome:
+        path_ok = req.path == "blend" or (
+            req.path.startswith("codec:") and req.path[6:].isidentifier()
+        )
+        if not path_ok or len(req.path) > MAX_PATH_CHARS:
+            raise RequestError(
+                "bad_request",
+                f"a quality report's path must be 'blend' or 'codec:NAME' (at most "
+                f"{MAX_PATH_CHARS} characters), got {shown(req.path)}",
+            )
+        if not (math.isfinite(req.kl) and 0 <= req.kl <= p.MAX_REPORTED_KL):
+            raise RequestError(
+                "bad_request", f"a quality report's kl must be in [0, {p.MAX_REPORTED_KL}]"
+            )
+        namespace = NamespaceLabel.of(client)
+        self._quality.record(client.tenant, namespace, req.path, req.agreed, req.kl, req.off)
         return p.Ack(), []
 
     def usage(self, client: Client, req: p.UsageReport, frames: Sequence[Buffer]) -> Outcome:

@@ -31,6 +31,7 @@ from kvtier.protocol import messages as p
 from kvtier.protocol import status as s
 from kvtier.protocol.negotiation import ChunkSizeNegotiator
 from kvtier.server.handoff.table import HandoffTable
+from kvtier.server.quality import QualityBoard
 from kvtier.server.registrations import Registrations
 from kvtier.server.sessions import SessionTable
 from kvtier.server.upkeep import Upkeep
@@ -64,6 +65,7 @@ class StatusSources(Protocol):
     warmup: Warmup
     purger: Purger
     ledger: SavingsLedger
+    quality: QualityBoard
     l2_usage: L2Usage
     retention: Retention
     upkeep: Upkeep
@@ -98,6 +100,18 @@ def server_status(core: StatusSources, uptime_s: float) -> s.ServerStatus:
         warmup=fold(s.WarmupStatus, core.warmup.status(), "warmup"),
         purges=_purges(core),
         ledger=_ledger(core),
+        quality=[
+            s.QualityEntry(
+                tenant=row.tenant,
+                namespace=row.namespace,
+                path=row.path,
+                samples=row.samples,
+                agreed=row.agreed,
+                kl_sum=row.kl_sum,
+                off=row.off,
+            )
+            for row in core.quality.rows()
+        ],
         l2_usage=s.L2Usage(
             tenant_bytes=core.l2_usage.by_tenant(),
             over_quota=fold(s.L2Usage, core.l2_usage.counters.snapshot(), "l2_usage").over_quota,

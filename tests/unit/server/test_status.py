@@ -42,6 +42,7 @@ def busy(server: CacheServer) -> None:
     call(server, b"A", p.EndSession("r"))
     assert isinstance(call(server, b"A", p.Pin(hs[:1], 60.0)), p.Pinned)
     call(server, b"A", p.ShadowReport(checked=2, mismatched=1))
+    call(server, b"A", p.QualityReport("blend", agreed=True, kl=0.1))
     call(server, b"A", p.UsageReport(prefill_s_per_token=1e-3, load_s=0.5, loaded_tokens=32))
     refused = call(server, b"Z", p.Query("x"))  # no hello: refused
     assert isinstance(refused, p.Error) and refused.code == "no_hello"
