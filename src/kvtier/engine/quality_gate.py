@@ -151,15 +151,16 @@ class QualityGate:
                 verdict.state, verdict.tripped_at = GateState.OFF, verdict.samples
         if tripped:
             log.warning(
-                "quality gate: %s turned off after %d samples (top-1 agreement %.3f < %.3f or "
-                "mean KL %.4f > %.4f over the last %d); its prompts get exact reuse or recompute",
+                "quality gate: %s turned off after %d samples (over the last %d: top-1 agreement "
+                "%.3f, at least %.3f asked; mean KL %.4f nats, at most %.4f asked); its prompts "
+                "get exact reuse or recompute",
                 namespace,
                 verdict.samples,
+                len(verdict.recent),
                 verdict.agreement(),
                 config.min_agreement,
                 verdict.mean_kl(),
                 config.max_kl,
-                len(verdict.recent),
             )
         return verdict
 

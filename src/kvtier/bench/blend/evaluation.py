@@ -124,6 +124,25 @@ class Measured:
     computed_alone_tokens: int = 0  # a blend's segments not found (computed alone)
 
 
+def warm_segments(
+    engine: KVTierModel,
+    tokenizer: Any,
+    pool: Sequence[Document],
+    anchors: Sequence[bool] = (True,),
+    prefix: bool = False,
+) -> None:
+    """Store every document of ``pool`` as a segment (after the system prompt
+    for each anchored choice in ``anchors``, alone for False), and with
+    ``prefix`` also right after the system prompt as prefix chunks: a blend
+    that comes after finds them and moves them."""
+    for document in pool:
+        ids, spans = tokenize(Prompt((SYSTEM, document.text, END_OF_TURN), (), 0, ""), tokenizer)
+        for anchor in anchors:
+            engine.prefill(ids, segments=spans, blend=BlendConfig(ratio=0.0, anchor=anchor))
+        if prefix:
+            engine.prefill(ids[: spans[-1][1]])
+
+
 class _Runner:
     def __init__(self, model: Any, tokenizer: Any, server: ServerProcess, generated: int) -> None:
         self.model = model
@@ -144,12 +163,7 @@ class _Runner:
         """Every document once: as a segment (after the system prompt, and
         alone), and right after the system prompt (the prefix chunks
         prefix-only reuse can find)."""
-        for document in pool:
-            ids, spans = self.tokens(Prompt((SYSTEM, document.text, END_OF_TURN), (), 0, ""))
-            for anchor in (True, False):
-                config = BlendConfig(ratio=0.0, anchor=anchor)
-                self.engine.prefill(ids, segments=spans, blend=config)
-            self.engine.prefill(ids[: spans[-1][1]])
+        warm_segments(self.engine, self.tokenizer, pool, anchors=(True, False), prefix=True)
 
     def full(self, ids: list[int]) -> tuple[list[int], torch.Tensor, float]:
         """Full prefill's greedy answer, the logits each token came from, its TTFT."""
