@@ -281,15 +281,22 @@ class KvtierStorage(HiCacheStorage):  # type: ignore[misc, unused-ignore]
         finally:
             client.end_session(request_id, wait=False)
 
+    def _page_starts(self, count: int, host_indices: torch.Tensor) -> list[int] | None:
+        """The host index where each of ``count`` pages starts (page i at
+        ``host_indices[i * page_size]``); None before the pool is registered."""
+        if self.format is None:
+            return None
+        page_size = self.format.layout.tokens_per_chunk
+        return [int(host_indices[i * page_size]) for i in range(count)]
+
     def _get(self, keys: Sequence[str], host_indices: torch.Tensor) -> list[bool]:
-        pool, fmt = self.mem_pool_host, self.format
-        if fmt is None:
+        pool, starts = self.mem_pool_host, self._page_starts(len(keys), host_indices)
+        if starts is None:
             return [False] * len(keys)
-        page_size = fmt.layout.tokens_per_chunk
 
         def consume(i: int, view: ObjectBytes) -> None:
             page = torch.from_numpy(view).view(pool.dtype)
-            pool.set_from_flat_data_page(int(host_indices[i * page_size]), page)
+            pool.set_from_flat_data_page(starts[i], page)
 
         hits = self._retrieve(keys, consume)
         return [i < hits for i in range(len(keys))]
@@ -309,13 +316,12 @@ class KvtierStorage(HiCacheStorage):  # type: ignore[misc, unused-ignore]
         return out[:hits] + [None] * (len(keys) - hits)
 
     def _set(self, keys: Sequence[str], host_indices: torch.Tensor) -> list[bool]:
-        pool, fmt = self.mem_pool_host, self.format
-        if fmt is None:
+        pool, starts = self.mem_pool_host, self._page_starts(len(keys), host_indices)
+        if starts is None:
             return [False] * len(keys)
-        page_size = fmt.layout.tokens_per_chunk
 
         def fill(i: int, dst: ObjectBytes) -> None:
-            page = pool.get_data_page(int(host_indices[i * page_size]), flat=True)
+            page = pool.get_data_page(starts[i], flat=True)
             torch.from_numpy(dst).copy_(page.contiguous().view(torch.uint8))
 
         stored = self._store(keys, fill)
