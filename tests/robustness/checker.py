@@ -16,6 +16,7 @@ operations that break it:
 | released_within_ttl   | 6         | a killed client's reservations and locks are freed in time |
 | handoff_once          | 7         | no hand-off is granted to two consumers (per server boot)  |
 | server_alive          | 4         | the cache server never exits or logs a traceback by itself |
+| never_raises          | 4         | no client call raises into its caller: failures are misses |
 
 Operations whose outcome is unknown (an error, a timeout) may or may not have
 taken effect, as in any history checker: a store that failed still counts as
@@ -42,7 +43,7 @@ class Violation:
 def check(history: History) -> list[Violation]:
     """Every violation in the history, in operation order."""
     found: list[Violation] = []
-    for rule in (_reads, _timeouts, _handoffs, _faults):
+    for rule in (_reads, _timeouts, _handoffs, _faults, _exceptions):
         found += rule(history)
     return sorted(found, key=lambda v: v.op)
 
@@ -171,6 +172,14 @@ def _faults(history: History) -> list[Violation]:
         if op.kind == "server" and op.outcome != "ok":
             found.append(Violation("server_alive", op.index, str(op.result)))
     return found
+
+
+def _exceptions(history: History) -> list[Violation]:
+    return [
+        Violation("never_raises", op.index, f"{op.kind} raised {op.result['exception']}")
+        for op in history.ops
+        if op.kind not in ("fault", "settle", "server") and "exception" in op.result
+    ]
 
 
 def shrink(history: History, violation: Violation) -> list[Op]:

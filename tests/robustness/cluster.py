@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kvtier.commands.admin import AdminError, call
+from kvtier.commands.admin import call
 from tests.integration.harness import ROOT, Server, ServerFactory, tenants_toml, wait_for
 from tests.robustness.proxy import TcpProxy
 from tests.servers import RedisProcess, redis_binary
@@ -110,8 +110,13 @@ class Cluster:
         found = re.search(r"L2 fs: indexed (\d+) objects", self.server.log)
         return int(found[1]) if found else -1
 
-    def status(self) -> dict[str, Any]:
-        return self.server.status_json(ADMIN_TOKEN)
+    def status(self) -> dict[str, Any] | None:
+        """The server's ``/status``; None while it does not answer (killed,
+        stopped, restarting)."""
+        try:
+            return self.server.status_json(ADMIN_TOKEN)
+        except (OSError, ValueError):  # no connection, an HTTP error, a cut body
+            return None
 
     def admin(self, method: str, path: str, body: dict[str, Any] | None = None) -> Any:
         return call(self.server.http, ADMIN_TOKEN, method, path, body)
@@ -121,9 +126,8 @@ class Cluster:
         open; the last counts seen."""
 
         def counts() -> dict[str, int]:
-            try:
-                status = self.status()
-            except (OSError, AdminError, ValueError):
+            status = self.status()
+            if status is None:
                 return {"unreachable": 1}
             l1 = status["storage"]["l1"]
             return {
@@ -138,10 +142,10 @@ class Cluster:
         """Add what this server counted to ``tally``: objects loaded from each
         L2 tier (``loaded.fs``) and copies refused by reason
         (``refused.redis.corrupt_mac``). Nothing if it does not answer."""
-        try:
-            storage = self.status()["storage"]
-        except (OSError, AdminError, ValueError, KeyError):
+        status = self.status()
+        if status is None:
             return
+        storage = status["storage"]
         for adapter, n in storage["prefetch"]["loaded_objects"].items():
             self.tally[f"loaded.{adapter}"] += n
         for adapter, status in storage["l2"].items():

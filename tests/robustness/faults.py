@@ -30,6 +30,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+import numpy as np
+
 from kvtier.l2.format import checksum
 from kvtier.process import clean_env, read_line, stop_process
 from tests.integration.harness import ROOT
@@ -101,8 +103,7 @@ def fs_lost(cluster: Cluster, rng: random.Random) -> dict[str, Any]:
 
 
 def forge_redis(cluster: Cluster, rng: random.Random) -> dict[str, Any]:
-    import numpy as np
-    import redis
+    import redis  # the test extra's; only this fault talks to Redis itself
 
     store = redis.Redis(port=cluster.redis.port, socket_timeout=5)
     forged = []

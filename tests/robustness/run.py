@@ -49,7 +49,6 @@ SETTLE_SLACK_S = 8.0  # the reaper's tick and a busy machine, past the client TT
 @dataclass
 class RunReport:
     seed: int
-    ops: int
     faults: list[dict[str, Any]]
     violations: list[Violation]
     elapsed_s: float
@@ -57,6 +56,10 @@ class RunReport:
     tally: dict[str, int] = field(default_factory=dict)  # ``Cluster.tally``
     history_path: Path | None = None
     shrunk: list[str] = field(default_factory=list)
+
+    @property
+    def ops(self) -> int:
+        return len(self.history.ops)
 
     def line(self) -> str:
         kinds = ",".join(fault["fault"] for fault in self.faults)
@@ -115,16 +118,14 @@ def run(
             op.result = {"alive": alive, "problems": [p[:2000] for p in problems]}
     violations = check(history)
     elapsed = time.monotonic() - began
-    report = RunReport(
-        seed, len(history.ops), injected, violations, elapsed, history, dict(cluster.tally)
-    )
+    report = RunReport(seed, injected, violations, elapsed, history, dict(cluster.tally))
     if violations:
         folder = keep or root
         folder.mkdir(parents=True, exist_ok=True)
         report.history_path = folder / f"history-{seed}.jsonl"
         history.save(report.history_path)
         report.shrunk = [json.dumps(_brief(op)) for op in shrink(history, violations[0])]
-    if not violations or (keep is not None and keep != root):
+    if not violations or keep is not None:
         shutil.rmtree(root, ignore_errors=True)
     return report
 
@@ -165,11 +166,8 @@ def _recovered(cluster: Cluster, probe: CacheClient, n: int) -> bool:
 
 
 def _tiers_healthy(cluster: Cluster) -> bool:
-    try:
-        adapters = cluster.status()["storage"]["l2"].values()
-    except Exception:
-        return False
-    return all(adapter.get("healthy", True) for adapter in adapters)
+    status = cluster.status()
+    return status is not None and all(a["healthy"] for a in status["storage"]["l2"].values())
 
 
 def _brief(op: Any) -> dict[str, Any]:

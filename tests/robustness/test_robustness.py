@@ -146,6 +146,14 @@ def test_faults_restarts_settling_and_the_server_have_rules() -> None:
     assert rules(h) == ["recovers", "fs_survives_restart", "released_within_ttl", "server_alive"]
 
 
+def test_a_call_that_raised_breaks_never_raises() -> None:
+    h = History(1)
+    op(h, "acme", "read", 0, 1, tenant="acme", prompt=1, outcome="error",
+       result={"exception": "KeyError('x')"})  # fmt: skip
+    op(h, "acme", "purge", 0, 1, tenant="acme", outcome="error", result={"refused": "down"})
+    assert [(v.rule, v.op) for v in check(h)] == [("never_raises", 0)]
+
+
 def test_shrink_keeps_the_prompts_operations_the_purges_and_the_faults() -> None:
     h = History(1)
     store(h, "acme", 1, ["a0"])

@@ -34,7 +34,7 @@ import logging
 import random
 import threading
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -80,14 +80,14 @@ class Sample:
 @dataclass(slots=True)
 class Verdict:
     """A namespace's running verdict (``samples``/``agreed``/``kl_sum``: all
-    its samples; the thresholds apply to the last ``window``)."""
+    its samples; the thresholds apply to ``recent``, the last ``window``)."""
 
+    recent: deque[Sample]  # bounded: deque(maxlen=window)
     state: GateState = GateState.ON
     samples: int = 0
     agreed: int = 0
     kl_sum: float = 0.0
     tripped_at: int | None = None  # the sample that turned it off
-    recent: deque[Sample] = field(default_factory=deque)
 
     def agreement(self) -> float:
         return sum(s.agreed for s in self.recent) / max(1, len(self.recent))
@@ -132,13 +132,13 @@ class QualityGate:
         running verdict falls below a threshold. Returns the verdict now."""
         config = self.config
         with self._lock:
-            verdict = self._verdicts.setdefault(namespace, Verdict())
+            verdict = self._verdicts.get(namespace)
+            if verdict is None:
+                verdict = self._verdicts[namespace] = Verdict(deque(maxlen=config.window))
             verdict.samples += 1
             verdict.agreed += sample.agreed
             verdict.kl_sum += sample.kl
             verdict.recent.append(sample)
-            if len(verdict.recent) > config.window:
-                verdict.recent.popleft()
             failing = verdict.agreement() < config.min_agreement or not (
                 verdict.mean_kl() <= config.max_kl
             )
@@ -149,17 +149,23 @@ class QualityGate:
             )
             if tripped:
                 verdict.state, verdict.tripped_at = GateState.OFF, verdict.samples
+                seen = (
+                    verdict.samples,
+                    len(verdict.recent),
+                    verdict.agreement(),
+                    verdict.mean_kl(),
+                )
         if tripped:
             log.warning(
                 "quality gate: %s turned off after %d samples (over the last %d: top-1 agreement "
                 "%.3f, at least %.3f asked; mean KL %.4f nats, at most %.4f asked); its prompts "
                 "get exact reuse or recompute",
                 namespace,
-                verdict.samples,
-                len(verdict.recent),
-                verdict.agreement(),
+                seen[0],
+                seen[1],
+                seen[2],
                 config.min_agreement,
-                verdict.mean_kl(),
+                seen[3],
                 config.max_kl,
             )
         return verdict

@@ -58,6 +58,7 @@ class QualityBoard:
             row.kl_sum += kl
             turned_off = off and not row.off
             row.off = row.off or off
+            samples, agreement = row.samples, row.agreed / row.samples
         if turned_off:
             log.warning(
                 "quality gate: an engine turned %s off for %s (tenant %s) after %d samples "
@@ -65,8 +66,8 @@ class QualityBoard:
                 shown(path),
                 shown(str(namespace)),
                 shown(tenant),
-                row.samples,
-                row.agreed / row.samples,
+                samples,
+                agreement,
             )
 
     def rows(self) -> list[QualityRow]:

@@ -24,6 +24,7 @@ from collections.abc import Sequence
 
 from kvtier.counters import Counters
 from kvtier.keys import NamespaceLabel
+from kvtier.layout import LOSSY_CODECS
 from kvtier.protocol import messages as p
 from kvtier.server.limits import RequestError
 from kvtier.server.quality import QualityBoard
@@ -35,7 +36,9 @@ log = logging.getLogger(__name__)
 
 MAX_SHADOW_REPORT = 1 << 32  # chunks (or tokens) in one report
 MAX_REPORT_S = 1e6  # seconds in one usage report
-MAX_PATH_CHARS = 64  # a lossy path's name: "blend", "codec:int8"
+# The lossy paths an engine can report on: a closed set, so that one client
+# cannot grow the quality board (and /metrics' label values) without bound.
+LOSSY_PATHS = ("blend", *(f"codec:{codec}" for codec in LOSSY_CODECS))
 
 
 class EngineReports:
@@ -67,14 +70,11 @@ class EngineReports:
         return p.Ack(), []
 
     def quality(self, client: Client, req: p.QualityReport, frames: Sequence[Buffer]) -> Outcome:
-        path_ok = req.path == "blend" or (
-            req.path.startswith("codec:") and req.path[6:].isidentifier()
-        )
-        if not path_ok or len(req.path) > MAX_PATH_CHARS:
+        if req.path not in LOSSY_PATHS:
             raise RequestError(
                 "bad_request",
-                f"a quality report's path must be 'blend' or 'codec:NAME' (at most "
-                f"{MAX_PATH_CHARS} characters), got {shown(req.path)}",
+                f"a quality report's path must be one of {list(LOSSY_PATHS)}, "
+                f"got {shown(req.path)}",
             )
         if not (math.isfinite(req.kl) and 0 <= req.kl <= p.MAX_REPORTED_KL):
             raise RequestError(

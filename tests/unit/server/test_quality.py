@@ -11,6 +11,7 @@ import pytest
 from kvtier.protocol import messages as p
 from kvtier.server.core import CacheServer
 from kvtier.server.limits import ServerLimits
+from kvtier.server.reports import LOSSY_PATHS
 from kvtier.storage import StorageManager
 from tests.conftest import FakeClock
 from tests.unit.server.test_core import call, hello
@@ -53,8 +54,9 @@ def test_samples_are_counted_by_path_and_shown_with_labels(
 @pytest.mark.parametrize(
     ("report", "says"),
     [
-        (p.QualityReport("codec", True, 0.1), "path must be 'blend' or 'codec:NAME'"),
+        (p.QualityReport("codec", True, 0.1), "path must be one of ['blend', 'codec:int8'"),
         (p.QualityReport("codec:", True, 0.1), "path must be"),
+        (p.QualityReport("codec:zstd", True, 0.1), "path must be"),  # lossless: nothing to gate
         (p.QualityReport("blend\n", True, 0.1), "path must be"),
         (p.QualityReport("codec:" + "x" * 64, True, 0.1), "path must be"),
         (p.QualityReport("blend", True, -0.1), "kl must be in [0, 1000.0]"),
@@ -70,3 +72,15 @@ def test_a_report_out_of_range_is_refused_naming_the_field(
     assert isinstance(reply, p.Error) and reply.code == "bad_request"
     assert says in reply.message
     assert server.status().quality == []
+
+
+def test_one_client_cannot_grow_the_board_past_the_lossy_paths(server: CacheServer) -> None:
+    """Ten thousand reports under made-up paths: every one refused, and the
+    board (and /metrics' path labels) holds at most one row per lossy path."""
+    assert isinstance(hello(server, b"A"), p.Welcome)
+    for n in range(10_000):
+        reply = call(server, b"A", p.QualityReport(f"codec:x{n}", True, 0.0))
+        assert isinstance(reply, p.Error) and reply.code == "bad_request"
+    for path in LOSSY_PATHS:
+        assert call(server, b"A", p.QualityReport(path, True, 0.0)) == p.Ack()
+    assert sorted(row.path for row in server.status().quality) == sorted(LOSSY_PATHS)

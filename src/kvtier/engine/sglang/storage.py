@@ -37,7 +37,9 @@ import itertools
 import logging
 import threading
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import numpy as np
@@ -71,6 +73,16 @@ def _check_interface(storage_config: Any) -> None:
             f"kvtier backend: SGLang {getattr(sglang, '__version__', '?')} has a different "
             f"HiCache storage interface (no {', '.join(missing)}); kvtier supports SGLang 0.5.23"
         )
+
+
+@dataclass(frozen=True, slots=True)
+class _Session:
+    """One call's server session (``KvtierStorage._session``)."""
+
+    client: CacheClient
+    format: PageFormat
+    request_id: str
+    hashes: list[bytes]  # kvtier's chunk hash of each SGLang key
 
 
 class KvtierStorage(HiCacheStorage):  # type: ignore[misc, unused-ignore]
@@ -242,8 +254,21 @@ class KvtierStorage(HiCacheStorage):  # type: ignore[misc, unused-ignore]
             return None
         return client, fmt, keys
 
-    def _request_id(self) -> str:
-        return f"{self.client_id}-{next(self._ids)}"
+    @contextmanager
+    def _session(self, keys: Sequence[str]) -> Iterator[_Session | None]:
+        """One server session for ``keys`` (None when there is nothing to ask
+        or nobody to ask), ended when the block leaves, whatever happened:
+        that releases its lookup's locks."""
+        ready = self._ready()
+        if ready is None or not keys:
+            yield None
+            return
+        client, fmt, page_keys = ready
+        request_id = f"{self.client_id}-{next(self._ids)}"
+        try:
+            yield _Session(client, fmt, request_id, page_keys.hashes(keys))
+        finally:
+            client.end_session(request_id, wait=False)
 
     def _exists(self, keys: Sequence[str]) -> int:
         return self._retrieve(keys, None)
@@ -253,33 +278,27 @@ class KvtierStorage(HiCacheStorage):  # type: ignore[misc, unused-ignore]
     ) -> int:
         """Look up the leading hits of ``keys`` and (given ``consume``) retrieve
         them, handing object i to ``consume``; the number found, or retrieved
-        (0 on any failure). The session is ended either way, which releases
-        the lookup's locks."""
-        ready = self._ready()
-        if ready is None or not keys:
-            return 0
-        client, fmt, page_keys = ready
-        request_id = self._request_id()
-        try:
-            state = client.lookup(
-                request_id, page_keys.hashes(keys), wait_s=client.config.request_timeout_s
-            )
+        (0 on any failure)."""
+        with self._session(keys) as session:
+            if session is None:
+                return 0
+            client, request_id = session.client, session.request_id
+            wait_s = client.config.request_timeout_s
+            state = client.lookup(request_id, session.hashes, wait_s=wait_s)
             hits = min(state.hit_chunks or 0, len(keys))
             if hits == 0 or consume is None:
                 return hits
-            deliver = consume  # bound here: the check above does not reach into ``checked``
+            deliver, page_bytes = consume, session.format.page_bytes  # bound for ``checked``
             sizes_ok = [True]
 
             def checked(i: int, view: ObjectBytes) -> None:
-                if view.nbytes != fmt.page_bytes:
+                if view.nbytes != page_bytes:
                     sizes_ok[0] = False
                     return
                 deliver(i, view)
 
             ok = client.retrieve_with(request_id, 0, hits, checked)
             return hits if ok and sizes_ok[0] else 0
-        finally:
-            client.end_session(request_id, wait=False)
 
     def _page_starts(self, count: int, host_indices: torch.Tensor) -> list[int] | None:
         """The host index where each of ``count`` pages starts (page i at
@@ -328,17 +347,11 @@ class KvtierStorage(HiCacheStorage):  # type: ignore[misc, unused-ignore]
         return [stored == len(keys)] * len(keys)
 
     def _store(self, keys: Sequence[str], fill: Callable[[int, ObjectBytes], None]) -> int:
-        ready = self._ready()
-        if ready is None or not keys:
-            return 0
-        client, fmt, page_keys = ready
-        request_id = self._request_id()
-        try:
-            return client.store_with(
-                request_id, page_keys.hashes(keys), [fmt.page_bytes] * len(keys), fill
-            )
-        finally:
-            client.end_session(request_id, wait=False)
+        with self._session(keys) as session:
+            if session is None:
+                return 0
+            sizes = [session.format.page_bytes] * len(keys)
+            return session.client.store_with(session.request_id, session.hashes, sizes, fill)
 
     def _page_bytes(self, key: str, value: Any) -> ObjectBytes:
         """``value`` (a flat page tensor) as bytes; ValueError if it is not one page."""
