@@ -9,7 +9,10 @@ violations and hangs, what the servers counted (objects loaded from each L2
 tier, corrupt or forged copies refused, by reason), and the recovery time
 after each kind of fault (from the fault's end until a store and read round
 trip through the server works and every L2 tier is healthy again): p50 and
-max. Exits 1 on any violation.
+max. Then what the newer parts of a run saw: requests through the router by
+status, the idle client's CPU seconds while the server was away, the names
+the flood registered, and the largest tables and RSS growth the monitor
+sampled. Exits 1 on any violation.
 """
 
 from __future__ import annotations
@@ -31,6 +34,36 @@ from tests.robustness.run import RunReport, run, seeds_of
 
 def _one(seed: int, faults: int, ops: int, keep: Path) -> RunReport:
     return run(seed, faults, ops, keep=keep)
+
+
+def parts_seen(reports: list[RunReport]) -> dict[str, object]:
+    """The router's requests by status, the idle client's CPU while the
+    server was away, the flood's names and the monitor's largest samples."""
+    ops = [op for report in reports for op in report.history.ops]
+    routes = Counter(str(op.result.get("status")) for op in ops if op.kind == "route")
+    away = [op.result for op in ops if op.kind == "fault" and "client_cpu_s" in op.result]
+    names = [op.result.get("registered", 0) for op in ops if op.kind == "flood"]
+    samples = [op.result for op in ops if op.kind == "memory"]
+    growth: dict[int, list[int]] = defaultdict(list)
+    for sample in samples:
+        growth[sample["pid"]].append(sample["rss_bytes"])
+    return {
+        "router_requests_by_status": dict(routes),
+        "server_away_client_cpu_s_max": max((a["client_cpu_s"] for a in away), default=None),
+        "server_away_s_total": round(sum(a["away_s"] for a in away), 1),
+        "flood_names_registered": sum(names),
+        "flood_names_per_run_min": min(names, default=0),
+        "quality_rows_per_tenant_max": max(
+            (n for sample in samples for n in sample["quality_rows"].values()), default=0
+        ),
+        "ledger_rows_per_tenant_max": max(
+            (n for sample in samples for n in sample["ledger_rows"].values()), default=0
+        ),
+        "rss_growth_mib_max": round(
+            max((max(v) - v[0] for v in growth.values()), default=0) / (1 << 20), 1
+        ),
+        "memory_samples": len(samples),
+    }
 
 
 def main() -> int:
@@ -85,6 +118,10 @@ def main() -> int:
     print("\nwhat the servers counted (L2 loads, copies refused by reason):")
     for name, count in sorted(tally.items()):
         print(f"  {name}: {count}")
+    seen = parts_seen(reports)
+    print("\nwhat the other parts saw:")
+    for name, value in seen.items():
+        print(f"  {name}: {value}")
     for rule, count in Counter(v.rule for v in violations).items():
         print(f"violations of {rule}: {count}")
     results = {
@@ -96,6 +133,7 @@ def main() -> int:
         "recovery_p50_s": float(np.percentile(everything, 50)) if everything else None,
         "recovery_max_s": max(everything, default=None),
         "counted": dict(tally),
+        "parts": seen,
     }
     print("json:", json.dumps(results, sort_keys=True))
     return 1 if violations else 0

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import stat
 import tomllib
 import typing
 from collections.abc import Callable, Mapping
@@ -86,14 +87,50 @@ def load(
 
 
 def secret(path: str | None, flag: str, variable: str) -> str:
-    """A secret from the file a flag names, else the environment variable,
-    else "" (never from a flag's value: a command line shows in ``ps``)."""
+    """A secret from the file a flag names (``secret_file``), else the
+    environment variable, else "" (never from a flag's value: a command line
+    shows in ``ps``)."""
     if path:
-        try:
-            return Path(path).read_text().strip()
-        except OSError as exc:
-            raise ValueError(f"{flag} {path}: {exc}") from None
+        return secret_file(path, flag)
     return os.environ.get(variable, "")
+
+
+def secret_file(path: str | Path, flag: str) -> str:
+    """The text of a secret file, stripped: how kvtier's secret and token
+    file options are read. ValueError naming ``flag``, the file and the fix
+    when it cannot be read, is not UTF-8 text, or is not private.
+
+    Private, as ssh wants a private key: others may not read or write it, nor
+    its group when it is ours (``chmod 600``). The mode checked is that of the
+    file read, a symlink followed, as Kubernetes mounts secrets. A file that
+    someone else owns may be read by its group: that is how one reaches us
+    when another user (root) grants it, as Kubernetes does with ``fsGroup``,
+    which turns ``defaultMode: 0400`` into 0440."""
+    try:
+        with open(path, "rb") as file:
+            _check_private(os.fstat(file.fileno()), path, flag)
+            data = file.read()
+    except OSError as exc:
+        raise ValueError(f"{flag} {path}: {exc}") from None
+    try:
+        return data.decode("utf-8").strip()
+    except UnicodeDecodeError as exc:
+        raise ValueError(
+            f"{flag} {path}: not text (byte 0x{data[exc.start]:02x} at offset {exc.start} "
+            f"is not UTF-8); write the secret as text, e.g. openssl rand -hex 32 > {path}"
+        ) from None
+
+
+def _check_private(st: os.stat_result, path: str | Path, flag: str) -> None:
+    shared = st.st_mode & 0o077
+    if st.st_uid != os.geteuid():
+        shared &= ~0o040  # its group may read a file someone else owns (see secret_file)
+    if shared:
+        raise ValueError(
+            f"{flag} {path}: mode {stat.S_IMODE(st.st_mode):04o} lets "
+            f"{'others' if shared & 0o007 else 'its group'} use this secret file; "
+            f"make it private: chmod 600 {path} (a Kubernetes secret volume: defaultMode: 0400)"
+        )
 
 
 def read_toml(path: str | Path, what: str) -> Layer:

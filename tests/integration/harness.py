@@ -237,6 +237,7 @@ class ServerFactory:
         if token:  # a file, as an operator would: a command line shows in ps
             token_path = self.tmp_path / f"server-{n}.token"
             token_path.write_text(token)
+            token_path.chmod(0o600)  # a secret file group or others may read is refused
             args += ["--auth-token-file", str(token_path)]
         args += list(extra)
         log_path = self.tmp_path / f"server-{n}.log"

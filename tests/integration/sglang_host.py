@@ -7,7 +7,9 @@ virtualenv (.ci/sglang) and skips the test when SGLang is absent.
 (``pin_memory=False``), ``PagedTokenToKVPoolAllocator`` and SGLang's
 ``HiCacheController`` with a storage backend attached, as SGLang's scheduler
 builds them; a one-rank gloo group on 127.0.0.1 stands in for the TP group.
-No SGLang code is patched.
+A pipeline stage other than 0 of 1 is SGLang's parallel state overridden (its
+own scoped ``override``) while the controller is built, with the stage's
+first layer in the pools. No SGLang code is patched.
 """
 
 from __future__ import annotations
@@ -133,6 +135,12 @@ class HostEngine:
     heads: int = 2
     head_dim: int = 16
     tokens: int = 4096
+    # The pipeline stage SGLang's parallel state names while the controller is
+    # built (it makes the backend's storage config then), and the stage's
+    # first layer (its device and host pools hold [start_layer, start_layer + layers)).
+    pp_rank: int = 0
+    pp_size: int = 1
+    start_layer: int = 0
     controller: Any = field(init=False)
     host: Any = field(init=False)
     device: Any = field(init=False)
@@ -144,6 +152,7 @@ class HostEngine:
         from sglang.srt.mem_cache.allocator import PagedTokenToKVPoolAllocator
         from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
         from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost
+        from sglang.srt.runtime_context import get_parallel
 
         group = tp_group()
         self.device = MHATokenToKVPool(
@@ -155,6 +164,8 @@ class HostEngine:
             self.layers,
             "cpu",
             False,
+            start_layer=self.start_layer,
+            end_layer=self.start_layer + self.layers,
         )
         self.host = MHATokenToKVPoolHost(
             self.device.get_device_pool_infos()[0].buffer_info,
@@ -171,18 +182,20 @@ class HostEngine:
         allocator = PagedTokenToKVPoolAllocator(
             self.tokens, self.page_size, torch.bfloat16, "cpu", self.device, False
         )
-        self.controller = cc.HiCacheController(
-            allocator,
-            self.host,
-            self.page_size,
-            group,
-            threading.Event(),
-            write_policy="write_through",
-            storage_backend=self.backend,
-            prefetch_threshold=self.page_size,
-            model_name=self.model,
-            storage_backend_extra_config=dict(self.extra),
-        )
+        stage = {"pp_rank": self.pp_rank, "pp_size": self.pp_size}
+        with get_parallel().override(**stage):
+            self.controller = cc.HiCacheController(
+                allocator,
+                self.host,
+                self.page_size,
+                group,
+                threading.Event(),
+                write_policy="write_through",
+                storage_backend=self.backend,
+                prefetch_threshold=self.page_size,
+                model_name=self.model,
+                storage_backend_extra_config=dict(self.extra),
+            )
 
     @property
     def storage(self) -> Any:

@@ -225,6 +225,7 @@ def test_the_admin_command_line(admin_server: tuple[Server, list[str]], tmp_path
     server, _ = admin_server
     token = tmp_path / "ops.token"
     token.write_text("ops-token\n")
+    token.chmod(0o600)  # a secret file group or others may read is refused
     base = [sys.executable, "-m", "kvtier", "admin", "--url", server.http]
     done = subprocess.run(
         [*base, "--token-file", str(token), "--json", "-", "tenants"],
@@ -248,6 +249,7 @@ def test_purge_wait_fails_unless_every_job_is_done(
     server, _ = admin_server
     token = tmp_path / "ops.token"
     token.write_text("ops-token\n")
+    token.chmod(0o600)  # a secret file group or others may read is refused
     purge = [sys.executable, "-m", "kvtier", "admin", "--url", server.http]
     purge += ["--token-file", str(token), "purge", "--tenant", "acme", "--wait"]
     with paused([redis_server.proc.pid]):  # the purge cannot end before Redis answers

@@ -19,14 +19,9 @@ import asyncio
 import http.client
 import json
 import random
-import signal
-import subprocess
-import sys
-import threading
 from collections import Counter
-from collections.abc import Coroutine, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, TypeVar
 from urllib.parse import urlsplit
 
@@ -35,31 +30,13 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvtier.process import read_line, stop_process
+from tests.integration.router_host import Engines, Router, request, route_toml, running_router
 from tests.unit.router.standin import StandIn
 
 OPERATOR = "fuzz-operator"
 KEYS = {"acme": "key-acme", "tiny": "key-tiny"}
 GENERATE = ("/v1/completions", "/v1/chat/completions")
 T = TypeVar("T")
-
-# The router as a child that stops when this process goes (its stdin closes).
-CHILD = """
-import asyncio, sys, threading
-from kvtier.router.config import load_router_config
-from kvtier.router.main import serve
-
-async def main() -> None:
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    def watch() -> None:
-        sys.stdin.read()
-        loop.call_soon_threadsafe(stop.set)
-    threading.Thread(target=watch, daemon=True).start()
-    await serve(load_router_config({}, sys.argv[1]), stop)
-
-asyncio.run(main())
-"""
 
 
 @dataclass(frozen=True, slots=True)
@@ -269,97 +246,26 @@ def _fields(probe: Probe) -> dict[str, Any]:
 # ------------------------------------------------------------ running
 
 
-class Engines:
-    """Stand-in engines served by an event loop on a thread of this process."""
-
-    def __init__(self, engines: list[StandIn]) -> None:
-        self.engines = engines
-        self.loop = asyncio.new_event_loop()
-        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
-        self.thread.start()
-        for engine in engines:
-            self.call(engine.start())
-
-    def call(self, coroutine: Coroutine[Any, Any, T]) -> T:
-        return asyncio.run_coroutine_threadsafe(coroutine, self.loop).result(60)
-
-    def close(self) -> None:
-        for engine in self.engines:
-            self.call(engine.stop())
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self.thread.join(10)
-
-
-@dataclass
-class Router:
-    proc: subprocess.Popen[str]
-    url: str
-    log_path: Path
-
-    @property
-    def log(self) -> str:
-        return self.log_path.read_text(errors="replace")
-
-    def status(self) -> dict[str, Any]:
-        code, data = request(self.url, "GET", "/status", {"Authorization": f"Bearer {OPERATOR}"})
-        assert code == 200, data
-        return json.loads(data)  # type: ignore[no-any-return]
-
-    def rss_bytes(self) -> int:
-        for line in Path(f"/proc/{self.proc.pid}/status").read_text().splitlines():
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) * 1024
-        raise AssertionError("no VmRSS in /proc status")
-
-
-def request(
-    url: str, method: str, path: str, headers: dict[str, str], body: bytes = b""
-) -> tuple[int, bytes]:
-    parts = urlsplit(url)
-    connection = http.client.HTTPConnection(parts.hostname, parts.port, timeout=60)
-    try:
-        connection.request(method, path, body=body or None, headers=headers)
-        response = connection.getresponse()
-        return response.status, response.read()
-    finally:
-        connection.close()
-
-
 @pytest.fixture(scope="module")
 def router(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Router, Engines]]:
     tmp = tmp_path_factory.mktemp("fuzz-router")
     engines = Engines([StandIn("e0", stream_chunks=30), StandIn("e1", stream_chunks=30)])
-    config = tmp / "route.toml"
-    lines = [
+    options = [
         "port = 0",
         'policy = "least_loaded"',
         "down_s = 600",  # an engine taken out stays out: the test would see it
         f'operator_token = "{OPERATOR}"',
     ]
-    for engine in engines.engines:
-        lines += ["[[engines]]", f'name = "{engine.name}"', f'url = "{engine.url}"']
-    lines += ["[[tenants]]", 'name = "acme"', 'api_keys = ["key-acme"]', 'salt = "acme-salt"']
-    lines += ["[[tenants]]", 'name = "tiny"', 'api_keys = ["key-tiny"]', "requests_per_s = 5"]
-    config.write_text("\n".join(lines) + "\n")
-    log_path = tmp / "router.log"
-    with log_path.open("w") as log:
-        proc = subprocess.Popen(
-            [sys.executable, "-c", CHILD, str(config)],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            stderr=log,
-            text=True,
-        )
+    tenants = [
+        *("[[tenants]]", 'name = "acme"', 'api_keys = ["key-acme"]', 'salt = "acme-salt"'),
+        *("[[tenants]]", 'name = "tiny"', 'api_keys = ["key-tiny"]', "requests_per_s = 5"),
+    ]
+    config = tmp / "route.toml"
+    config.write_text(route_toml(engines, options, tenants))
     try:
-        assert proc.stdout is not None
-        line = read_line(proc.stdout, 60.0) or ""
-        assert line.startswith("kvtier route: http://"), (line, log_path.read_text())
-        yield Router(proc, line.split()[2], log_path), engines
+        with running_router(config, tmp / "router.log", OPERATOR) as server:
+            yield server, engines
     finally:
-        stop_process(proc, signal.SIGTERM)
-        for stream in (proc.stdin, proc.stdout):
-            if stream is not None:
-                stream.close()
         engines.close()
 
 

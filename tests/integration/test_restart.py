@@ -3,8 +3,10 @@ register again and find what was stored before in the fs L2."""
 
 from __future__ import annotations
 
+import os
 import signal
 import threading
+import time
 from pathlib import Path
 
 import numpy as np
@@ -85,21 +87,74 @@ def test_client_degrades_while_down_then_hits_after_restart(
         client.close()
 
 
-def test_idle_client_registers_again_on_its_next_call(kvtier_server: ServerFactory) -> None:
-    """No call while the server is down: the socket reconnects by itself, the new
-    server answers ``no_hello`` and the client says hello again, transparently."""
+def test_idle_client_registers_again_by_itself(kvtier_server: ServerFactory) -> None:
+    """No call while the server is down: the socket's monitor sees the link
+    drop and the client says hello again, to the new server once it is up;
+    its next call is served, and no call was answered degraded."""
     server = kvtier_server.start()
     client = CacheClient(w.client_config(server.rpc, shm=False, request_timeout_s=5.0))
     try:
         hashes = store_and_flush(client, seed=41, n=2)
         restarted = kvtier_server.restart(server)  # SIGKILL, then the same port and dir
+        assert wait_for(lambda: client.boot_id, lambda boot: boot == restarted.boot_id)
+        assert client.stats.dropped_links == 1
         state = client.lookup("again", hashes)
         assert state.acked
         assert client.query(state, timeout_s=10.0) == 2
-        assert client.stats.server_restarts == 1
-        assert client.boot_id == restarted.boot_id
         assert client.stats.degraded_requests == 0
         client.release("again", 0, 2)
+    finally:
+        client.close()
+
+
+def test_an_idle_client_sees_a_killed_server_without_a_call(kvtier_server: ServerFactory) -> None:
+    """The finding: a dead server was found only by the timeout of the next
+    call (the socket reconnects silently). Heartbeat off, no call made: the
+    socket's monitor alone unregisters the client, which says hello again;
+    when that goes unanswered, calls are misses."""
+    server = kvtier_server.start()
+    client = CacheClient(w.client_config(server.rpc, heartbeat_s=0, request_timeout_s=1.0))
+    try:
+        assert not client.degraded
+        kvtier_server.kill(server)
+        assert wait_for(lambda: client.degraded, bool, timeout_s=20.0) is True
+        assert client.stats.dropped_links == 1
+        state = client.lookup("down", w.chunk_hashes(256, 5, 1))
+        assert (state.acked, state.miss_reason) == (False, "no_server")
+    finally:
+        client.close()
+
+
+def thread_cpu_s(thread: threading.Thread) -> float:
+    """CPU seconds a thread of this process has used (user + system)."""
+    fields = Path(f"/proc/self/task/{thread.native_id}/stat").read_text().rpartition(")")[2]
+    utime, stime = (int(v) for v in fields.split()[11:13])
+    return (utime + stime) / os.sysconf("SC_CLK_TCK")
+
+
+def test_a_server_away_past_the_heartbeat_costs_the_client_no_cpu(
+    kvtier_server: ServerFactory,
+) -> None:
+    """The finding: once a heartbeat fell due while the server was away, the
+    client's wait had a past-due timer and became a busy loop (a core per
+    engine process until the server came back). A server frozen for twelve
+    heartbeats: the client's I/O thread uses a bounded share of one CPU
+    second (a busy loop would use most of the six), then registers again."""
+    server = kvtier_server.start()
+    config = w.client_config(server.rpc, heartbeat_s=0.5, request_timeout_s=1.0, retry_s=0.2)
+    before = set(threading.enumerate())
+    client = CacheClient(config)
+    (thread,) = [t for t in set(threading.enumerate()) - before if t.name == "kvtier-client"]
+    try:
+        assert not client.degraded
+        with server.stalled():
+            assert wait_for(lambda: client.degraded, bool, timeout_s=20.0) is True
+            used = thread_cpu_s(thread)
+            time.sleep(6.0)  # twelve heartbeats away
+            used = thread_cpu_s(thread) - used
+        assert used < 0.5, f"the client's I/O thread used {used:.2f} CPU s of 6 s away"
+        assert wait_for(client.ping, bool) is True
+        assert not client.degraded
     finally:
         client.close()
 

@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from tests.integration.harness import Server, ServerFactory
+from tests.integration.harness import Server, ServerFactory, wait_for
 from tests.integration.sglang_host import HostEngine, backend_config, import_sglang
 
 import_sglang()
@@ -191,31 +191,37 @@ def test_a_refusing_server_gives_misses_and_no_exceptions(
 
     token_file = tmp_path / "token"
     token_file.write_text("right-token\n")
+    token_file.chmod(0o600)
     allowed = engine(engines, server, auth_token_file=str(token_file))
     assert allowed.write_back(tokens, indices) == len(tokens)
     assert allowed.fetch("allowed", tokens).loaded_tokens == len(tokens)
     assert sglang_errors == []
 
 
-def test_bad_config_fails_at_construction_naming_the_key() -> None:
+def storage_config(extra: dict[str, Any], model: str = "m", **fields: Any) -> Any:
+    """SGLang's ``HiCacheStorageConfig`` for one TP rank, one stage, one CP rank
+    (``fields`` change any of them), as its controller builds it."""
     from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig
 
-    from kvtier.engine.sglang import KvtierStorage
+    values: dict[str, Any] = {
+        "tp_rank": 0,
+        "tp_size": 1,
+        "pp_rank": 0,
+        "pp_size": 1,
+        "attn_cp_rank": 0,
+        "attn_cp_size": 1,
+        "is_mla_model": False,
+        "enable_storage_metrics": False,
+        "is_page_first_layout": False,
+        "model_name": model,
+        "extra_config": extra,
+        **fields,
+    }
+    return HiCacheStorageConfig(**values)
 
-    def storage_config(extra: dict[str, Any]) -> Any:
-        return HiCacheStorageConfig(
-            tp_rank=0,
-            tp_size=1,
-            pp_rank=0,
-            pp_size=1,
-            attn_cp_rank=0,
-            attn_cp_size=1,
-            is_mla_model=False,
-            enable_storage_metrics=False,
-            is_page_first_layout=False,
-            model_name="m",
-            extra_config=extra,
-        )
+
+def test_bad_config_fails_at_construction_naming_the_key() -> None:
+    from kvtier.engine.sglang import KvtierStorage
 
     with pytest.raises(ValueError, match="'address'"):
         KvtierStorage(storage_config({}), None)
@@ -253,3 +259,122 @@ def test_another_chunk_size_misses_with_a_named_error(
     assert a.write_back(tokens, indices) == 0
     assert a.fetch("r", tokens).hit_tokens == 0
     assert "--chunk-size 32" in caplog.text
+
+
+def stage(made: list[HostEngine], server: Server, pp_rank: int, start_layer: int) -> HostEngine:
+    """Pipeline stage ``pp_rank`` of 2 of the same model and tenant, holding
+    the 2 layers from ``start_layer``."""
+    made.append(
+        HostEngine(
+            16,
+            "layer_first",
+            "dynamic",
+            config(server),
+            pp_rank=pp_rank,
+            pp_size=2,
+            start_layer=start_layer,
+        )
+    )
+    return made[-1]
+
+
+def test_pipeline_stages_never_read_each_others_pages(
+    kvtier_server: ServerFactory, engines: list[HostEngine]
+) -> None:
+    """Two stages of equal layer count, same model and tenant: SGLang's page
+    keys are the same for both (the tokens'), and the stages' layouts were
+    the same, so stage 1 hit stage 0's pages and loaded its layers."""
+    server = kvtier_server.start("--chunk-size", "16")
+    first, second = stage(engines, server, 0, 0), stage(engines, server, 1, 2)
+    tokens = prompt(4, 16)
+    first_pages = first.fill(len(tokens), seed=20)
+    assert first.write_back(tokens, first_pages) == len(tokens)
+
+    assert second.fetch("before", tokens).hit_tokens == 0
+    second_pages = second.fill(len(tokens), seed=21)
+    assert second.write_back(tokens, second_pages) == len(tokens)
+    for engine_, stored in ((first, first_pages), (second, second_pages)):
+        fetched = engine_.fetch(f"own-{engine_.pp_rank}", tokens)
+        assert fetched.loaded_tokens == len(tokens)
+        assert engine_.pages(fetched.indices) == engine_.pages(stored)
+    # The stage is in the layout each registers, so the server's digests differ.
+    assert first.storage.format.layout.format == "sglang-layer_first-pp0of2-layers0-2"
+    assert second.storage.format.layout.format == "sglang-layer_first-pp1of2-layers2-4"
+    status = wait_for(server.status, lambda s: len(s["hash_namespaces"]) == 2)
+    assert len({entry["layout"] for entry in status["hash_namespaces"]}) == 2
+    # A one-stage engine of the model is a third layout: it reads neither stage.
+    assert engine(engines, server).fetch("whole", tokens).hit_tokens == 0
+
+
+def test_context_parallel_ranks_never_read_each_others_pages(
+    kvtier_server: ServerFactory, engines: list[HostEngine]
+) -> None:
+    """Each attention context-parallel rank holds its own slice of every page:
+    two ranks of one TP rank keep their pages apart (SGLang's controller takes
+    the CP rank from its CP group, which one process cannot have two ranks of,
+    so the backends are made from SGLang's storage config directly)."""
+    from kvtier.engine.sglang import KvtierStorage
+
+    server = kvtier_server.start("--chunk-size", "16")
+    host = engine(engines, server)
+    tokens = prompt(4, 16)
+    keys = host.hashes(tokens)
+    ranks = []
+    for cp_rank in (0, 1):
+        cfg = storage_config(config(server), attn_cp_rank=cp_rank, attn_cp_size=2)
+        backend = KvtierStorage(cfg, None)
+        backend.register_mem_pool_host(host.host)
+        ranks.append((backend, host.fill(len(tokens), seed=30 + cp_rank)))
+    try:
+        (rank0, pages0), (rank1, pages1) = ranks
+        assert rank0.batch_set_v1(keys, pages0) == [True] * 4
+        assert rank1.batch_exists(keys) == 0
+        assert rank1.batch_set_v1(keys, pages1) == [True] * 4
+        for backend, stored in ranks:
+            target = host.host.alloc(len(tokens))
+            assert backend.batch_get_v1(keys, target) == [True] * 4
+            assert host.pages(target) == host.pages(stored)
+        assert rank1.format.layout.format == "sglang-layer_first-cp1of2"
+    finally:
+        for backend, _ in ranks:
+            backend.close()
+
+
+def test_decode_context_parallelism_is_refused_by_name() -> None:
+    from kvtier.engine.sglang import KvtierStorage
+
+    cfg = storage_config(
+        {"address": "tcp://127.0.0.1:1"},
+        tp_rank=1,
+        tp_size=2,
+        is_mla_model=True,
+        dcp_size=2,
+        dcp_rank=1,
+        logical_page_size=64,
+    )
+    with pytest.raises(ValueError, match="--dcp-size 2"):
+        KvtierStorage(cfg, None)
+
+
+def test_a_chunk_size_fixed_by_another_page_size_names_what_helps(
+    kvtier_server: ServerFactory, engines: list[HostEngine], caplog: pytest.LogCaptureFixture
+) -> None:
+    """``--chunk-size 16`` is a minimum: a page-64 engine registering first
+    fixes it at 64. A page-16 engine then misses, and restarting the server
+    with ``--chunk-size 16`` would not help (the page-64 engine fixes 64
+    again): the log says what does."""
+    server = kvtier_server.start("--chunk-size", "16")
+    big = engine(engines, server, page=64)
+    big_tokens = prompt(2, 64)
+    assert big.write_back(big_tokens, big.fill(len(big_tokens), seed=40)) == len(big_tokens)
+
+    small = engine(engines, server, page=16)
+    tokens = prompt(4, 16)
+    assert small.write_back(tokens, small.fill(len(tokens), seed=41)) == 0
+    assert small.fetch("small", tokens).hit_tokens == 0
+    assert big.fetch("big", big_tokens).loaded_tokens == len(big_tokens)
+    text = caplog.text
+    assert "restart kvtier serve with --chunk-size 16" not in text
+    assert "chunk size is 64 tokens and SGLang's page size is 16" in text
+    assert "--chunk-size is a minimum: the first engine that registers" in text
+    assert "SGLang engines of another page size need a server of their own" in text

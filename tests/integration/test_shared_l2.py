@@ -285,6 +285,7 @@ def test_objects_rewritten_in_the_store_with_a_valid_checksum_are_never_served(
 
     secret = tmp_path / "cluster.secret"
     secret.write_text("0123456789abcdef0123456789abcdef\n")
+    secret.chmod(0o600)  # a secret file group or others may read is refused
     spec = {"type": "redis", "url": redis_server.url, "name": "shared"}
     a, b = (
         kvtier_server.start(

@@ -104,11 +104,13 @@ def test_retrieve_reports_layout_object_sizes(server: Server) -> None:
 
 
 def test_hit_needs_every_rank_live(server: Server) -> None:
-    """A one-rank client plants rank 0 of three chunks; a two-rank client of the
-    same model misses them until it stores rank 1 too."""
+    """A client of rank 0 of two (one TP worker) plants rank 0 of three chunks;
+    a client of both ranks misses them until it stores rank 1 too."""
     size = w.object_bytes(256)
     hashes = w.chunk_hashes(256, seed=21, n_chunks=3, num_ranks=2)
-    rank0 = CacheClient(w.client_config(server.rpc, shm=False, client_id="rank0"))
+    rank0 = CacheClient(
+        w.client_config(server.rpc, shm=False, num_ranks=2, rank=0, client_id="rank0")
+    )
     both = CacheClient(w.client_config(server.rpc, shm=False, num_ranks=2, client_id="both"))
     try:
         rank0_data = [w.payload(21, c, 0, size) for c in range(3)]
@@ -156,7 +158,7 @@ def test_hit_stops_at_first_chunk_missing_a_rank_in_process() -> None:
         present = [(0, 0), (0, 1), (1, 0), (2, 0), (2, 1)]  # (chunk, rank); (1, 1) missing
         keys = [ObjectKey(hashes[c], model, r) for c, r in present]
         data = [w.payload(9, c, r, size) for c, r in present]
-        assert len(storage.store(keys, data)) == 5
+        assert len(storage.store(keys, data, w.chunk_layout(256, num_ranks=2))) == 5
 
         assert core.handle(peer, p.Lookup("r", hashes), []) == (p.Ack(), [])
         assert core.handle(peer, p.Query("r"), [])[0].hit_chunks == 1

@@ -395,6 +395,7 @@ def test_tenants_through_the_connector_and_a_pinned_system_prompt(
     tenants.write_text(tenants_toml({"acme": 'pin_bytes = "64MiB"'}))
     token, pins = tmp_path / "acme.token", tmp_path / "pins.json"
     token.write_text("acme-token")
+    token.chmod(0o600)  # a secret file group or others may read is refused
     pins.write_text(json.dumps([SHARED[:512]]))
     server = kvtier_server.start("--chunk-size", str(CHUNK), "--tenants-file", str(tenants))
     engine = engines.start(

@@ -17,6 +17,13 @@ operations that break it:
 | handoff_once          | 7         | no hand-off is granted to two consumers (per server boot)  |
 | server_alive          | 4         | the cache server never exits or logs a traceback by itself |
 | never_raises          | 4         | no client call raises into its caller: failures are misses |
+| quiet_while_away      | 4         | an idle client's process uses little CPU while the server  |
+|                       |           | is away past its heartbeat (no busy loop)                  |
+| bounded_memory        | 9         | every table a client can add to stays within its bound,    |
+|                       |           | and the server's RSS within its growth bound, per process  |
+| fails_over            | 4         | every request through the router is answered 200, but a    |
+|                       |           | non-streamed one a slow engine held past the first-byte    |
+|                       |           | timeout (a 504 naming it); a silent engine is taken out    |
 
 Operations whose outcome is unknown (an error, a timeout) may or may not have
 taken effect, as in any history checker: a store that failed still counts as
@@ -31,6 +38,8 @@ from dataclasses import dataclass
 from tests.robustness.history import History, Op
 
 STORE, READ, TAKE, PURGE = "store", "read", "take", "purge"
+AWAY_CPU_SHARE = 0.1  # of the time the server was away: a busy loop takes most of it
+AWAY_CPU_SLACK_S = 0.3
 
 
 @dataclass(frozen=True, slots=True)
@@ -43,7 +52,7 @@ class Violation:
 def check(history: History) -> list[Violation]:
     """Every violation in the history, in operation order."""
     found: list[Violation] = []
-    for rule in (_reads, _timeouts, _handoffs, _faults, _exceptions):
+    for rule in (_reads, _timeouts, _handoffs, _faults, _exceptions, _memory, _routes):
         found += rule(history)
     return sorted(found, key=lambda v: v.op)
 
@@ -167,6 +176,17 @@ def _faults(history: History) -> list[Violation]:
                     f"{op.result['files']} object files",
                 )
             )
+        if op.kind == "fault" and "client_cpu_s" in op.result:
+            allowed = AWAY_CPU_SHARE * op.result["away_s"] + AWAY_CPU_SLACK_S
+            if op.result["client_cpu_s"] > allowed:
+                found.append(
+                    Violation(
+                        "quiet_while_away",
+                        op.index,
+                        f"an idle client used {op.result['client_cpu_s']} CPU s while the "
+                        f"server was away {op.result['away_s']} s (at most {allowed:.2f})",
+                    )
+                )
         if op.kind == "settle" and op.outcome != "ok":
             found.append(Violation("released_within_ttl", op.index, str(op.result)))
         if op.kind == "server" and op.outcome != "ok":
@@ -180,6 +200,80 @@ def _exceptions(history: History) -> list[Violation]:
         for op in history.ops
         if op.kind not in ("fault", "settle", "server") and "exception" in op.result
     ]
+
+
+def _memory(history: History) -> list[Violation]:
+    """Each sample's tables within the bounds it carries, and the server's
+    RSS within its growth bound over the first sample of the same process."""
+    first_rss: dict[int, int] = {}
+    found = []
+    for op in history.ops:
+        if op.kind != "memory" or op.outcome != "ok":
+            continue
+        bounds, seen = op.args, op.result
+        over = [
+            f"{table} rows of tenant {tenant}: {n} > {bounds['rows_per_tenant']}"
+            for table in ("quality_rows", "ledger_rows")
+            for tenant, n in seen[table].items()
+            if n > bounds["rows_per_tenant"]
+        ]
+        over += [
+            f"{name}: {seen[name]} > {bounds[bound]}"
+            for name, bound in (
+                ("clients", "clients"),
+                ("session_objects", "session_objects"),
+                ("layouts", "remembered"),
+                ("hash_namespaces", "remembered"),
+            )
+            if seen[name] > bounds[bound]
+        ]
+        first = first_rss.setdefault(seen["pid"], seen["rss_bytes"])
+        if seen["rss_bytes"] - first > bounds["rss_growth_bytes"]:
+            over.append(
+                f"RSS grew {(seen['rss_bytes'] - first) >> 20} MiB past its first sample "
+                f"(bound {bounds['rss_growth_bytes'] >> 20} MiB)"
+            )
+        found += [Violation("bounded_memory", op.index, message) for message in over]
+    return found
+
+
+def _routes(history: History) -> list[Violation]:
+    """Requests through the router, and what its engines' faults left."""
+    slow = [op for op in history.ops if op.kind == "fault" and op.args["fault"] == "engine_slow"]
+    found = []
+    for op in history.ops:
+        if op.kind == "fault" and op.args["fault"] in ("engine_silent", "engine_slow"):
+            if not op.result.get("live_again", False):
+                found.append(Violation("recovers", op.index, f"an engine stayed out: {op.result}"))
+            if op.result.get("held_early", 0) > 0 and op.result["silent_failures"] < 1:
+                found.append(
+                    Violation(
+                        "fails_over",
+                        op.index,
+                        f"engine {op.result['engine']} held {op.result['held_early']} requests "
+                        "while silent, and the router never counted it silent",
+                    )
+                )
+        if op.kind != "route" or op.end is None or op.outcome == "ok":
+            continue
+        error = str(op.result.get("error", ""))
+        held_by_slow = any(
+            fault.start <= op.end
+            and op.start <= (fault.end if fault.end is not None else float("inf"))
+            and f"engine {fault.result.get('engine')} " in error
+            for fault in slow
+        )
+        timed_out = op.result.get("status") == 504 and op.result.get("type") == "timeout"
+        if not (timed_out and not op.args["stream"] and held_by_slow):
+            found.append(
+                Violation(
+                    "fails_over",
+                    op.index,
+                    f"a {'streamed ' if op.args['stream'] else ''}request through the router "
+                    f"got {op.result.get('status')}: {error[:200]}",
+                )
+            )
+    return found
 
 
 def shrink(history: History, violation: Violation) -> list[Op]:

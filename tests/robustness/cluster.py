@@ -1,13 +1,15 @@
 """The processes a robustness run works against: a real ``kvtier serve``
 with an fs L2 (on a small tmpfs of its own where this machine lets us mount
 one, so that the disk can be filled) and a real Redis L2 reached through a
-``TcpProxy``, with two tenants and a cluster secret.
+``TcpProxy``, with two tenants and a cluster secret; and a real
+``kvtier route`` in front of two stand-in engines (``routing.RouterLeg``).
 
 ``plant`` starts the server with a defect planted by a ``sitecustomize``
 module (a test of the checker: the run must find it):
 
 - ``skip-checksum``: the fs and Redis readers take any payload;
-- ``double-handoff``: a hand-off taken by another consumer is granted again.
+- ``double-handoff``: a hand-off taken by another consumer is granted again;
+- ``unbounded-tables``: the tables keyed by namespaces never fold a row.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from typing import Any
 from kvtier.commands.admin import call
 from tests.integration.harness import ROOT, Server, ServerFactory, tenants_toml, wait_for
 from tests.robustness.proxy import TcpProxy
+from tests.robustness.routing import RouterLeg
 from tests.servers import RedisProcess, redis_binary
 
 TMPFS_BYTES = 32 << 20
@@ -34,6 +37,7 @@ TOKENS = {"acme": "acme-token", "globex": "globex-token"}
 ADMIN_TOKEN = "ops-token"
 CLIENT_TTL_S = 2.0  # a killed client's locks and reservations are freed after this
 TIMEOUT_S = 2.0  # the cache server's Redis timeout and its lookups' L2 deadline
+NAMESPACE_ROWS = 16  # limits.max_namespace_rows: the flood of names folds past it
 
 PLANTS = {
     "skip-checksum": (
@@ -53,6 +57,11 @@ PLANTS = {
         "    return outcome, why\n"
         "HandoffTable.take = take\n"
     ),
+    "unbounded-tables": (
+        "from kvtier.tenancy.folding import FoldingTable\n"
+        "FoldingTable.full = lambda self, tenant: False\n"
+        "FoldingTable._make_room = lambda self, tenant, rows: None\n"
+    ),
 }
 
 
@@ -67,6 +76,7 @@ class Cluster:
     env: dict[str, str]
     args: list[str]
     server: Server
+    router: RouterLeg
     tally: Counter[str] = field(default_factory=Counter)
 
     @classmethod
@@ -84,12 +94,14 @@ class Cluster:
         args = _server_args(root, proxy)
         try:
             server = factory.start(*args, cache_dir=fs_dir, env=env)
+            router = RouterLeg.start(root)
         except BaseException:
+            factory.close()
             proxy.close()
             redis.kill()
             _unmount(fs_dir, mounted)
             raise
-        return cls(root, factory, redis, proxy, fs_dir, mounted, env, args, server)
+        return cls(root, factory, redis, proxy, fs_dir, mounted, env, args, server, router)
 
     def restart_server(self) -> tuple[int, int]:
         """SIGKILL the server and start another on its directory and ports:
@@ -155,7 +167,7 @@ class Cluster:
     def close(self) -> list[str]:
         """Stop everything; what went wrong with the server (``ServerFactory.close``)."""
         self.take_tally()
-        problems = self.factory.close()
+        problems = self.factory.close() + self.router.close()
         self.proxy.close()
         self.redis.kill()
         _unmount(self.fs_dir, self.mounted)
@@ -165,6 +177,7 @@ class Cluster:
 def _server_args(root: Path, proxy: TcpProxy) -> list[str]:
     (root / "tenants.toml").write_text(tenants_toml())
     (root / "cluster.secret").write_text(SECRET)
+    (root / "cluster.secret").chmod(0o600)  # a secret file group or others may read is refused
     redis = {
         "type": "redis",
         "url": f"redis://127.0.0.1:{proxy.port}/0",
@@ -177,6 +190,7 @@ def _server_args(root: Path, proxy: TcpProxy) -> list[str]:
         *("--l2", json.dumps(redis), "--l1-size", L1_SIZE),
         *("--prefetch-deadline-s", str(TIMEOUT_S)),
         *("--set", f"limits.client_ttl_s={CLIENT_TTL_S}", "--set", "purge.settle_s=0.2"),
+        *("--set", f"limits.max_namespace_rows={NAMESPACE_ROWS}"),
     ]
 
 

@@ -16,6 +16,12 @@ the run's random generator that returns what it did (recorded in the history).
 | proxy_latency  | the link to Redis slowed for a while                             |
 | proxy_drop     | every connection to Redis cut, new ones refused for a while      |
 | client_kill    | a client process SIGKILLed mid-store or mid-retrieve             |
+| server_away    | the cache server stopped for several heartbeats of an idle        |
+|                | client in a process of its own: that client's CPU seconds         |
+| engine_silent  | one engine behind the router accepts and answers nothing          |
+| engine_slow    | one engine behind the router slow to its first byte               |
+
+The engines' faults are ``tests.robustness.routing``'s.
 """
 
 from __future__ import annotations
@@ -27,7 +33,8 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -35,6 +42,7 @@ import numpy as np
 from kvtier.l2.format import checksum
 from kvtier.process import clean_env, read_line, stop_process
 from tests.integration.harness import ROOT
+from tests.robustness import routing
 from tests.robustness.cluster import TOKENS, Cluster
 
 Fault = Callable[[Cluster, random.Random], dict[str, Any]]
@@ -146,24 +154,67 @@ def client_kill(cluster: Cluster, rng: random.Random) -> dict[str, Any]:
     mode = rng.choice(["mid-store", "mid-retrieve"])
     tenant = rng.choice(sorted(TOKENS))
     seed = rng.randrange(1 << 30)
-    command = [sys.executable, "-m", "tests.robustness.victim", cluster.server.rpc]
+    with _client("victim", cluster.server.rpc, TOKENS[tenant], str(seed), mode) as (_, line):
+        pass  # killed as it holds what its line says
+    return {"mode": mode, "tenant": tenant, "victim": line}
+
+
+IDLE_HEARTBEAT_S = 1.0  # the idle client's; the server stays away six to eight of them
+
+
+def server_away(cluster: Cluster, rng: random.Random) -> dict[str, Any]:
+    """The cache server away (stopped) for longer than an idle client's
+    heartbeat: the CPU seconds that client's process used meanwhile (a past-
+    due heartbeat once turned its wait into a busy loop)."""
+    away_s = round(rng.uniform(6.0, 8.0), 2)
+    args = (cluster.server.rpc, TOKENS["acme"], str(IDLE_HEARTBEAT_S))
+    with _client("idler", *args) as (pid, line):
+        before = cpu_seconds(pid)
+        _stopped([cluster.server.pid], away_s)
+        used = cpu_seconds(pid) - before
+    return {
+        "away_s": away_s,
+        "heartbeat_s": IDLE_HEARTBEAT_S,
+        "client_cpu_s": round(used, 3),
+        "client": line,
+    }
+
+
+@contextlib.contextmanager
+def _client(module: str, *args: str) -> Iterator[tuple[int, str]]:
+    """``python -m tests.robustness.MODULE ARGS...`` once it printed its first
+    line: its pid and that line; SIGKILLed when the block ends."""
     proc = subprocess.Popen(
-        [*command, TOKENS[tenant], str(seed), mode],
+        [sys.executable, "-m", f"tests.robustness.{module}", *args],
         stdout=subprocess.PIPE,
         stderr=subprocess.DEVNULL,
-        stdin=subprocess.DEVNULL,
+        stdin=subprocess.PIPE,
         text=True,
         cwd=ROOT,
         env=clean_env(),
     )
     try:
         assert proc.stdout is not None
-        line = read_line(proc.stdout, 30.0)
+        yield proc.pid, (read_line(proc.stdout, 30.0) or "").strip()
     finally:
         stop_process(proc, signal.SIGKILL)
-        if proc.stdout is not None:
-            proc.stdout.close()
-    return {"mode": mode, "tenant": tenant, "victim": (line or "").strip()}
+        for stream in (proc.stdin, proc.stdout):
+            if stream is not None:
+                stream.close()
+
+
+def engine_silent(cluster: Cluster, rng: random.Random) -> dict[str, Any]:
+    return routing.engine_silent(cluster.router, rng)
+
+
+def engine_slow(cluster: Cluster, rng: random.Random) -> dict[str, Any]:
+    return routing.engine_slow(cluster.router, rng)
+
+
+def cpu_seconds(pid: int) -> float:
+    """User and system CPU seconds of a process, all its threads."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def _stopped(pids: list[int], pause_s: float) -> dict[str, Any]:
@@ -191,6 +242,9 @@ FAULTS: dict[str, Fault] = {
         proxy_latency,
         proxy_drop,
         client_kill,
+        server_away,
+        engine_silent,
+        engine_slow,
     )
 }
 

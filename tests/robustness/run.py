@@ -11,7 +11,10 @@ worker's operations, come from generators seeded by it. The interleaving of
 the workers with each other and with the servers is the machine's.
 
 One run: start the cluster (``cluster.Cluster``), start the tenant workers
-(``traffic.TenantWorker``), inject each fault once the workers have done its
+(``traffic.TenantWorker``), a client registering under ever new names
+(``flood.NameFlood``), completions through the router
+(``routing.RouterWorker``) and the sampler of the server's memory and tables
+(``monitor.Monitor``), inject each fault once the workers have done its
 share of operations and probe until a store and read round trip works again
 (its recovery time), let the workers finish, wait for every lock and
 reservation to be freed (a killed client's within its TTL), stop the
@@ -39,7 +42,10 @@ from tests.integration import workload as w
 from tests.robustness import faults as f
 from tests.robustness.checker import Violation, check, shrink
 from tests.robustness.cluster import ADMIN_TOKEN, CLIENT_TTL_S, TIMEOUT_S, Cluster
+from tests.robustness.flood import NameFlood
 from tests.robustness.history import History
+from tests.robustness.monitor import Monitor
+from tests.robustness.routing import RouterWorker
 from tests.robustness.traffic import CHUNK, SIZE, TenantWorker
 
 RECOVERY_WAIT_S = 30.0
@@ -88,6 +94,11 @@ def run(
     kinds = list(kinds) or f.available(cluster)
     schedule = [(rng.choice(kinds), rng.randrange(1 << 30)) for _ in range(faults)]
     workers = [TenantWorker(t, cluster, history, seed, min_ops) for t in ("acme", "globex")]
+    background = [
+        NameFlood(cluster, history, seed),
+        RouterWorker(cluster.router, history, seed),
+        Monitor(cluster, history),
+    ]
     probe = CacheClient(
         w.client_config(cluster.server.rpc, auth_token=ADMIN_TOKEN, request_timeout_s=TIMEOUT_S)
     )
@@ -95,6 +106,8 @@ def run(
     try:
         for worker in workers:
             worker.start()
+        for part in background:
+            part.start()
         for n, (kind, fault_seed) in enumerate(schedule):
             share = (n + 1) * min_ops // (faults + 1)
             while min(worker.done for worker in workers) < share:
@@ -104,6 +117,8 @@ def run(
             worker.stop.set()
         for worker in workers:
             worker.close()
+        for part in background:
+            part.close()
         with history.record("runner", "settle", ttl_s=CLIENT_TTL_S) as op:
             op.result = cluster.settled(CLIENT_TTL_S + SETTLE_SLACK_S)
             op.outcome = "ok" if not any(op.result.values()) else "held"
@@ -111,6 +126,8 @@ def run(
         probe.close()
         for worker in workers:
             worker.close()
+        for part in background:
+            part.close()
         alive = cluster.server.proc.poll() is None
         problems = cluster.close()
         with history.record("runner", "server") as op:

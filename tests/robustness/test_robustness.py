@@ -154,6 +154,79 @@ def test_a_call_that_raised_breaks_never_raises() -> None:
     assert [(v.rule, v.op) for v in check(h)] == [("never_raises", 0)]
 
 
+def test_an_idle_client_busy_while_the_server_was_away_breaks_quiet_while_away() -> None:
+    h = History(1)
+    away = {"away_s": 6.0, "heartbeat_s": 1.0}
+    op(h, "faults", "fault", 0, 7, fault="server_away", result={**away, "client_cpu_s": 0.02})
+    op(h, "faults", "fault", 8, 15, fault="server_away", result={**away, "client_cpu_s": 3.9})
+    assert [(v.rule, v.op) for v in check(h)] == [("quiet_while_away", 1)]
+
+
+def memory(h: History, pid: int, rss_mib: int, **seen: Any) -> Op:
+    bounds = {
+        "rows_per_tenant": 16,
+        "clients": 1024,
+        "session_objects": 1 << 22,
+        "remembered": 64,
+        "rss_growth_bytes": 96 << 20,
+    }
+    tables = {
+        "pid": pid,
+        "rss_bytes": rss_mib << 20,
+        "quality_rows": {"acme": 16},
+        "ledger_rows": {"acme": 16, "globex": 2},
+        "clients": 8,
+        "session_objects": 0,
+        "layouts": 64,
+        "hash_namespaces": 64,
+    }
+    return op(h, "monitor", "memory", 0, 0, **bounds, result={**tables, **seen})
+
+
+def test_a_table_past_its_bound_or_rss_past_its_growth_breaks_bounded_memory() -> None:
+    h = History(1)
+    memory(h, 10, 60)
+    memory(h, 10, 150)  # 90 MiB over the first sample: within
+    memory(h, 11, 300)  # a restarted server: its own first sample
+    memory(h, 11, 350, quality_rows={"acme": 17})  # one row past the tenant's bound
+    memory(h, 11, 420)  # 120 MiB over the process's first sample
+    memory(h, 11, 300, layouts=65)
+    assert [(v.rule, v.op) for v in check(h)] == [
+        ("bounded_memory", 3),
+        ("bounded_memory", 4),
+        ("bounded_memory", 5),
+    ]
+
+
+def route(h: History, start: float, stream: bool, **result: Any) -> Op:
+    outcome = "ok" if result.get("status") == 200 and "error" not in result else "error"
+    return op(h, "router", "route", start, start + 1, stream=stream, outcome=outcome,
+              result=result, bound_s=8.0)  # fmt: skip
+
+
+def test_a_request_the_router_did_not_answer_breaks_fails_over_but_a_slow_504_does_not() -> None:
+    h = History(1)
+    slow = {"engine": "e1", "stall_s": 4.0, "slow_s": 3.0, "live_again": True}
+    op(h, "faults", "fault", 10, 14, fault="engine_slow", result=slow)
+    late = "engine e1 did not answer within 3.0 s (first_byte_timeout_s)"
+    route(h, 0, False, status=200, engine="e0")
+    route(h, 11, False, status=504, type="timeout", error=late)  # the slow engine's: allowed
+    route(h, 11, True, status=504, type="timeout", error=late)  # a stream is retried instead
+    route(h, 20, False, status=504, type="timeout", error=late)  # no slow engine then
+    route(h, 21, False, status=503, error="no engine is up")
+    silent = {"engine": "e0", "silent_s": 4.0, "held_early": 2, "silent_failures": 0}
+    op(h, "faults", "fault", 30, 35, fault="engine_silent", result={**silent, "live_again": True})
+    op(h, "faults", "fault", 40, 45, fault="engine_silent",
+       result={**silent, "silent_failures": 1, "live_again": False})  # fmt: skip
+    assert [(v.rule, v.op) for v in check(h)] == [
+        ("fails_over", 3),
+        ("fails_over", 4),
+        ("fails_over", 5),
+        ("fails_over", 6),
+        ("recovers", 7),
+    ]
+
+
 def test_shrink_keeps_the_prompts_operations_the_purges_and_the_faults() -> None:
     h = History(1)
     store(h, "acme", 1, ["a0"])
@@ -233,3 +306,12 @@ def test_a_planted_skip_of_the_checksum_is_found(tmp_path: Path) -> None:
         if report.violations:
             break
     assert {v.rule for v in report.violations} == {"exact_or_miss"}, report.violations
+
+
+@needs_redis
+@pytest.mark.slow
+def test_planted_unbounded_tables_are_found(tmp_path: Path) -> None:
+    """Tables that never fold: the flood of names takes the quality board and
+    the ledger past their bound within the run, and the checker says so."""
+    report = run(1, faults=1, min_ops=20, plant="unbounded-tables", keep=tmp_path)
+    assert {v.rule for v in report.violations} == {"bounded_memory"}, report.violations

@@ -35,6 +35,7 @@ from kvtier.protocol import messages as p
 from kvtier.protocol.client import CacheClient
 from kvtier.protocol.connection import GRACE_S
 from tests.integration import workload as w
+from tests.robustness.background import Background
 from tests.robustness.cluster import TIMEOUT_S, TOKENS, Cluster
 from tests.robustness.history import History, digest
 
@@ -54,21 +55,20 @@ def bound(calls: int, wait_s: float = 0.0) -> float:
     return calls * (TIMEOUT_S + GRACE_S) + wait_s + SLACK_S
 
 
-class TenantWorker:
+class TenantWorker(Background):
     """Runs one tenant's operations on its own thread until ``stop`` is set
     and it has done at least ``min_ops``; ``done`` counts them."""
 
     def __init__(
         self, tenant: str, cluster: Cluster, history: History, seed: int, min_ops: int
     ) -> None:
+        super().__init__(f"traffic-{tenant}")
         self.tenant, self.cluster, self.history = tenant, cluster, history
         self.rng = random.Random(f"{seed}-{tenant}")
         self.min_ops = min_ops
         self.done = 0
-        self.stop = threading.Event()
         self.number = sorted(TOKENS).index(tenant)
         self.clients = [CacheClient(self._config(i)) for i in range(3)]
-        self.thread = threading.Thread(target=self._run, name=f"traffic-{tenant}", daemon=True)
 
     def _config(self, i: int) -> w.ClientConfig:
         address = self.cluster.server.rpc
@@ -80,13 +80,8 @@ class TenantWorker:
             retry_s=0.2,
         )
 
-    def start(self) -> None:
-        self.thread.start()
-
     def close(self) -> None:
-        self.stop.set()
-        if self.thread.is_alive():
-            self.thread.join()
+        super().close()
         for client in self.clients:
             client.close()
 

@@ -26,7 +26,7 @@ from typing import Any, Literal
 from kvtier.config import load, read_toml
 from kvtier.extras import missing_extra
 from kvtier.output import JSON_HELP, write_json
-from kvtier.traces import ReplaySpec, Span
+from kvtier.traces import DEFAULT_MAX_LINE_BYTES, ReplaySpec, Span
 from kvtier.units import parse_span
 
 ENV_PREFIX = "KVTIER_BENCH_"
@@ -63,6 +63,7 @@ class BenchOptions:
     window_s: float | None = None
     sample: float = 1.0
     skip_bad_lines: bool = False
+    max_line_size_bytes: int = DEFAULT_MAX_LINE_BYTES
     configs: str = "apc,apc+l1,apc+l1+remote,lmcache"
     remote: Literal["redis", "mooncake"] = "redis"
     no_fault: bool = False
@@ -106,6 +107,7 @@ HELP: dict[str, tuple[str, str]] = {
     "window_s": ("a Mooncake trace: replay this many trace seconds (all)", "run"),
     "sample": ("a Mooncake trace: share of sessions replayed (1.0)", "run"),
     "skip_bad_lines": ("a Mooncake trace: leave bad lines out, counted", "run"),
+    "max_line_size_bytes": ("a longer trace line is a bad line, never held whole (1MiB)", "run"),
     "configs": ("comma-separated, in run order; the first is the output reference", "run"),
     "remote": ("apc+l1+remote's L2: redis or mooncake", "run"),
     "no_fault": ("skip the fault run", "run"),
@@ -309,6 +311,7 @@ def replay_spec(options: BenchOptions) -> ReplaySpec:
         sample=options.sample,
         max_output_tokens=REPLAY_OUTPUT_TOKENS,
         skip_bad_lines=options.skip_bad_lines,
+        max_line_bytes=options.max_line_size_bytes,
     )
 
 

@@ -79,8 +79,8 @@ def build_trace(request: BenchRequest) -> tuple[list[TraceRequest], str]:
     """The trace and a one-line description of it."""
     if request.trace_path is not None:
         path, replay = request.trace_path, request.replay
-        if not is_mooncake_file(path):
-            return read_trace(path), f"file {path}"
+        if not is_mooncake_file(path, replay.max_line_bytes):
+            return read_trace(path, replay.max_line_bytes), f"file {path}"
         skipped = SkippedLines()
         trace = load_trace(path, replay, skipped)
         return trace, (

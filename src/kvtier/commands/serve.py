@@ -92,7 +92,8 @@ def serve(
         signal.signal(signal.SIGINT, on_signal)
     residency = Residency(config.chunk_size) if config.events.enabled else None
     tenants = tenant_table(config)
-    usage = L2Usage(tenants)  # its gate keeps the tenants' caps on shared stores
+    # Its gate keeps the tenants' caps on shared stores.
+    usage = L2Usage(tenants, rows_per_tenant=config.limits.max_namespace_rows)
     storage = StorageManager(
         storage_config(config),
         residency,

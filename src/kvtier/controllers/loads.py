@@ -43,6 +43,7 @@ class LoadBatch:
     tag: WriterTag
     fence: IOFence
     nbytes: int
+    digest: str  # the layout its objects are loaded under
     subscribers: dict[ObjectKey, list[PrefetchRequest]]
     started: float = field(default_factory=time.monotonic)  # its load's cost is learned
 
@@ -80,6 +81,8 @@ class Loads:
                     staged.append(key)
                 elif placement.result is L1Result.NOT_WRITABLE:
                     self._take_resident(request, key)  # published meanwhile: read it from L1
+                elif placement.result is L1Result.WRONG_LAYOUT:
+                    request.wrong_layout(key)  # published meanwhile, under another layout
                 else:
                     self._counters.add("staging_out_of_memory")  # too large for L1, or no room
                     request.missed[key] = MissReason.NO_ROOM
@@ -88,7 +91,8 @@ class Loads:
                 return
             _, fence = self._l1.fence(staged, tag)
             views = [self._l1.view(p) for p in placements if p.result is L1Result.SUCCESS]
-            batch = LoadBatch(name, tag, fence, size * len(staged), {k: [request] for k in staged})
+            subscribers = {k: [request] for k in staged}
+            batch = LoadBatch(name, tag, fence, size * len(staged), digest, subscribers)
             task = self._adapters[name].submit_load(staged, views, digest)
         except BaseException:
             if fence is not None:
@@ -132,11 +136,18 @@ class Loads:
         if keys:
             self._adapters[name].unlock(list(keys))
 
+    def layout_in_flight(self, key: ObjectKey) -> str | None:
+        """The layout digest ``key`` is being loaded under; None if it is not."""
+        batch = self.inflight.get(key)
+        return None if batch is None else batch.digest
+
     def _take_resident(self, request: PrefetchRequest, key: ObjectKey) -> None:
-        (placement,) = self._l1.reserve_read([key])
+        (placement,) = self._l1.reserve_read([key], layouts=request.digests)
         if placement.result is L1Result.SUCCESS:
             request.locked[key] = placement
             request.tier[key] = L1_TIER
+        elif placement.result is L1Result.WRONG_LAYOUT:
+            request.wrong_layout(key)
 
     def _admit(self, batch: LoadBatch, result: TaskResult) -> set[PrefetchRequest]:
         """Publish the loaded copies, locked once per live subscriber; return
@@ -164,9 +175,15 @@ class Loads:
                 continue
             placements = self._l1.finish_write_and_reserve_read(keys, batch.tag, n)
             for key, placement in zip(keys, placements, strict=True):
-                if placement.result is not L1Result.SUCCESS:  # the staging lease expired
+                if placement.result is not L1Result.SUCCESS:
+                    # The staging lease expired, or another layout's copy won.
+                    reason = (
+                        MissReason.LAYOUT_MISMATCH
+                        if placement.result is L1Result.WRONG_LAYOUT
+                        else MissReason.LOAD_FAILED
+                    )
                     for request in batch.subscribers[key]:
-                        request.missed[key] = MissReason.LOAD_FAILED
+                        request.missed[key] = reason
                     continue
                 for request in batch.subscribers[key]:
                     if not request.done:

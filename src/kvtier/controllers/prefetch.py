@@ -2,7 +2,9 @@
 
 For one request (a prompt's chunks, each one or more objects: ranks x groups)::
 
-    1. lock what L1 has                      (caller's thread; a full L1 hit ends here)
+    1. lock what L1 has under the request's  (caller's thread; a full L1 hit ends here;
+       layouts                                an object L1 holds under another layout
+                                              ends the hit before its chunk)
     2. one submit_lookup per adapter          for the objects L1 lacks
     3. plan once over the union               each object from the first adapter
                                               (cascade order, fastest first) that has it;
@@ -16,7 +18,8 @@ Steps 4 and 5 are ``Loads`` (``kvtier.controllers.loads``).
 
 - Single flight: an object already being loaded for another request is not
   loaded again; the second request waits for the same load and gets its own
-  read lock when it lands.
+  read lock when it lands (if it is loaded under another layout than the
+  second request's, that is a miss for the second).
 - Deadline: what has not arrived by ``deadline_s`` is a miss for that
   request. The load itself goes on (its buffer stays fenced until the adapter
   is done); when it lands it is admitted unlocked, warming the cache.
@@ -289,7 +292,7 @@ class PrefetchController:
     def _plan(self, request: PrefetchRequest) -> None:
         """Pick a source for every object of the loadable prefix (as far as
         loading beats recomputing), then load."""
-        planned = request.sources(self._loads.inflight)
+        planned = request.sources(self._loads.layout_in_flight)
         limit = self._worth_loading(request, planned)
         request.limit = limit
         assigned: dict[tuple[str, int], list[ObjectKey]] = {}
@@ -442,10 +445,13 @@ class PrefetchController:
     def _lock_l1(self, request: PrefetchRequest) -> None:
         """Step 1: read-lock what L1 has of the request; set how far a hit can reach."""
         wanted = [k for c in request.chunks for k in c if k not in request.locked]
-        for key, placement in zip(wanted, self._l1.reserve_read(wanted), strict=True):
+        placements = self._l1.reserve_read(wanted, layouts=request.digests)
+        for key, placement in zip(wanted, placements, strict=True):
             if placement.result is L1Result.SUCCESS:
                 request.locked[key] = placement
                 request.tier[key] = L1_TIER
+            elif placement.result is L1Result.WRONG_LAYOUT:
+                request.wrong_layout(key)
         if len(request.locked) < request.objects:
             request.limit = request.loadable_prefix()
 

@@ -9,7 +9,7 @@ never past ``limit``; the first chunk it lacks says why it ends there
 
 from __future__ import annotations
 
-from collections.abc import Container, Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 from kvtier.controllers.lookups import MissReason, PrefetchHandle
@@ -36,6 +36,10 @@ class PrefetchRequest:
     ended: MissReason | None = None  # why the request was answered early, if it was
     parked: bool = False  # waiting in the backlog with its L1 locks given back
     done: bool = False
+    digests: dict[int, str] = field(init=False)  # each group's layout digest, as L1 checks it
+
+    def __post_init__(self) -> None:
+        self.digests = {group: layout.digest() for group, layout in self.layouts.items()}
 
     @property
     def objects(self) -> int:
@@ -46,26 +50,43 @@ class PrefetchRequest:
         return all(k in self.locked for c in self.chunks[: self.limit] for k in c)
 
     def loadable_prefix(self) -> int:
-        """Chunks up to the first one with an L1-missing object of unknown layout."""
+        """Chunks up to the first one with an L1-missing object of unknown
+        layout, or one that L1 holds under another layout (no copy of this
+        layout can be admitted beside it)."""
         for index, chunk in enumerate(self.chunks):
             for key in chunk:
-                if key not in self.locked and key.group not in self.layouts:
+                if key in self.locked:
+                    continue
+                wrong = self.missed.get(key) is MissReason.LAYOUT_MISMATCH
+                if key.group not in self.layouts or wrong:
                     return index
         return len(self.chunks)
 
-    def sources(self, loading: Container[ObjectKey]) -> list[dict[ObjectKey, str | None]]:
+    def wrong_layout(self, key: ObjectKey) -> None:
+        """L1 holds ``key`` under another layout: a miss from there on."""
+        self.missed[key] = MissReason.LAYOUT_MISMATCH
+
+    def sources(
+        self, loading: Callable[[ObjectKey], str | None]
+    ) -> list[dict[ObjectKey, str | None]]:
         """Per chunk of the prefix a hit can reach, where each object not yet
         locked comes from: the first adapter (cascade order) whose lookup
-        found it, or None when another request is ``loading`` it already.
-        Ends before the first chunk with an object no adapter has (that
-        object's miss is recorded)."""
+        found it, or None when another request is loading it already
+        (``loading(key)``: the layout digest an object in flight is loaded
+        under, None if it is not; under another layout than this request's,
+        it is a miss). Ends before the first chunk with an object no adapter
+        has (that object's miss is recorded)."""
         planned: list[dict[ObjectKey, str | None]] = []
         for chunk in self.chunks[: self.limit]:
             sources: dict[ObjectKey, str | None] = {}
             for key in chunk:
                 if key in self.locked:
                     continue
-                if key in loading:
+                in_flight = loading(key)
+                if in_flight is not None:
+                    if in_flight != self.digests.get(key.group, ""):
+                        self.wrong_layout(key)
+                        return planned
                     sources[key] = None
                     continue
                 source = next((n for n, keys in self.found.items() if key in keys), None)

@@ -339,7 +339,11 @@ class StoreController:
         locked: list[ObjectKey] = []
         fence: IOFence | None = None
         try:
-            locks = self._l1.reserve_read(unpinned)
+            # Under the layout it was admitted with: the key may since have
+            # been evicted and written again under another, whose bytes must
+            # not go to L2 under this one's header.
+            layouts = {key.group: items[0].layout for key in unpinned}
+            locks = self._l1.reserve_read(unpinned, layouts=layouts)
             locked = [k for k, p in zip(unpinned, locks, strict=True) if p.result is SUCCESS]
             held = set(locked).union(pinned)
             wanted = [item.key for item in items if item.key in held]

@@ -2,13 +2,15 @@
 
 ::
 
-    reserve_write(keys, sizes, tag)
-        │  OUT_OF_MEMORY / NOT_WRITABLE (already resident, or doomed) / WRONG_STATE
+    reserve_write(keys, sizes, tag, layout)
+        │  OUT_OF_MEMORY / NOT_WRITABLE (already resident, or doomed) /
+        │  WRONG_LAYOUT (resident under another layout) / WRONG_STATE
         ▼
     STAGING(key, tag) ──abort_write / write-lease expiry──► freed
         │ finish_write: if already resident, this copy is discarded and the
-        │ writer still gets SUCCESS (first publisher wins); if doomed,
-        │ discarded too (NOT_FOUND)
+        │ writer still gets SUCCESS (first publisher wins), or WRONG_LAYOUT
+        │ if the winner's layout is not this copy's; if doomed, discarded
+        │ too (NOT_FOUND)
         ▼
     RESIDENT ◄──reserve_read(n) / finish_read(n)──► READ-LOCKED(count) and/or FENCED
         │ (unlocked, unfenced only)                  │ purge
@@ -23,6 +25,16 @@
 
 Rules:
 
+- Every object keeps the layout digest it was written under, and every
+  read names the layout it expects per object group (``layouts``; a group
+  it does not name expects "", objects written without one). An object of
+  another layout is WRONG_LAYOUT to a reader, as if absent: the one rule
+  (a chunk whose layout is not proven is a miss) holds in L1 as it does in
+  the L2 tiers, whose headers carry the digest. A key is held under one
+  layout at a time: the first to publish it keeps it, and a writer of
+  another layout gets WRONG_LAYOUT (its copy is not kept). Well-formed
+  clients never meet this: their chunk hashes are rooted in a namespace
+  that carries the layout digest. The check is for those that do not.
 - Staging objects are keyed by (key, writer tag) and invisible to readers; two
   tags may stage one key at once, and the first ``finish_write`` publishes.
 - Read locks are counted. Eviction, ``delete`` and ``clear`` skip locked,
@@ -79,7 +91,7 @@ arena's bookkeeping is in-memory arithmetic).
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import numpy as np
 import numpy.typing as npt
@@ -96,6 +108,13 @@ from kvtier.l1.objects import (
 from kvtier.l1.ownership import L1Ownership
 
 log = logging.getLogger(__name__)
+Layouts = Mapping[int, str]  # a reader's expected layout digest per object group
+NO_LAYOUTS: Layouts = {}
+
+
+def expected_layout(layouts: Layouts, key: ObjectKey) -> str:
+    """The layout digest a reader giving ``layouts`` expects of ``key``."""
+    return layouts.get(key.group, "")
 
 
 def _distinct(keys: Sequence[ObjectKey], method: str) -> None:
@@ -147,7 +166,8 @@ class L1Manager(L1Ownership):
         """Stage new objects for ``tag``; their memory is all-or-nothing.
 
         Per key: SUCCESS with an offset; NOT_WRITABLE if already resident
-        (or doomed: purged while held, until freed);
+        (or doomed: purged while held, until freed); WRONG_LAYOUT if
+        resident under another layout digest than ``layout``;
         WRONG_STATE if this tag already stages it; OUT_OF_MEMORY for every
         key that needed memory if the batch does not fit after eviction (or
         holds an object larger than the arena); OVER_QUOTA for an owner's keys
@@ -167,7 +187,11 @@ class L1Manager(L1Ownership):
             asked: dict[str, int] = {}  # owner -> bytes this call would add
             cut: set[str] = set()  # owners whose batch stopped at a limit
             for i, key in enumerate(keys):
-                if key in self._resident or key in self._doomed:
+                resident = self._resident.get(key)
+                if resident is not None and resident.layout != layout:
+                    self._counters.add("wrong_layout", 1)
+                    results[i] = Placement(L1Result.WRONG_LAYOUT)
+                elif resident is not None or key in self._doomed:
                     results[i] = Placement(L1Result.NOT_WRITABLE)
                 elif (key, tag) in self._staging:
                     results[i] = Placement(L1Result.WRONG_STATE)
@@ -218,7 +242,8 @@ class L1Manager(L1Ownership):
 
     def finish_write(self, keys: Sequence[ObjectKey], tag: WriterTag) -> list[L1Result]:
         """Publish ``tag``'s staged copies. SUCCESS also when another writer won
-        (this copy is discarded); NOT_FOUND if there is no such reservation,
+        (this copy is discarded); WRONG_LAYOUT when the one that won wrote
+        another layout (discarded too); NOT_FOUND if there is no such reservation,
         or the key was purged while held and is not freed yet (this copy is
         discarded)."""
         return [p.result for p in self._publish(keys, tag, read_locks=0)]
@@ -227,7 +252,8 @@ class L1Manager(L1Ownership):
         self, keys: Sequence[ObjectKey], tag: WriterTag, n: int = 1
     ) -> list[Placement]:
         """Publish and read-lock in one step, so eviction cannot slip in between.
-        The placement is the resident object's (the winner's, if another won)."""
+        The placement is the resident object's (the winner's, if another won
+        under the same layout; WRONG_LAYOUT, nothing locked, if under another)."""
         self._check_count(n, "finish_write_and_reserve_read")
         return self._publish(keys, tag, read_locks=n)
 
@@ -250,9 +276,13 @@ class L1Manager(L1Ownership):
 
     # ----------------------------------------------------------------- reads
 
-    def reserve_read(self, keys: Sequence[ObjectKey], n: int = 1) -> list[Placement]:
-        """Read-lock resident objects ``n`` times each; NOT_FOUND otherwise
-        (staging objects are invisible). Does not count as use."""
+    def reserve_read(
+        self, keys: Sequence[ObjectKey], n: int = 1, *, layouts: Layouts = NO_LAYOUTS
+    ) -> list[Placement]:
+        """Read-lock resident objects of the layouts the reader expects
+        (``layouts``: a digest per group) ``n`` times each; NOT_FOUND if not
+        resident (staging objects are invisible), WRONG_LAYOUT if resident
+        under another layout. Does not count as use."""
         self._check_count(n, "reserve_read")
         with self._lock:
             now = self._clock()
@@ -263,19 +293,30 @@ class L1Manager(L1Ownership):
                 if obj is None:
                     results.append(Placement(L1Result.NOT_FOUND))
                     continue
+                if obj.layout != expected_layout(layouts, key):
+                    self._counters.add("wrong_layout", 1)
+                    results.append(Placement(L1Result.WRONG_LAYOUT))
+                    continue
                 self._lock_read(obj, n, now)
                 results.append(Placement(L1Result.SUCCESS, obj.offset, obj.size))
             return results
 
-    def reserve_read_all(self, keys: Sequence[ObjectKey]) -> tuple[list[Placement], int]:
+    def reserve_read_all(
+        self, keys: Sequence[ObjectKey], *, layouts: Layouts = NO_LAYOUTS
+    ) -> tuple[list[Placement], int]:
         """Read-lock every one of ``keys`` once, or none of them: their
-        placements, and how many are not resident (0: all are locked; else
-        none is, and the placements are empty)."""
+        placements, and how many are not resident under the layouts the
+        reader expects (0: all are locked; else none is, and the placements
+        are empty)."""
         with self._lock:
             now = self._clock()
             self._reap(now)
             found = [self._resident.get(key) for key in keys]
-            resident = [obj for obj in found if obj is not None]
+            resident = [
+                obj
+                for key, obj in zip(keys, found, strict=True)
+                if obj is not None and obj.layout == expected_layout(layouts, key)
+            ]
             if len(resident) < len(found):
                 return [], len(found) - len(resident)
             for obj in resident:
@@ -449,6 +490,10 @@ class L1Manager(L1Ownership):
                     self._counters.add("duplicate_writes", 1)
                     self._leases.end(obj)
                     self._release_memory(obj)
+                    if winner.layout != obj.layout:
+                        self._counters.add("wrong_layout", 1)
+                        results.append(Placement(L1Result.WRONG_LAYOUT))
+                        continue
                 if read_locks:
                     self._lock_read(winner, read_locks, now)
                 results.append(Placement(L1Result.SUCCESS, winner.offset, winner.size))

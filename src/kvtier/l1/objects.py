@@ -23,6 +23,9 @@ class L1Result(enum.Enum):
     SUCCESS = "success"
     NOT_FOUND = "not_found"  # no such resident object / no such staging reservation
     NOT_WRITABLE = "not_writable"  # reserve_write on a key that is already resident
+    # resident under another layout digest: a miss for a reader, not writable
+    # for a writer (the first layout to publish a key keeps it)
+    WRONG_LAYOUT = "wrong_layout"
     OUT_OF_MEMORY = "out_of_memory"  # no room even after evicting what may be evicted
     LOCKED = "locked"  # delete (kept) or purge (doomed) of a read-locked or I/O-fenced object
     WRONG_STATE = "wrong_state"  # e.g. finish_read on an unlocked object

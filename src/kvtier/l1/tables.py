@@ -37,6 +37,7 @@ COUNTERS = (
     "too_large",
     "watermark_unreachable",
     "duplicate_writes",
+    "wrong_layout",
     "over_quota",
     "quota_evictions",
 )

@@ -150,25 +150,26 @@ class AdminAPI:
         """Objects and bytes per namespace (model@salt) and tier: L1 and the
         node-local adapters from what they hold, shared stores from what this
         server wrote there (others may have written more)."""
-        table: dict[NamespaceLabel, dict[str, dict[str, int]]] = {}
+        tenants = self.core.tenants
+        table: dict[tuple[str, str], dict[str, dict[str, int]]] = {}  # (namespace, tenant)
 
         def add(tier: str, namespace: NamespaceLabel, size: int) -> None:
-            entry = table.setdefault(namespace, {}).setdefault(tier, {"objects": 0, "bytes": 0})
+            row = table.setdefault((str(namespace), tenants.tenant_of(namespace.salt)), {})
+            entry = row.setdefault(tier, {"objects": 0, "bytes": 0})
             entry["objects"] += 1
             entry["bytes"] += size
 
         for tier in self.core.storage.tiers():
             for key, size in self.core.storage.held_sizes(tier):
                 add(tier, NamespaceLabel.of_key(key), size)
-        for (namespace, tier), (objects, size) in self.core.l2_usage.written().items():
-            if tier not in table.get(namespace, {}):
-                entry = table.setdefault(namespace, {})
-                entry[tier] = {"objects": objects, "bytes": size, "written_here": 1}
-        tenants = self.core.tenants
+        for tenant, namespace, tier, objects, size in self.core.l2_usage.written():
+            row = table.setdefault((str(namespace), tenant), {})
+            if tier not in row:
+                row[tier] = {"objects": objects, "bytes": size, "written_here": 1}
         return {
             "namespaces": [
-                {"namespace": str(name), "tenant": tenants.tenant_of(name.salt), "tiers": tiers}
-                for name, tiers in sorted(table.items(), key=lambda item: str(item[0]))
+                {"namespace": name, "tenant": tenant, "tiers": tiers}
+                for (name, tenant), tiers in sorted(table.items())
             ]
         }
 

@@ -25,6 +25,7 @@ from kvtier.planner.trace_plan import (
     plan_trace,
     plot_trace_plan,
 )
+from kvtier.traces.lines import DEFAULT_MAX_LINE_BYTES, MAX_LINE_FLAG
 from kvtier.units import parse_size
 
 _COUNT_SUFFIXES = {"": 1.0, "k": 1e3, "m": 1e6, "b": 1e9, "t": 1e12}
@@ -41,6 +42,13 @@ def _parameter_count(text: str) -> float:
 def _state_bytes(text: str) -> int:
     try:
         return parse_size(text, "--state-bytes")
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _max_line_bytes(text: str) -> int:
+    try:
+        return parse_size(text, MAX_LINE_FLAG)
     except ValueError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
@@ -207,6 +215,14 @@ def _add_trace_flags(group: Any) -> None:
     group.add_argument(
         "--skip-bad-lines", action="store_true", help="leave bad trace lines out, counted"
     )
+    group.add_argument(
+        MAX_LINE_FLAG,
+        dest="max_line_bytes",
+        type=_max_line_bytes,
+        default=DEFAULT_MAX_LINE_BYTES,
+        metavar="SIZE",
+        help="a longer trace line is a bad line, never held whole (1MiB)",
+    )
 
 
 def _given(args: argparse.Namespace, kind: str) -> dict[str, Any]:
@@ -250,6 +266,7 @@ def run_trace(args: argparse.Namespace, observed: Observation | None) -> int:
         prefill_tokens_per_s=args.prefill_rate,
         bytes_per_token=bytes_per_token,
         skip_bad_lines=args.skip_bad_lines,
+        max_line_bytes=args.max_line_bytes,
     )
     plan = plan_trace(Path(args.trace), question)
     print(format_trace_plan(plan), file=report_stream(args.json))

@@ -31,6 +31,7 @@ from kvtier.planner.reuse import (
     reuse_curve,
     simulate_policy,
 )
+from kvtier.traces.lines import DEFAULT_MAX_LINE_BYTES, MAX_LINE_FLAG
 from kvtier.traces.mooncake import TRACE_BLOCK_TOKENS, SkippedLines, read_mooncake
 
 DEFAULT_TARGETS = (0.5, 0.8, 0.9, 0.95, 0.99)
@@ -50,8 +51,11 @@ class TraceQuestion:
     prefill_tokens_per_s: float | None = None
     bytes_per_token: int | None = None  # from the model shape, when given
     skip_bad_lines: bool = False
+    max_line_bytes: int = DEFAULT_MAX_LINE_BYTES  # a longer trace line is a bad line
 
     def __post_init__(self) -> None:
+        if self.max_line_bytes < 1:
+            raise ValueError(f"{MAX_LINE_FLAG} must be >= 1 byte, got {self.max_line_bytes}")
         if any(c < 1 for c in self.capacities_tokens):
             raise ValueError("--capacities takes token counts >= 1, e.g. 1000000,8000000")
         unknown = [name for name in self.policies if name not in EVICTION_POLICIES]
@@ -186,7 +190,12 @@ def _tiers(curve: ReuseCurve, q: TraceQuestion) -> dict[str, Any] | None:
 def plan_trace(path: Path, question: TraceQuestion) -> TracePlan:
     """The trace plan of ``path``; ValueError naming the line for a bad trace."""
     skipped = SkippedLines()
-    records = read_mooncake(path, skip_bad_lines=question.skip_bad_lines, skipped=skipped)
+    records = read_mooncake(
+        path,
+        skip_bad_lines=question.skip_bad_lines,
+        skipped=skipped,
+        max_line_bytes=question.max_line_bytes,
+    )
     touches, requests, last_ms = [], 0, 0.0
     for record in records:  # streamed: only the block accesses are kept
         touches.extend(accesses((record,)))

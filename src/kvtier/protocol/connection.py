@@ -13,16 +13,34 @@ in flight to the connection's I/O thread, which also sends the heartbeat
 (PING: keeps the registration alive, spots a restarted server by its boot id)
 and reconnects.
 
+A server that goes away is noticed without waiting for a call to time out:
+ZeroMQ's own heartbeat pings the server's I/O thread every ``LINK_PING_S``
+and drops a link silent for ``LINK_TIMEOUT_S`` (libzmq answers the ping, so a
+busy Python loop does not delay it; the timeout is generous all the same: a
+false drop costs misses), and a monitor on the socket reports the dropped
+link, or a killed server's closed one, to the socket's holder, which says
+HELLO again: a server restarted is joined without waiting for a call, and a
+server that stays away degrades the client when that HELLO times out.
+
+Every timer the holder sleeps towards is one that can fire in its current
+state: the heartbeat counts only while registered, so an outage never
+leaves a past-due timer behind (which would turn the wait into a busy loop).
+
 Registration, a small state machine::
 
     connecting --WELCOME--> registered --no answer in time / HELLO refused--> degraded
     degraded --after retry_s (doubling up to max_retry_s)--> connecting
     registered --PONG with another boot id, or a no_hello reply--> connecting
+    registered --the link dropped--> rejoining --WELCOME--> registered
+    rejoining --no answer in time--> degraded
 
 While it is not registered every call is answered at once with no reply
 (``Call.reply`` None): the client then misses lookups and skips stores. A
 call refused with ``no_hello`` (the server restarted) is held and sent once
-more after the new WELCOME. So is a call posted to be held (``hold_s``: a
+more after the new WELCOME, and so is a call made while rejoining (the link
+dropped, the socket reconnects by itself, HELLO is out): a server restarted
+at once costs no call, and one that stays away costs each call at most its
+own timeout, then degraded answers come at once. So is a call posted to be held (``hold_s``: a
 hand-off's offer, which nobody waits for and whose loss would cost its
 consumer a recompute): while the connection is down, and when it drops with
 the call on the wire, the call is kept and sent once registered again, until
@@ -49,6 +67,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import zmq
+from zmq.utils import monitor as zmq_monitor
 
 from kvtier.counters import Counters
 from kvtier.failures import FailureLog
@@ -58,6 +77,8 @@ from kvtier.protocol import messages as p
 log = logging.getLogger(__name__)
 
 GRACE_S = 1.0  # a caller waits this much past a request's timeout (the I/O thread ends it)
+LINK_PING_S = 1.0  # ZeroMQ's heartbeat on the link to the server
+LINK_TIMEOUT_S = 5.0  # a link silent this long is dropped (a frozen server or host)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -120,6 +141,7 @@ class Call:
 class ClientStats:
     degraded_requests: int = 0
     reconnects: int = 0
+    dropped_links: int = 0  # links the socket's monitor saw drop (a killed or frozen server)
     server_restarts: int = 0
     peak_in_flight: int = 0  # most requests on the wire at once (concurrent callers)
     errors: dict[str, int] = field(default_factory=dict)
@@ -139,6 +161,7 @@ class Connection:
         self.region: SharedRegion | None = None  # the server's arena, when mapped here
         self._context: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
         self._socket: zmq.Socket[bytes] | None = None
+        self._monitor: zmq.Socket[bytes] | None = None  # the socket's dropped-link events
         self._poller = zmq.Poller()  # the socket's holder's
         self._io = threading.Lock()  # held by whoever does the socket's I/O; never waited on
         self._submissions: queue.SimpleQueue[Call] = queue.SimpleQueue()
@@ -151,6 +174,7 @@ class Connection:
         self._in_flight: dict[int, Call] = {}
         self._held: list[Call] = []  # sent once registered: refused with no_hello, or held
         self._hello: Call | None = None
+        self._rejoining = False  # the link dropped while registered; HELLO is out again
         self._retry_s = config.retry_s  # doubles while reconnecting fails
         self._next_try = 0.0  # when to send HELLO again while unregistered
         self._next_beat = time.monotonic() + config.heartbeat_s
@@ -272,7 +296,10 @@ class Connection:
             self._disconnect()
 
     def _next_timer(self) -> float:
-        beat = self._next_beat if self.config.heartbeat_s > 0 else math.inf
+        """The next heartbeat (only while registered: it is sent only then) or
+        reconnect (only while there is no socket); inf if neither can fire."""
+        beating = self._registered.is_set() and self.config.heartbeat_s > 0
+        beat = self._next_beat if beating else math.inf
         return min(beat, self._next_try if self._socket is None else math.inf)
 
     def _turn(self, max_wait_s: float) -> None:
@@ -299,6 +326,8 @@ class Connection:
             self._dispatch_submissions()
         if self._socket is not None and self._socket in ready:
             self._receive()
+        if self._monitor is not None and self._monitor in ready:
+            self._link_events()
         self._expire(time.monotonic())
 
     def _dispatch_submissions(self) -> None:
@@ -308,8 +337,12 @@ class Connection:
             except queue.Empty:
                 return
             if not self._registered.is_set():
-                self.stats.degraded_requests += 1
-                if call.hold_until > time.monotonic():
+                now = time.monotonic()
+                if self._rejoining:  # wait for the HELLO, no longer than the call's own timeout
+                    call.hold_until = max(call.hold_until, now + call.timeout_s)
+                else:
+                    self.stats.degraded_requests += 1
+                if call.hold_until > now:
                     self._held.append(call)  # sent after the next WELCOME
                 else:
                     self._finish(call, None)
@@ -355,6 +388,20 @@ class Connection:
             call.data = list(parts[1:])
             self._finish(call, reply)
 
+    def _link_events(self) -> None:
+        """Read the monitor's events; a dropped link means the server is away
+        (killed, restarted, frozen past the link's heartbeat, or cut off):
+        rejoin now rather than at the next call's timeout."""
+        assert self._monitor is not None
+        dropped = False
+        while self._monitor is not None and self._monitor.poll(0):
+            event = zmq_monitor.recv_monitor_message(self._monitor)
+            dropped |= event["event"] == zmq.EVENT_DISCONNECTED
+        if dropped and self._registered.is_set():
+            log.warning("client: the link to %s dropped; registering again", self.config.address)
+            self.stats.dropped_links += 1
+            self._rejoin()
+
     def _finish(self, call: Call, reply: p.Reply | None) -> None:
         call.reply = reply
         call.done.set()
@@ -383,8 +430,12 @@ class Connection:
         self._disconnect()
         self._socket = self._context.socket(zmq.DEALER)
         self._socket.setsockopt(zmq.LINGER, 0)
+        self._socket.setsockopt(zmq.HEARTBEAT_IVL, round(LINK_PING_S * 1000))
+        self._socket.setsockopt(zmq.HEARTBEAT_TIMEOUT, round(LINK_TIMEOUT_S * 1000))
+        self._monitor = self._socket.get_monitor_socket(zmq.EVENT_DISCONNECTED)
         self._socket.connect(self.config.address)
         self._poller.register(self._socket, zmq.POLLIN)
+        self._poller.register(self._monitor, zmq.POLLIN)
         self.stats.reconnects += 1
         self._send_hello()
 
@@ -419,15 +470,17 @@ class Connection:
             return  # no answer: _degrade runs (or ran) for the timeout
         self.chunk_size, self.boot_id = reply.chunk_size, reply.boot_id
         self._retry_s = self.config.retry_s
-        if self.region is not None:
-            self.region.close()
+        self._next_beat = time.monotonic() + self.config.heartbeat_s
+        if self.region is not None and self.region.name != reply.arena:
+            self.region.close()  # a new arena (the server restarted): calls of the old one fail
             self.region = None
-        if reply.arena is not None:
+        if reply.arena is not None and self.region is None:
             try:
                 self.region = SharedRegion.attach(reply.arena, shm_dir=self.config.shm_dir)
             except OSError:  # another host, or another /dev/shm: use the bytes path
                 log.info("client: arena %s is not mapped here; sending bytes", reply.arena)
         self._registered.set()
+        self._rejoining = False
         self._tried.set()
         held, self._held = self._held, []
         for held_call in held:
@@ -447,6 +500,17 @@ class Connection:
             self.stats.server_restarts += 1
             self._send_hello()
 
+    def _rejoin(self) -> None:
+        """The link dropped: say HELLO again on the same socket (ZeroMQ
+        reconnects it; the HELLO goes when it does). The calls in flight are
+        left to their timeouts: the event comes with no time, and one read
+        late (the holder was idle) may follow a reconnection whose calls the
+        new server is answering. The chunk size stays: engines go on using
+        the cache, their calls held until the WELCOME or their timeout."""
+        self._registered.clear()
+        self._rejoining = True
+        self._send_hello()
+
     def _degrade(self) -> None:
         """The server is away (or refused us): drop the socket (and any late
         reply with it), answer every call in flight with nothing (but those
@@ -454,6 +518,7 @@ class Connection:
         the back-off."""
         self.chunk_size = None
         self._registered.clear()
+        self._rejoining = False
         self._tried.set()
         self._disconnect()
         self._fail_all(keep_held=True)
@@ -473,8 +538,15 @@ class Connection:
         if self._socket is not None:
             with contextlib.suppress(KeyError):
                 self._poller.unregister(self._socket)
+            if self._monitor is not None:
+                with contextlib.suppress(KeyError):
+                    self._poller.unregister(self._monitor)
+                with contextlib.suppress(zmq.ZMQError):
+                    self._socket.disable_monitor()
+                self._monitor.close(linger=0)
+                self._monitor = None
             self._socket.close(linger=0)
             self._socket = None
 
 
-__all__ = ["GRACE_S", "Call", "ClientConfig", "ClientStats", "Connection"]
+__all__ = ["GRACE_S", "LINK_TIMEOUT_S", "Call", "ClientConfig", "ClientStats", "Connection"]

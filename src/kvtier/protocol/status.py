@@ -90,6 +90,7 @@ class L1Status(Section):
     too_large: Count = 0
     watermark_unreachable: Count = 0
     duplicate_writes: Count = 0
+    wrong_layout: Count = 0  # reads and writes refused: the object is another layout's
     over_quota: Count = 0
     quota_evictions: Count = 0
     tenant_bytes: LevelByTenant = msgspec.field(default_factory=dict)  # resident + staging

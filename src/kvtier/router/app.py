@@ -10,17 +10,26 @@ Each ``POST /v1/completions`` or ``/v1/chat/completions``:
 3. the tenant's request bucket admits it or answers 429 with
    ``Retry-After``, before any work is done for it;
 4. the prompt is tokenized as the engine will (``tokens``; with any live
-   engine, failing over), checked against the engines' context length (400,
-   naming both numbers) and the tenant's prompt-token bucket (429);
+   engine, failing over): for a chat, everything its template renders (the
+   messages, ``documents``, ``tools``, ``chat_template_kwargs``...), a part
+   the router cannot count (an image, audio or video) refused by name (400).
+   The count is checked against the engines' context length (400, naming
+   both numbers) and the tenant's prompt-token bucket (429);
 5. the gateway sets ``cache_salt`` to the tenant's, the ``Router`` picks an
    engine; if the plan loads from an L2, that node's cache server is told to
    start bringing those chunks to L1 now;
 6. the request goes to the engine, streamed through as it comes
-   (``relay``). An engine that refuses the connection, answers 5xx or says
-   nothing within ``first_byte_timeout_s`` is taken out for ``down_s`` and
-   the request goes to the next best one (the reason counted); once bytes
-   have reached the client a failure ends the stream with an error event,
-   never a hang. A client that goes away costs the engine nothing.
+   (``relay``). An engine that refuses the connection, answers 5xx, is
+   silent (sends nothing and does not answer ``GET /health`` within
+   ``health_probe_timeout_s``; asked every ``health_probe_interval_s`` while
+   a request waits, so found in seconds) or sends no first streamed byte
+   within ``first_byte_timeout_s`` is taken out for ``down_s`` and the
+   request goes to the next best one (the reason counted). A non-streamed
+   answer slower than ``first_byte_timeout_s`` from an engine that answers
+   ``/health`` is a 504 for that request only: its wait is the generation it
+   asked for. Once bytes have reached the client a failure ends the stream
+   with an error event, never a hang. A client that goes away costs the
+   engine nothing.
 
 ``GET /v1/models``, ``/health``, ``/metrics`` (Prometheus) and ``/status``
 (JSON: engines, indexes, cost model, tenants, event streams, cache servers)
@@ -52,6 +61,7 @@ from kvtier.router.config import EngineSpec, RouterConfig
 from kvtier.router.core import Node, NoEngine, Routed, Router
 from kvtier.router.cost import ENGINE, CostModel
 from kvtier.router.gateway import Admission, Gateway, Tenant, retry_after
+from kvtier.router.health import HealthProbe
 from kvtier.router.metrics import Metrics
 from kvtier.router.relay import EngineFailed, Relay, error
 from kvtier.router.tokens import (
@@ -59,7 +69,7 @@ from kvtier.router.tokens import (
     EngineTokenizer,
     HFTokenizer,
     Tokenizer,
-    check_messages,
+    check_chat,
     check_prompt,
 )
 
@@ -86,6 +96,7 @@ class RouterService:
         self.cache_servers = CacheServers(nodes, config.cache_token, self.metrics)
         self.tokenizer = tokenizer
         self.session: aiohttp.ClientSession | None = None
+        self.probe: HealthProbe | None = None
         self.relay: Relay | None = None
         self.subscribers: list[tuple[int, str, EventSubscriber]] = []
         self.boot_ids: dict[int, str] = {}
@@ -114,13 +125,22 @@ class RouterService:
             sock_read=self.config.first_byte_timeout_s,
         )
         self.session = aiohttp.ClientSession(timeout=timeout)
-        self.relay = Relay(self.session, self.router, self.metrics, self._engine_failed)
+        self.probe = HealthProbe(
+            aiohttp.ClientSession(),  # its own pool: see HealthProbe
+            self.config.health_probe_timeout_s,
+            self.config.health_probe_interval_s,
+        )
+        self.relay = Relay(self.session, self.router, self.metrics, self._engine_failed, self.probe)
         if self.tokenizer is None:
             if self.config.tokenizer:
                 self.tokenizer = HFTokenizer(self.config.tokenizer)
             else:
                 self.tokenizer = EngineTokenizer(
-                    self.session, self.router.live_nodes, self._engine_failed, self.model
+                    self.session,
+                    self.router.live_nodes,
+                    self._engine_failed,
+                    self.model,
+                    self.probe,
                 )
         for node, spec in enumerate(self.specs):
             if spec.events:
@@ -166,6 +186,9 @@ class RouterService:
             task.cancel()
         for _, _, sub in self.subscribers:
             await asyncio.to_thread(sub.close)
+        if self.probe is not None:
+            self.probe.close()
+            await self.probe.session.close()
         if self.session is not None:
             await self.session.close()
 
@@ -214,11 +237,15 @@ class RouterService:
             await self._learn_model()
 
     async def _learn_model(self) -> None:
-        """Each engine's context length, and the model name from the first that answers."""
+        """Each engine's context length, and the model name from the first that
+        answers. An engine gets ``health_probe_timeout_s`` to answer: a silent
+        one must not hold up start-up and every later poll for
+        ``first_byte_timeout_s``."""
         assert self.session is not None
+        timeout = aiohttp.ClientTimeout(total=self.config.health_probe_timeout_s)
         for node in self.router.nodes:
             try:
-                async with self.session.get(node.url + "/v1/models") as response:
+                async with self.session.get(node.url + "/v1/models", timeout=timeout) as response:
                     data = await response.json(content_type=None)
                 entry = data["data"][0]
                 max_model_len = int(entry.get("max_model_len") or 0)
@@ -324,7 +351,7 @@ class RouterService:
             body = read_body(await self._read(request))
             check_body(body, self.model)
             if chat:
-                check_messages(body)
+                check_chat(body)
             prompt = None if chat else check_prompt(body.get("prompt"))
             if isinstance(prompt, list):  # token ids: the length is known now
                 self._check_length(len(prompt), body)

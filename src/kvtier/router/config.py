@@ -81,7 +81,19 @@ class RouterConfig:
     tokenizer: str = ""  # a local tokenizer ("" -> the engines' /tokenize)
     policy: str = "kvtier"
     connect_timeout_s: float = 2.0
-    first_byte_timeout_s: float = 120.0  # an engine that says nothing this long is taken out
+    # No first byte this long: a stream's engine is taken out and the request
+    # goes elsewhere; a non-streamed request (its first byte is its whole
+    # answer) is a 504 if its engine still answers /health, else it goes elsewhere.
+    first_byte_timeout_s: float = 120.0
+    # While a request waits for an engine's first byte, the engine is asked
+    # GET /health this often, so a silent engine is found in about interval +
+    # timeout rather than first_byte_timeout_s (one probe per engine per
+    # interval, whatever the number of requests waiting).
+    health_probe_interval_s: float = 5.0
+    # An engine that does not answer GET /health within this is silent: taken
+    # out (reason "silent") and the request, which has nothing yet, goes to the
+    # next engine. Also how long the router waits for an engine's /v1/models.
+    health_probe_timeout_s: float = 5.0
     down_s: float = 10.0  # how long a failed engine stays out
     status_poll_s: float = 2.0  # the cache servers' /status (namespace, boot id)
     events_stale_s: float = 5.0  # no event for this long: approximate mode for that node
@@ -117,6 +129,8 @@ class RouterConfig:
         for option in (
             "connect_timeout_s",
             "first_byte_timeout_s",
+            "health_probe_interval_s",
+            "health_probe_timeout_s",
             "status_poll_s",
             "max_body_bytes",
         ):

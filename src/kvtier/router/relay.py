@@ -3,15 +3,27 @@
 ``Relay.forward`` posts the body to the chosen engine and relays its answer,
 streamed as it comes. Failures are charged to whoever failed:
 
-- the engine refuses the connection, answers 5xx, says nothing within the
-  first-byte timeout or breaks its stream: ``EngineFailed`` before the
-  client got anything (the caller takes the engine out and tries another);
-  after, the engine is taken out and the stream ends with an error event and
-  ``[DONE]``, never a hang;
+- the engine refuses the connection, answers 5xx, is silent (below), says
+  nothing on a stream within the first-byte timeout or breaks its stream:
+  ``EngineFailed`` before the client got anything (the caller takes the
+  engine out and tries another); after, the engine is taken out and the
+  stream ends with an error event and ``[DONE]``, never a hang;
+- while a request waits for its first byte, the engine is asked ``GET
+  /health`` every ``health_probe_interval_s`` (``watched``): one that does
+  not answer within ``health_probe_timeout_s`` is silent,
+  ``EngineFailed("silent")`` at once, streamed or not. A request sent to an
+  engine already silent finds it after interval + timeout (10 s by
+  default; 2 x interval + timeout at most, when the engine answered a probe
+  just before it fell silent), not after ``first_byte_timeout_s`` (120 s).
+  Probing while waiting, rather than once when the timeout has passed, is
+  what makes that bound; the requests waiting on one engine share its
+  probes (``HealthProbe``), so it costs the engine one ``/health`` per
+  interval however many wait;
 - a non-streamed request whose answer takes longer than the first-byte
-  timeout: a 504 for that request only. Its first byte is its last, so the
-  wait measures the generation the client asked for, not the engine's health
-  (else one tenant's long answers would take every engine out in turn);
+  timeout from an engine that still answers ``/health``: a 504 for that
+  request only. Its first byte is its last, so the wait measures the
+  generation the client asked for, not the engine's health (else one
+  tenant's long answers would take every engine out in turn);
 - the client goes away mid-stream (a failed write to it): that request ends,
   the engine's stream is closed (so it stops generating) and the engine is
   not blamed. Only errors reading the engine count against the engine.
@@ -22,18 +34,20 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar
 
 import aiohttp
 from aiohttp import web
 
 from kvtier.router.core import Node, Routed, Router
+from kvtier.router.health import HealthProbe
 from kvtier.router.metrics import Metrics
 
 # What became of a request the engine took: the tenant's outcome label.
 ANSWERED, CLIENT_GONE, ENGINE_BROKE = "ok", "client_gone", "engine_failed_mid_stream"
 TIMED_OUT = "timed_out"  # a non-streamed answer that took longer than first_byte_timeout_s
+T = TypeVar("T")
 
 
 class EngineFailed(Exception):
@@ -69,6 +83,31 @@ def error(status: int, message: str, kind: str, **headers: str) -> web.Response:
     return web.json_response(error_body(message, kind, status), status=status, headers=headers)
 
 
+async def watched(probe: HealthProbe, node: Node, waiting: Awaitable[T]) -> T:
+    """What ``waiting`` (a wait for the engine's first byte) gives, or
+    raises; meanwhile the engine is asked ``/health`` every ``probe.interval_s``
+    and ``EngineFailed`` is raised (``waiting`` cancelled) as soon as it does
+    not answer. An answer that comes while the probe is out wins."""
+    task = asyncio.ensure_future(waiting)
+    try:
+        while True:
+            await asyncio.wait((task,), timeout=probe.interval_s)
+            reason = None if task.done() else await probe.check(node)
+            if task.done():
+                return task.result()
+            if reason is not None:
+                raise EngineFailed(reason, _silence(node, probe))
+    finally:
+        task.cancel()  # a no-op once done; else the engine's request is dropped
+
+
+def _silence(node: Node, probe: HealthProbe) -> str:
+    return (
+        f"engine {node.name} sent nothing and did not answer GET /health within "
+        f"{probe.timeout_s} s (health_probe_timeout_s)"
+    )
+
+
 class _Progress:
     """How far one engine got with a request (for the queue's bookkeeping)."""
 
@@ -87,11 +126,13 @@ class Relay:
         router: Router,
         metrics: Metrics,
         failed: Callable[[Node, EngineFailed], None],
+        probe: HealthProbe,
     ) -> None:
         self.session = session
         self.router = router
         self.metrics = metrics
         self.failed = failed
+        self.probe = probe
 
     async def forward(
         self, request: web.Request, node: Node, routed: Routed, body: dict[str, Any]
@@ -102,11 +143,11 @@ class Relay:
         progress = _Progress()
         try:
             try:
-                upstream = await self.session.post(node.url + request.path, json=body)
+                upstream = await watched(self.probe, node, self._post(node, request.path, body))
             except aiohttp.SocketTimeoutError as exc:
                 if body.get("stream"):
                     raise EngineFailed("timeout", str(exc)) from None
-                return self._too_slow(node), TIMED_OUT
+                return await self._too_slow(node), TIMED_OUT
             except (TimeoutError, aiohttp.ClientError) as exc:
                 raise EngineFailed(failure_reason(exc), str(exc)) from None
             async with upstream:
@@ -126,11 +167,19 @@ class Relay:
         finally:
             self.router.finished(routed, prefilled=progress.prefilled)
 
-    def _too_slow(self, node: Node) -> web.Response:
+    async def _post(self, node: Node, path: str, body: dict[str, Any]) -> aiohttp.ClientResponse:
+        return await self.session.post(node.url + path, json=body)
+
+    async def _too_slow(self, node: Node) -> web.Response:
         """A non-streamed answer comes whole, so the wait for its first byte is
         the whole generation: a long one is the request's doing, not a sign
-        that the engine is stuck (a streamed first token is). The engine stays
-        in and the request is not sent again elsewhere."""
+        that the engine is stuck (a streamed first token is). If the engine
+        still answers ``/health`` it stays in and the request is not sent
+        again elsewhere (a 504); if it does not, it is silent:
+        ``EngineFailed``, and the request goes to another engine."""
+        reason = await self.probe.check(node)
+        if reason is not None:
+            raise EngineFailed(reason, _silence(node, self.probe))
         limit = self.session.timeout.sock_read
         message = (
             f"engine {node.name} did not answer within {limit} s (first_byte_timeout_s); "
@@ -147,7 +196,7 @@ class Relay:
         progress: _Progress,
     ) -> tuple[web.StreamResponse, str]:
         try:
-            first = await upstream.content.readany()
+            first = await watched(self.probe, node, upstream.content.readany())
         except (TimeoutError, aiohttp.ClientError) as exc:
             raise EngineFailed(failure_reason(exc), str(exc)) from None
         if not first:
@@ -206,4 +255,5 @@ __all__ = [
     "error_body",
     "failure_reason",
     "stream_error",
+    "watched",
 ]

@@ -14,7 +14,8 @@ the result. The auth token comes from the environment (``KVTIER_AUTH_TOKEN``),
 a file (``--auth-token-file``) or the TOML file, never from a flag: a command
 line is visible to every user of the machine in ``ps``. So does the cluster
 secret that seals L2 objects (``KVTIER_CLUSTER_SECRET``,
-``--cluster-secret-file``; ``kvtier.l2.seal``).
+``--cluster-secret-file``; ``kvtier.l2.seal``). Both files are read by
+``kvtier.config.secret_file``: UTF-8 text, private to their owner (0600).
 """
 
 from __future__ import annotations
@@ -67,11 +68,11 @@ class ServerConfig:
     cache_dir: str = ""  # the default fs L2; "" -> default_cache_dir(); "none" -> no L2
     chunk_size: int = 256
     auth_token: str = ""  # secret: from KVTIER_AUTH_TOKEN, auth_token_file or the file
-    auth_token_file: str = ""
+    auth_token_file: str = ""  # text, mode 0600: refused if group or others may use it
     # The secret L2 objects are sealed with (kvtier.l2.seal): from
     # KVTIER_CLUSTER_SECRET, cluster_secret_file or the file; "" unsealed.
     cluster_secret: str = ""
-    cluster_secret_file: str = ""
+    cluster_secret_file: str = ""  # text, mode 0600: refused if group or others may use it
     # Tenants the server enforces (kvtier.tenancy.tenants): token digests, salts,
     # quotas, roles. Without it the auth token (if any) is one admin tenant.
     tenants_file: str = ""

@@ -115,7 +115,7 @@ class CacheServer:
         self.warmup = Warmup(storage)  # routing-time prefetch (the admin port's /prefetch)
         self.draining = False  # the admin's drain: stores refused, lookups served
         self.purger = Purger(storage, purge_state, purge)
-        self.ledger = SavingsLedger(default_prefill_s_per_token)
+        self.ledger = SavingsLedger(default_prefill_s_per_token, self.limits.max_namespace_rows)
         self.l2_usage = l2_usage or L2Usage(self.tenants)
         self.l2_usage.watch(storage)
         self.retention = Retention(storage, self.tenants)
@@ -131,7 +131,7 @@ class CacheServer:
         )
         self._started = clock()
         self.registrations = Registrations()  # what /status shows of registered clients
-        self.quality = QualityBoard()
+        self.quality = QualityBoard(self.limits.max_namespace_rows)
         reports = EngineReports(self.counters, self.ledger, self.quality)
         self._handlers: dict[type[p.Message], Handler] = {
             p.Lookup: self._lookup,

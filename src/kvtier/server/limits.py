@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from kvtier.keys.object_key import MAX_GROUP
 from kvtier.layout import DTYPE_BYTES, KVLayout
 from kvtier.protocol import messages as p
+from kvtier.tenancy.folding import MIN_ROWS
 
 MAX_TEXT_CHARS = 256  # client id, revision, LoRA id, layout format, request ids
 MAX_MODEL_NAME_CHARS = 4096  # a hub id or a local path (PATH_MAX)
@@ -50,6 +51,10 @@ class ServerLimits:
     max_session_objects_per_client: int = 1 << 20
     max_session_objects: int = 4 << 20
     max_pin_ttl_s: float = 7 * 86400.0  # a pin lasts at most this long (renew it)
+    # Rows per tenant of the tables keyed by the namespaces clients name (the
+    # savings ledger, the quality board): past it the least recent are summed
+    # under "(other)", so no client can grow /status or /metrics without bound.
+    max_namespace_rows: int = 256
 
     def __post_init__(self) -> None:
         for name in ("session_ttl_s", "client_ttl_s", "max_wait_s", "max_pin_ttl_s"):
@@ -66,6 +71,11 @@ class ServerLimits:
         ):
             if getattr(self, name) <= 0:
                 raise ValueError(f"server limit {name!r} must be positive")
+        if self.max_namespace_rows < MIN_ROWS:
+            raise ValueError(
+                f"server limit 'max_namespace_rows' must be at least {MIN_ROWS}, "
+                f"got {self.max_namespace_rows}"
+            )
 
 
 def check_text(what: str, value: str, limit: int = MAX_TEXT_CHARS) -> None:

@@ -7,6 +7,13 @@ engine has turned the path off. The first report that a path is off is
 logged, once per (tenant, namespace, path). Shown in ``/status``
 (``quality``), on ``/metrics`` and on the dashboard.
 
+A namespace is named by its clients, so each tenant keeps at most
+``rows_per_tenant`` rows (``limits.max_namespace_rows``): past it the least
+recently reported rows are summed into the tenant's ``(other)`` row of their
+path (``kvtier.tenancy.folding``). Past it too, turn-offs are no longer
+logged one by one (that would let the same client fill the log): the first
+fold is logged once per tenant, and ``/status`` shows the rest.
+
 Locking: one lock; reports come on the server loop, the status from any thread.
 """
 
@@ -19,6 +26,7 @@ from dataclasses import dataclass
 
 from kvtier.keys import NamespaceLabel
 from kvtier.server.sessions import shown
+from kvtier.tenancy.folding import OTHER, FoldingTable
 
 log = logging.getLogger(__name__)
 
@@ -37,9 +45,15 @@ class QualityRow:
 class QualityBoard:
     """See the module docstring."""
 
-    def __init__(self) -> None:
+    def __init__(self, rows_per_tenant: int = 256) -> None:
         self._lock = threading.Lock()
-        self._rows: dict[tuple[str, str, str], QualityRow] = {}
+        self._rows: FoldingTable[tuple[str, str], QualityRow] = FoldingTable(
+            rows_per_tenant,
+            lambda tenant, key: QualityRow(tenant, *key),
+            _fold,
+            lambda key: (OTHER, key[1]),
+        )
+        self._folding: set[str] = set()  # tenants whose rows were folded (logged once)
 
     def record(
         self,
@@ -50,16 +64,29 @@ class QualityBoard:
         kl: float,
         off: bool,
     ) -> None:
-        key = (tenant, str(namespace), path)
+        key = (str(namespace), path)
         with self._lock:
-            row = self._rows.setdefault(key, QualityRow(*key))
+            # A new row while the tenant's are full folds an older one away.
+            full = self._rows.full(tenant) and self._rows.get(tenant, key) is None
+            row = self._rows.row(tenant, key)
             row.samples += 1
             row.agreed += agreed
             row.kl_sum += kl
             turned_off = off and not row.off
             row.off = row.off or off
             samples, agreement = row.samples, row.agreed / row.samples
-        if turned_off:
+            first_fold = full and tenant not in self._folding
+            if full:
+                self._folding.add(tenant)
+        if first_fold:
+            log.warning(
+                "quality board: tenant %s reports on more than %d namespaces; the least "
+                "recent are summed under %s and their turn-offs are no longer logged",
+                shown(tenant),
+                self._rows.per_tenant,
+                OTHER,
+            )
+        if turned_off and not full:
             log.warning(
                 "quality gate: an engine turned %s off for %s (tenant %s) after %d samples "
                 "here (top-1 agreement %.3f): its prompts now get exact reuse or recompute",
@@ -72,4 +99,17 @@ class QualityBoard:
 
     def rows(self) -> list[QualityRow]:
         with self._lock:
-            return [dataclasses.replace(row) for row in self._rows.values()]
+            return [dataclasses.replace(row) for _, _, row in self._rows.items()]
+
+    @property
+    def folded(self) -> int:
+        """Rows folded into an other row so far."""
+        with self._lock:
+            return self._rows.folded
+
+
+def _fold(into: QualityRow, row: QualityRow) -> None:
+    into.samples += row.samples
+    into.agreed += row.agreed
+    into.kl_sum += row.kl_sum
+    into.off = into.off or row.off

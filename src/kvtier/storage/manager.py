@@ -143,7 +143,10 @@ class StorageManager(StorageTiers):
         layout: KVLayout | None = None,
     ) -> list[L1Result]:
         """Copy ``buffers`` into L1 under ``keys`` and queue them for L2.
-        Per key: SUCCESS (stored, or already resident) or OUT_OF_MEMORY."""
+        Per key: SUCCESS (stored, or already resident under ``layout``),
+        WRONG_LAYOUT (resident under another layout: not stored),
+        OUT_OF_MEMORY or OVER_QUOTA, or NOT_FOUND (staged, not admitted: its
+        write lease ran out, or another layout published the key meanwhile)."""
         if len(keys) != len(buffers):
             raise ValueError("store: keys and buffers must have the same length")
         sources = [byte_view(b, f"store: buffer {i}") for i, b in enumerate(buffers)]
@@ -169,7 +172,7 @@ class StorageManager(StorageTiers):
             if placement.result is L1Result.NOT_WRITABLE or key in admitted:
                 results.append(L1Result.SUCCESS)  # stored now, or by someone before
             elif placement.result is L1Result.SUCCESS:
-                results.append(L1Result.NOT_FOUND)  # its write lease ran out meanwhile
+                results.append(L1Result.NOT_FOUND)  # staged, not admitted (see above)
             else:
                 results.append(placement.result)
         return results

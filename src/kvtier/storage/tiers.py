@@ -172,14 +172,18 @@ class StorageTiers:
         """L1's locks and bytes recounted from its tables (tests, debugging)."""
         return self._l1.audit()
 
-    def reserve_read_all(self, keys: Sequence[ObjectKey]) -> tuple[list[Placement], int]:
+    def reserve_read_all(
+        self, keys: Sequence[ObjectKey], layout: KVLayout | None = None
+    ) -> tuple[list[Placement], int]:
         """Read-lock every one of ``keys`` in L1 once, or none of them: their
-        placements, and how many are not in L1 (0: all are locked; else none
-        is, and the placements are empty). The caller keeps these locks,
-        reads them with ``view`` and drops each once with ``finish_read``
-        (``release`` is for a lookup's locks); a lock not taken again lapses
-        after ``read_lease_s``."""
-        return self._l1.reserve_read_all(keys)
+        placements, and how many are not in L1 under ``layout`` (None:
+        stored without one) (0: all are locked; else none is, and the
+        placements are empty). The caller
+        keeps these locks, reads them with ``view`` and drops each once with
+        ``finish_read`` (``release`` is for a lookup's locks); a lock not
+        taken again lapses after ``read_lease_s``."""
+        digest = self._remember(layout) if layout else ""
+        return self._l1.reserve_read_all(keys, layouts={key.group: digest for key in keys})
 
     def view(self, placement: Placement) -> npt.NDArray[np.uint8]:
         """The bytes of a successful placement (a read lock or a store

@@ -26,6 +26,11 @@ For each (tenant, namespace ``model@salt``):
 Loads are counted per namespace, not per tier: a report does not say
 which tier its tokens came from (``served`` does, per lookup).
 
+A namespace is named by its clients, so each tenant keeps at most
+``rows_per_tenant`` of them (``limits.max_namespace_rows``): past it, the
+least recently used are summed into the tenant's ``(other)`` row
+(``kvtier.tenancy.folding``), totals intact.
+
 ``served`` and ``reported`` run on the server loop; ``report`` and
 ``status`` on any thread; one lock guards the table.
 """
@@ -37,6 +42,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from kvtier.keys import NamespaceLabel
+from kvtier.tenancy.folding import OTHER, FoldingTable
 
 EWMA = 0.2
 
@@ -55,15 +61,19 @@ class _Entry:
 class SavingsLedger:
     """See the module docstring."""
 
-    def __init__(self, default_prefill_s_per_token: float | None = None) -> None:
+    def __init__(
+        self, default_prefill_s_per_token: float | None = None, rows_per_tenant: int = 256
+    ) -> None:
         self.default_rate = default_prefill_s_per_token
         self._lock = threading.Lock()
-        self._entries: dict[tuple[str, NamespaceLabel], _Entry] = {}
+        self._entries: FoldingTable[NamespaceLabel | str, _Entry] = FoldingTable(
+            rows_per_tenant, lambda tenant, key: _Entry(), _fold, lambda key: OTHER
+        )
 
     def served(self, tenant: str, namespace: NamespaceLabel, tier: str, tokens: int) -> None:
         """A lookup answered ``tokens`` from ``tier`` (offered, not saved)."""
         with self._lock:
-            entry = self._entries.setdefault((tenant, namespace), _Entry())
+            entry = self._entries.row(tenant, namespace)
             entry.served[tier] = entry.served.get(tier, 0) + tokens
 
     def reported(
@@ -77,7 +87,7 @@ class SavingsLedger:
         """An engine's ``UsageReport``: its loaded tokens are credited as saved
         at its own rate (see the module docstring for a report without one)."""
         with self._lock:
-            entry = self._entries.setdefault((tenant, namespace), _Entry())
+            entry = self._entries.row(tenant, namespace)
             entry.load_s += load_s
             entry.loaded_tokens += loaded_tokens
             if prefill_s_per_token > 0:
@@ -97,7 +107,7 @@ class SavingsLedger:
     def measured_rate(self, tenant: str, namespace: NamespaceLabel) -> float | None:
         """The prefill seconds per token the namespace's engines reported (None: none yet)."""
         with self._lock:
-            entry = self._entries.get((tenant, namespace))
+            entry = self._entries.get(tenant, namespace)
             return None if entry is None else entry.rate
 
     def report(self) -> dict[str, Any]:
@@ -107,7 +117,7 @@ class SavingsLedger:
         rows: list[dict[str, Any]] = []
         tenants: dict[str, dict[str, float]] = {}
         with self._lock:
-            items = [(k, _copy(e)) for k, e in self._entries.items()]
+            items = [((t, k), _copy(e)) for t, k, e in self._entries.items()]
         # In the text order of the namespaces, as listings show them.
         for (tenant, namespace), entry in sorted(items, key=lambda i: (i[0][0], str(i[0][1]))):
             rate = entry.rate if entry.rate is not None else self.default_rate
@@ -144,6 +154,19 @@ def _saved(entry: _Entry, rate: float | None) -> float | None:
     if not entry.unpriced_tokens:
         return entry.saved_s
     return None if rate is None else entry.saved_s + entry.unpriced_tokens * rate
+
+
+def _fold(into: _Entry, entry: _Entry) -> None:
+    """Sum ``entry`` into an other row (its rate, when the other row has
+    none yet: a mean over namespaces would mean nothing either way)."""
+    for tier, tokens in entry.served.items():
+        into.served[tier] = into.served.get(tier, 0) + tokens
+    into.load_s += entry.load_s
+    into.loaded_tokens += entry.loaded_tokens
+    into.saved_s += entry.saved_s
+    into.unpriced_tokens += entry.unpriced_tokens
+    into.rate = into.rate if into.rate is not None else entry.rate
+    into.reports += entry.reports
 
 
 def _copy(entry: _Entry) -> _Entry:

@@ -33,6 +33,7 @@ from kvtier.counters import Counters
 from kvtier.keys import NamespaceLabel, ObjectKey
 from kvtier.l2.base import TaskKind, TaskResult
 from kvtier.storage import StorageManager
+from kvtier.tenancy.folding import OTHER, FoldingTable
 from kvtier.tenancy.tenants import TenantTable
 
 log = logging.getLogger(__name__)
@@ -42,7 +43,9 @@ IDLE_REFRESH_S = 60.0
 class L2Usage:
     """See the module docstring."""
 
-    def __init__(self, tenants: TenantTable, refresh_s: float = 2.0) -> None:
+    def __init__(
+        self, tenants: TenantTable, refresh_s: float = 2.0, rows_per_tenant: int = 256
+    ) -> None:
         """Built before the storage, which takes ``gate`` and ``on_stored`` at
         construction (``StorageManager(..., owners=tenants.owners(),
         store_gate=usage.gate, on_stored=usage.on_stored)``); ``watch`` it
@@ -54,7 +57,11 @@ class L2Usage:
         self._owner: Callable[[str], str] = tenants.tenant_of
         self._held: dict[tuple[str, str], int] = {}  # (tenant, adapter) -> bytes, local
         self._written: dict[tuple[str, str], int] = {}  # (tenant, adapter) -> bytes, gated
-        self._namespaces: dict[tuple[NamespaceLabel, str], list[int]] = {}  # (namespace, adapter)
+        # Per tenant, (namespace, adapter) -> [objects, bytes] written to shared
+        # stores; namespaces are named by clients, so bounded (kvtier.tenancy.folding).
+        self._namespaces: FoldingTable[tuple[NamespaceLabel | str, str], list[int]] = FoldingTable(
+            rows_per_tenant, lambda tenant, key: [0, 0], _fold, _other
+        )
         self._pending: dict[tuple[str, str], int] = {}  # approved, not yet stored
         self._caps = {
             (t.name, adapter): cap
@@ -129,7 +136,7 @@ class L2Usage:
                 if ok:
                     self._written[slot] = self._written.get(slot, 0) + per_key
                     where = (NamespaceLabel.of_key(key), result.adapter)
-                    counts = self._namespaces.setdefault(where, [0, 0])
+                    counts = self._namespaces.row(tenant, where)
                     counts[0] += 1
                     counts[1] += per_key
 
@@ -143,10 +150,15 @@ class L2Usage:
                 out.setdefault(tenant, {})[adapter] = nbytes
         return out
 
-    def written(self) -> dict[tuple[NamespaceLabel, str], tuple[int, int]]:
-        """(namespace, shared adapter) -> (objects, bytes) this server wrote."""
+    def written(self) -> list[tuple[str, NamespaceLabel | str, str, int, int]]:
+        """(tenant, namespace, shared adapter, objects, bytes) this server
+        wrote; a tenant's least recent namespaces past ``rows_per_tenant``
+        are summed under the namespace ``OTHER``."""
         with self._lock:
-            return {k: (v[0], v[1]) for k, v in self._namespaces.items()}
+            return [
+                (tenant, namespace, adapter, counts[0], counts[1])
+                for tenant, (namespace, adapter), counts in self._namespaces.items()
+            ]
 
     def status(self) -> dict[str, int]:
         flat = {
@@ -172,6 +184,15 @@ class L2Usage:
                     del self._held[slot]
                 for tenant, used in per_tenant.items():
                     self._held[(tenant, adapter)] = used
+
+
+def _fold(into: list[int], counts: list[int]) -> None:
+    into[0] += counts[0]
+    into[1] += counts[1]
+
+
+def _other(key: tuple[NamespaceLabel | str, str]) -> tuple[NamespaceLabel | str, str]:
+    return (OTHER, key[1])
 
 
 __all__ = ["L2Usage"]

@@ -1,7 +1,9 @@
 """Request traces: generated ones (``synthetic``), kvtier's trace files and
-Mooncake's production traces (``mooncake``), all as ``TraceRequest``s."""
+Mooncake's production traces (``mooncake``), all as ``TraceRequest``s; trace
+files are read a bounded line at a time, plain or gzip (``lines``)."""
 
 from kvtier.traces.files import is_mooncake_file, load_trace, read_trace, write_trace
+from kvtier.traces.lines import DEFAULT_MAX_LINE_BYTES, MAX_LINE_FLAG
 from kvtier.traces.mooncake import (
     TRACE_BLOCK_TOKENS,
     MooncakeRecord,
@@ -21,6 +23,8 @@ from kvtier.traces.synthetic import (
 )
 
 __all__ = [
+    "DEFAULT_MAX_LINE_BYTES",
+    "MAX_LINE_FLAG",
     "TRACE_BLOCK_TOKENS",
     "ChatSpec",
     "MooncakeRecord",

@@ -6,12 +6,13 @@ One JSON object a line: ``timestamp`` (ms from the trace's start),
 share block *i* only if they share every block before it), the last block
 possibly partial. The tokens themselves are not released.
 
-A trace is streamed, never loaded whole: ``read_mooncake`` yields one
-checked ``MooncakeRecord`` at a time. A bad line (not JSON, a missing field,
-a negative length, ``hash_ids`` that do not cover ``input_length``, a
-timestamp before the previous line's) raises ``ValueError`` naming the file,
-the line and the field, or, with ``skip_bad_lines``, is counted in
-``SkippedLines`` and left out.
+A trace is streamed, never loaded whole, and may be gzip-compressed
+(``lines.py``): ``read_mooncake`` yields one checked ``MooncakeRecord`` at a
+time. A bad line (longer than ``max_line_bytes``, not UTF-8, not JSON, a
+missing field, a negative length, ``hash_ids`` that do not cover
+``input_length``, a timestamp before the previous line's) raises
+``ValueError`` naming the file, the line and the field, or, with
+``skip_bad_lines``, is counted in ``SkippedLines`` and left out.
 
 ``replay_requests`` turns records into kvtier ``TraceRequest``s with
 synthetic tokens: each hash id becomes its own block of ``block_tokens``
@@ -33,6 +34,7 @@ from typing import Any
 
 import numpy as np
 
+from kvtier.traces.lines import DEFAULT_MAX_LINE_BYTES, MAX_LINE_FLAG, TraceLine, trace_lines
 from kvtier.traces.synthetic import TraceRequest
 
 TRACE_BLOCK_TOKENS = 512
@@ -120,34 +122,44 @@ def _record(row: Any, line: int, previous_ms: float) -> MooncakeRecord:
     return MooncakeRecord(line, float(timestamp), input_length, output_length, tuple(ids))
 
 
+def _row(line: TraceLine) -> Any:
+    if line.error is not None:
+        raise ValueError(line.error)
+    try:
+        return json.loads(line.text)
+    except ValueError as exc:
+        raise ValueError(f"not JSON ({exc})") from None
+
+
 def read_mooncake(
-    path: Path, *, skip_bad_lines: bool = False, skipped: SkippedLines | None = None
+    path: Path,
+    *,
+    skip_bad_lines: bool = False,
+    skipped: SkippedLines | None = None,
+    max_line_bytes: int = DEFAULT_MAX_LINE_BYTES,
 ) -> Iterator[MooncakeRecord]:
-    """The checked records of ``path``, one at a time, in file order.
+    """The checked records of ``path``, one at a time, in file order; no
+    line is held longer than ``max_line_bytes`` (``lines.trace_lines``).
 
     A bad line raises ``ValueError`` naming ``path``, the line and the field;
     with ``skip_bad_lines`` it is counted in ``skipped`` instead. Blank lines
-    are ignored."""
+    are ignored. A file that cannot be read raises ``ValueError`` naming
+    ``--trace`` and ``path``, skipped lines or not."""
     previous_ms = 0.0
-    with path.open() as lines:
-        for number, text in enumerate(lines, 1):
-            if not text.strip():
-                continue
-            try:
-                try:
-                    row = json.loads(text)
-                except ValueError as exc:
-                    raise ValueError(f"not JSON ({exc})") from None
-                record = _record(row, number, previous_ms)
-            except ValueError as exc:
-                reason = f"{path}:{number}: {exc}"
-                if not skip_bad_lines:
-                    raise ValueError(f"{reason} (--skip-bad-lines leaves such lines out)") from None
-                if skipped is not None:
-                    skipped.add(reason)
-                continue
-            previous_ms = record.timestamp_ms
-            yield record
+    for line in trace_lines(path, max_line_bytes):
+        if line.blank:
+            continue
+        try:
+            record = _record(_row(line), line.number, previous_ms)
+        except ValueError as exc:
+            reason = f"{path}:{line.number}: {exc}"
+            if not skip_bad_lines:
+                raise ValueError(f"{reason} (--skip-bad-lines leaves such lines out)") from None
+            if skipped is not None:
+                skipped.add(reason)
+            continue
+        previous_ms = record.timestamp_ms
+        yield record
 
 
 @dataclass(frozen=True, slots=True)
@@ -164,6 +176,7 @@ class ReplaySpec:
     session_blocks: int = 2  # a session: the requests sharing their first blocks
     max_output_tokens: int | None = None
     skip_bad_lines: bool = False
+    max_line_bytes: int = DEFAULT_MAX_LINE_BYTES  # a longer line is bad (lines.py)
 
     def __post_init__(self) -> None:
         checks = (
@@ -180,6 +193,7 @@ class ReplaySpec:
                 ">= 1",
                 self.max_output_tokens is None or self.max_output_tokens >= 1,
             ),
+            (MAX_LINE_FLAG, self.max_line_bytes, ">= 1", self.max_line_bytes >= 1),
         )
         for flag, value, want, ok in checks:
             if not ok:
@@ -227,7 +241,13 @@ def replay_requests(
 ) -> Iterator[TraceRequest]:
     """The requests of ``path`` inside ``spec``'s window and sample, in time
     order, arriving at ``(timestamp - start) * time_scale`` seconds."""
-    for record in read_mooncake(path, skip_bad_lines=spec.skip_bad_lines, skipped=skipped):
+    records = read_mooncake(
+        path,
+        skip_bad_lines=spec.skip_bad_lines,
+        skipped=skipped,
+        max_line_bytes=spec.max_line_bytes,
+    )
+    for record in records:
         if not spec.in_window(record) or not spec.sampled(record):
             continue
         output = max(1, record.output_length)

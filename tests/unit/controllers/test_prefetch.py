@@ -17,6 +17,7 @@ import pytest
 
 from kvtier.controllers import L1_TIER, LookupResult, MissReason, PrefetchConfig
 from kvtier.keys import ObjectKey
+from kvtier.l1 import L1Result
 from kvtier.l2.base import L2Adapter
 from kvtier.l2.fs import FSAdapter
 from kvtier.l2.mock import MockAdapter
@@ -160,18 +161,24 @@ def test_an_object_nobody_has_ends_the_prefix(stack: Stack) -> None:
     assert_settled(storage)
 
 
-def test_without_a_layout_only_l1_hits_count(stack: Stack) -> None:
+def test_without_a_layout_only_objects_stored_without_one_hit(stack: Stack) -> None:
+    """A lookup that names no layout proves none: L1's objects stored under
+    one are misses to it (layout_mismatch), objects stored without one hit,
+    and L2 is never asked (its loads need the object size and layout)."""
     storage = stack.build({"type": "mock"})
     mock = the_mock(storage)
     keys = [make_key(i) for i in range(4)]
-    data = seed_l2(storage, keys, keep=keys[:2])
+    seed_l2(storage, keys, keep=keys[:2])  # under LAYOUT
     result = storage.lookup(keys)
-    assert_hit(storage, result, keys, data, 2, {L1_TIER: 2})
+    assert (result.hit_chunks, result.miss_reason) == (0, MissReason.LAYOUT_MISMATCH)
+    bare = [make_key(i) for i in range(10, 14)]
+    data = {k: payload(10 + i) for i, k in enumerate(bare)}
+    assert storage.store(bare[:2], [data[k] for k in bare[:2]]) == [L1Result.SUCCESS] * 2
+    result = storage.lookup(bare)
+    assert_hit(storage, result, bare, data, 2, {L1_TIER: 2})
     assert result.miss_reason is MissReason.NOT_IN_L1
-    storage.release(keys[:2])
+    storage.release(bare[:2])
     assert counters(mock.status(), "lookup_keys") == counters(mock.status(), "load_keys") == 0
-    storage.delete_l1(keys[:1])
-    assert storage.lookup(keys).hit_chunks == 0  # the first chunk needs L2: no layout
     assert_settled(storage)
 
 
@@ -416,6 +423,55 @@ def test_an_unreachable_backend_is_a_miss_until_it_comes_back(
     result = storage.lookup(keys, LAYOUT)
     assert_hit(storage, result, keys, data, 4, {L1_TIER: 2, "mock": 2})
     assert mock.recoveries == 1
+    storage.release(keys)
+    assert_settled(storage)
+
+
+# ------------------------------------------------------------------ layouts
+
+# Another layout of the same object size: a reader of it must never get
+# LAYOUT's bytes (its chunk hashes would differ if its client folded the
+# layout into them; these tests are of a client that does not).
+OTHER = KVLayout(1, 1, 64, "bfloat16", 32)
+
+
+def test_an_l1_object_of_another_layout_is_a_miss_and_l2_is_not_asked_for_it(
+    stack: Stack,
+) -> None:
+    assert OTHER.object_bytes() == OBJ and OTHER.digest() != LAYOUT.digest()
+    storage = stack.build({"type": "mock"})
+    mock = the_mock(storage)
+    keys = [make_key(i) for i in range(3)]
+    data = seed_l2(storage, keys, keep=keys)
+    asked = counters(mock.status(), "lookup_keys")
+    result = storage.lookup(keys, OTHER)
+    assert (result.hit_chunks, result.miss_reason) == (0, MissReason.LAYOUT_MISMATCH)
+    assert counters(mock.status(), "lookup_keys") == asked  # no copy of OTHER can land
+    assert prefetch_status(storage)["miss_reasons.layout_mismatch"] == 1
+    result = storage.lookup(keys, LAYOUT)
+    assert_hit(storage, result, keys, data, 3, {L1_TIER: 3})
+    storage.release(keys)
+    assert_settled(storage)
+
+
+def test_a_load_in_flight_under_another_layout_is_not_shared(stack: Stack) -> None:
+    """Single flight shares a load only with a lookup of the same layout: a
+    lookup of another layout for an object being loaded misses."""
+    storage = stack.build({"type": "mock"})
+    mock = the_mock(storage)
+    keys = [make_key(i) for i in range(2)]
+    data = seed_l2(storage, keys)
+    gate = stack.gate(mock, "_load")
+    first: list[LookupResult] = []
+    thread = threading.Thread(target=lambda: first.append(storage.lookup(keys, LAYOUT)))
+    thread.start()
+    gate.wait_for(lambda g: g.calls >= 1, "the first lookup's load to reach the adapter")
+    other = storage.lookup(keys, OTHER)
+    assert (other.hit_chunks, other.miss_reason) == (0, MissReason.LAYOUT_MISMATCH)
+    gate.open()
+    thread.join(timeout=10)
+    assert not thread.is_alive()
+    assert_hit(storage, first[0], keys, data, 2, {"mock": 2})
     storage.release(keys)
     assert_settled(storage)
 

@@ -17,6 +17,7 @@ from kvtier.keys import ObjectKey
 from kvtier.l1 import L1Result
 from kvtier.l2.fs import FSAdapter
 from kvtier.l2.mock import MockAdapter
+from kvtier.layout import KVLayout
 from kvtier.storage import StorageManager
 from tests import storage_parts
 from tests.conftest import FakeClock, S, make_key
@@ -100,17 +101,17 @@ def test_hit_count_policy_writes_an_object_after_its_second_hit(stack: Stack) ->
     assert mock.keys() == []  # admitted, never hit
     assert store_status(storage)["candidates"] == 3
 
-    assert storage.lookup(keys[:2]).hit_chunks == 2  # first hit of 0 and 1
+    assert storage.lookup(keys[:2], LAYOUT).hit_chunks == 2  # first hit of 0 and 1
     storage.release(keys[:2])
     assert storage.flush(timeout=10)
     assert mock.keys() == []
 
-    assert storage.lookup(keys[:1]).hit_chunks == 1  # second hit of 0 only
+    assert storage.lookup(keys[:1], LAYOUT).hit_chunks == 1  # second hit of 0 only
     storage.release(keys[:1])
     assert storage.flush(timeout=10)
     assert mock.keys() == [keys[0]]
 
-    assert storage.lookup(keys).hit_chunks == 3  # second hit of 1, first of 2
+    assert storage.lookup(keys, LAYOUT).hit_chunks == 3  # second hit of 1, first of 2
     storage.release(keys)
     assert storage.flush(timeout=10)
     assert set(mock.keys()) == {keys[0], keys[1]}
@@ -120,13 +121,46 @@ def test_hit_count_policy_writes_an_object_after_its_second_hit(stack: Stack) ->
     assert_settled(storage)
 
 
+def test_an_object_written_again_under_another_layout_is_not_written_back_as_the_first(
+    stack: Stack,
+) -> None:
+    """A write-back reads its object under the layout it was admitted with:
+    one evicted while queued and written again under another layout (same
+    size, same key: a client that does not fold the layout into its hashes)
+    is skipped, never sent to L2 under the first layout's header (a reader
+    of the first layout would then load the second's bytes as a hit)."""
+    other = KVLayout(1, 1, 64, "bfloat16", 32)
+    config = StoreConfig(policy="hit_count>=1", max_inflight_bytes=OBJ)
+    storage = stack.build({"type": "mock"}, store=config)
+    (mock,) = storage_parts.adapters(storage)
+    assert isinstance(mock, MockAdapter)
+    gate = stack.gate(mock, "_store")
+    ahead, key = make_key(0), make_key(1)
+    storage.store([ahead, key], [payload(0), payload(1)], LAYOUT)
+    assert storage.lookup([ahead], LAYOUT).hit_chunks == 1  # its write-back is held
+    storage.release([ahead])
+    gate.wait_for(lambda g: g.calls >= 1, "the first write-back to reach the adapter")
+    assert storage.lookup([key], LAYOUT).hit_chunks == 1  # queued behind it
+    storage.release([key])
+    wait_until(lambda: store_status(storage)["queued_objects"] == 1, "the second to queue")
+    assert storage.delete_l1([key]) == [S]
+    assert storage.store([key], [payload(9)], other) == [S]
+    gate.open()
+    assert storage.flush(timeout=10)
+    assert mock.keys() == [ahead]
+    assert counters(store_status(storage), "skipped_evicted") == 1
+    assert storage.delete_l1([key]) == [S]
+    assert storage.lookup([key], LAYOUT).hit_chunks == 0
+    assert_settled(storage)
+
+
 def test_policy_none_writes_nothing(stack: Stack) -> None:
     storage = stack.build({"type": "mock"}, stack.fs(), store=StoreConfig(policy="none"))
     mock, fs = storage_parts.adapters(storage)
     assert isinstance(mock, MockAdapter) and isinstance(fs, FSAdapter)
     keys = [make_key(i) for i in range(4)]
     storage.store(keys, [payload(i) for i in range(4)], LAYOUT)
-    assert storage.lookup(keys).hit_chunks == 4  # hits do not trigger writes either
+    assert storage.lookup(keys, LAYOUT).hit_chunks == 4  # hits do not trigger writes either
     storage.release(keys)
     assert storage.flush(timeout=10)
     assert mock.keys() == []

@@ -40,10 +40,14 @@ def test_a_bad_key_is_refused_by_name(extra: dict[str, Any], model: str | None, 
         BackendSettings.from_extra_config(extra, model)
 
 
-def test_the_token_comes_from_its_file(tmp_path: Path) -> None:
+def test_the_token_comes_from_its_file_which_must_be_private(tmp_path: Path) -> None:
     path = tmp_path / "token"
     path.write_text("s3cret\n")
     extra = {**ADDRESS, "auth_token_file": str(path)}
+    path.chmod(0o644)
+    with pytest.raises(ValueError, match="chmod 600"):
+        BackendSettings.from_extra_config(extra, "m")
+    path.chmod(0o600)
     assert BackendSettings.from_extra_config(extra, "m").auth_token == "s3cret"
     path.write_text("\n")
     with pytest.raises(ValueError, match="is empty"):

@@ -159,6 +159,8 @@ def test_bad_input_exits_2_naming_the_flag(
         ("--dtype int4", "--dtype"),
         ("--model-params lots", "parameter count"),
         ("--state-bytes x", "--state-bytes"),
+        ("--trace t.jsonl --max-line-size lots", "--max-line-size"),
+        ("--trace t.jsonl --max-line-size 0", "--max-line-size: must be positive"),
     ],
 )
 def test_unparseable_flags_exit_2(
@@ -168,6 +170,40 @@ def test_unparseable_flags_exit_2(
         main(["plan", "--layers", "2", "--kv-heads", "1", "--head-dim", "8", *flags.split()])
     assert exit_info.value.code == 2
     assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("what", ["missing", "directory"])
+def test_a_trace_that_cannot_be_opened_is_one_line_naming_the_flag(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], what: str
+) -> None:
+    """Not a traceback: exit 2 and one line naming --trace and the path."""
+    path = tmp_path / "missing.jsonl" if what == "missing" else tmp_path
+    reason = "No such file or directory" if what == "missing" else "Is a directory"
+    assert main(["plan", "--trace", str(path)]) == 2
+    assert capsys.readouterr().err == f"kvtier plan: --trace {path}: cannot open it ({reason})\n"
+
+
+def test_max_line_size_bounds_the_trace_lines(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``--max-line-size`` reaches the reader: a 2 KiB line passes the default
+    (1 MiB), is refused at 1KiB naming the limit and the flag, and is
+    skipped and counted with --skip-bad-lines."""
+    row = {"timestamp": 1, "input_length": 600, "output_length": 3, "hash_ids": [0, 1]}
+    long = {**row, "timestamp": 2, "hash_ids": [0, 2], "note": "x" * 2048}
+    trace = tmp_path / "t.jsonl"
+    trace.write_text(f"{json.dumps(row)}\n{json.dumps(long)}\n")
+    assert main(["plan", "--trace", str(trace), "--json", "-"]) == 0
+    assert json.loads(capsys.readouterr().out)["trace"]["requests"] == 2
+    assert main(["plan", "--trace", str(trace), "--max-line-size", "1KiB"]) == 2
+    assert capsys.readouterr().err == (
+        f"kvtier plan: {trace}:2: longer than 1024 bytes, the most --max-line-size allows "
+        "(raise it, e.g. --max-line-size 4MiB) (--skip-bad-lines leaves such lines out)\n"
+    )
+    flags = ["--max-line-size", "1KiB", "--skip-bad-lines", "--json", "-"]
+    assert main(["plan", "--trace", str(trace), *flags]) == 0
+    report = json.loads(capsys.readouterr().out)["trace"]
+    assert report["requests"] == 1 and report["skipped_lines"] == 1
 
 
 def test_the_installed_command() -> None:

@@ -121,6 +121,8 @@ def test_the_tokens_come_from_files_or_the_environment_never_shown(tmp_path: Pat
 
     (tmp_path / "cache.token").write_text("cache-secret\n")
     (tmp_path / "operator.token").write_text("operator-secret\n")
+    for token in ("cache.token", "operator.token"):
+        (tmp_path / token).chmod(0o600)  # a secret file group or others may read is refused
     files = (
         f'cache_token_file = "{tmp_path / "cache.token"}"\n'
         f'operator_token_file = "{tmp_path / "operator.token"}"\n'

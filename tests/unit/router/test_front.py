@@ -11,6 +11,7 @@ from contextlib import asynccontextmanager
 from typing import Any
 
 import aiohttp
+import pytest
 from aiohttp import web
 
 from kvtier.router.app import RouterService
@@ -287,7 +288,7 @@ def test_text_and_chat_are_tokenized_by_any_live_engine() -> None:
             assert status == 200, data
             assert up.tokenized == 2 and down.tokenized == 0
             assert service.router.nodes[0].failures == {"unreachable": 1}  # taken out once
-            # A prompt the engine's /tokenize chokes on (the stand-in answers 500)
+            # A prompt every engine's /tokenize chokes on (the stand-in answers 500)
             # is the prompt's fault: a 400, and the engine stays in.
             status, _, data = await post(url + "/v1/chat/completions", {"messages": [{}]})
             assert status == 400 and b"could not tokenize" in data
@@ -295,6 +296,25 @@ def test_text_and_chat_are_tokenized_by_any_live_engine() -> None:
             await up.stop()  # nobody left: a clear 503, and the request is not charged
             status, _, data = await post(url + "/v1/completions", {"prompt": "x"}, key="key-beta")
             assert status == 503 and b"tokenize" in data
+
+    run(test)
+
+
+def test_an_engines_5xx_to_tokenize_is_asked_of_another_and_charges_nobody() -> None:
+    """Found by the robustness harness: a /tokenize an engine answered 503
+    (it had held it while silent, then came back) was the client's 400. A
+    5xx may be the engine's trouble: the next engine is asked; no engine is
+    charged, so a prompt that makes every template fail still cannot take
+    engines out (test_text_and_chat_are_tokenized_by_any_live_engine)."""
+
+    async def test() -> None:
+        troubled, fine = StandIn("troubled", tokenize_status=503), StandIn("fine")
+        async with front([troubled, fine]) as (url, service):
+            for _ in range(3):
+                status, _, data = await post(url + "/v1/completions", {"prompt": "hello"})
+                assert status == 200, data
+            assert troubled.tokenized == 0 and fine.tokenized >= 1
+            assert [n.failures for n in service.router.nodes] == [{}, {}]
 
     run(test)
 
@@ -430,5 +450,144 @@ def test_a_body_past_max_body_bytes_is_413_and_never_parsed() -> None:
             status, _, data = await post(url + "/v1/completions", None, key="key-beta", raw=raw)
             assert status == 413 and b"max_body_bytes" in data
             assert engine.seen == [] and service.bad_requests == {"body_too_large": 1}
+
+    run(test)
+
+
+# Issue 55 #4: a silent engine (it accepts connections and answers nothing, not
+# even /health) is found by the /health probes while a request waits, taken
+# out, and the request answered elsewhere; a busy one (it answers /health) is not.
+# Frequent probes; a timeout with room, since on a busy machine the good engine
+# is probed too and must not be called silent.
+QUICK_PROBES = {"health_probe_interval_s": 0.05, "health_probe_timeout_s": 2.0}
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_silent_engine_is_taken_out_and_the_request_answered_elsewhere(stream: bool) -> None:
+    """first_byte_timeout_s is long: only the probes can find the silent
+    engine (the old router gave a non-streamed request a 504 after it, kept
+    the engine in, and the next request to it waited again: 504, 200, 504...)."""
+
+    async def test() -> None:
+        silent, good = StandIn("silent", silent=True), StandIn("good")
+        options = {"policy": "round_robin", "first_byte_timeout_s": 60.0, "down_s": 600.0}
+        async with front([silent, good], **options, **QUICK_PROBES) as (url, service):
+            for _ in range(6):  # token ids: no /tokenize, every request is routed
+                body = {"prompt": [1, 2, 3], "stream": stream}
+                status, _, data = await post(url + "/v1/completions", body)
+                assert status == 200, data
+                engine = answer(data) if not stream else json.loads(_first_event(data))
+                assert engine["engine"] == "good"
+            assert silent.unanswered.count("/v1/completions") == 1  # then it was out
+            assert service.router.nodes[0].failures == {"silent": 1}
+            assert service.router.nodes[1].failures == {}
+            assert service.gateway.tenants["acme"].counts == {"ok": 6}
+            _, text = await get(url + "/metrics")
+            assert b'engine_failures_total{engine="silent",reason="silent"} 1.0' in text
+
+    run(test)
+
+
+def test_a_silent_engine_asked_to_tokenize_is_taken_out_and_another_tokenizes() -> None:
+    async def test() -> None:
+        silent, good = StandIn("silent", silent=True), StandIn("good")
+        async with front([silent, good], first_byte_timeout_s=60.0, **QUICK_PROBES) as (
+            url,
+            service,
+        ):
+            status, _, data = await post(url + "/v1/completions", {"prompt": "hello"})
+            assert status == 200, data
+            assert answer(data)["engine"] == "good"
+            assert silent.unanswered.count("/tokenize") == 1 and good.tokenized == 1
+            assert service.router.nodes[0].failures == {"silent": 1}
+
+    run(test)
+
+
+def test_a_slow_engine_that_answers_health_gives_a_504_and_stays_in() -> None:
+    """Probed many times while the answer is slow (a generous probe timeout:
+    the probe answers at once however busy the machine is)."""
+
+    async def test() -> None:
+        slow = StandIn("slow", stall_s=3)
+        probes = {"health_probe_interval_s": 0.05, "health_probe_timeout_s": 30.0}
+        async with front([slow], first_byte_timeout_s=0.5, **probes) as (url, service):
+            status, _, data = await post(url + "/v1/completions", {"prompt": [1, 2]})
+            assert status == 504 and b"first_byte_timeout_s" in data
+            assert slow.health_checks >= 1 and len(slow.seen) == 1
+            node = service.router.nodes[0]
+            assert node.failures == {} and node.live(time.monotonic())
+            assert service.gateway.tenants["acme"].counts == {"timed_out": 1}
+
+    run(test)
+
+
+def _first_event(data: bytes) -> str:
+    """The text of a stream's first event (the stand-in's answer)."""
+    first = data.decode().split("\n\n")[0][len("data: ") :]
+    return str(json.loads(first)["choices"][0]["text"])
+
+
+# Issue 55 #6: a chat's count is everything its template renders.
+def chat(content: str = "hi", **fields: Any) -> dict[str, Any]:
+    return {"messages": [{"role": "user", "content": content}], **fields}
+
+
+def test_documents_and_tools_are_counted_against_the_budget_and_the_context() -> None:
+    """tiny's budget is 20 prompt tokens at once; "hi" is 20 as the stand-in
+    counts. The old router counted only the messages: 240 KB of documents
+    passed the budget and the context check, and the engine prefilled them."""
+
+    async def test() -> None:
+        engine = StandIn("e0")
+        async with front([engine]) as (url, service):
+            chats = url + "/v1/chat/completions"
+            documents = [{"title": "a", "text": "x" * 400}]
+            tools = [{"type": "function", "function": {"name": "f", "description": "y" * 400}}]
+            for fields in ({"documents": documents}, {"tools": tools}):
+                status, headers, data = await post(chats, chat(**fields), key="key-tiny")
+                assert status == 429 and b"at once" in data, (fields.keys(), data)
+                assert "Retry-After" not in headers  # more than the budget ever holds
+            huge = [{"title": "t", "text": "z" * 240_000}]
+            for fields in (
+                {"documents": huge},
+                {"chat_template_kwargs": {"documents": huge}},
+            ):
+                status, _, data = await post(chats, chat(**fields))
+                assert status == 400 and b"context is 4096 tokens" in data, data
+            assert engine.seen == []  # nothing was prefilled
+            status, _, data = await post(chats, chat(), key="key-tiny")
+            assert status == 200, data
+            status, _, data = await post(chats, chat(documents=[{"text": "short"}]))
+            assert status == 200, data
+            assert engine.seen[-1]["documents"] == [{"text": "short"}]  # sent on as given
+            assert service.bad_requests == {"too_long": 2}
+
+    run(test)
+
+
+def test_chat_fields_the_router_cannot_count_are_refused_by_name() -> None:
+    async def test() -> None:
+        engine = StandIn("e0")
+        async with front([engine]) as (url, service):
+            chats = url + "/v1/chat/completions"
+            image = {"type": "image_url", "image_url": {"url": "http://x/y.png"}}
+            parts = [{"type": "text", "text": "what is this?"}, image]
+            for body, named in (
+                ({"messages": [{"role": "user", "content": parts}]}, b"messages[0].content[1]"),
+                (
+                    {"messages": [{"role": "user", "content": [{"input_audio": {"data": ""}}]}]},
+                    b"'input_audio' part",
+                ),
+                (chat(chat_template_kwargs={"chat_template": "{{ '' }}"}), b"chat_template"),
+                (chat(chat_template_kwargs=[1]), b"chat_template_kwargs"),
+                (chat(documents="a" * 1000), b"documents"),
+            ):
+                status, _, data = await post(chats, body)
+                assert status == 400 and named in data, (body, data)
+            assert engine.seen == [] and engine.tokenized == 0
+            assert service.bad_requests == {"uncounted_field": 3, "bad_prompt": 2}
+            text_parts = {"messages": [{"role": "user", "content": parts[:1]}]}
+            assert (await post(chats, text_parts))[0] == 200  # text parts are counted
 
     run(test)

@@ -91,3 +91,26 @@ def test_rows_give_served_by_tier_and_loaded_saved_and_net_by_namespace() -> Non
 def test_a_forward_too_short_samples_no_rate() -> None:
     assert prefill_rate(2.0, 32) == 2.0 / 32
     assert prefill_rate(2.0, 31) == 0.0
+
+
+def test_namespaces_past_the_row_limit_are_summed_under_other() -> None:
+    """The ledger's rows are keyed by namespaces clients name: one client
+    under 400 model names keeps at most the limit of rows, the rest summed
+    under "(other)", every token and second still counted."""
+    ledger = SavingsLedger(rows_per_tenant=8)
+    for n in range(400):
+        namespace = NamespaceLabel(f"m{n}", "acme")
+        ledger.served("acme", namespace, "L1", 16)
+        ledger.reported("acme", namespace, 0.5, 0.25, 4)
+    report = ledger.report()
+    assert len(report["namespaces"]) == 8
+    assert "(other)" in {row["namespace"] for row in report["namespaces"]}
+    assert report["tenants"]["acme"] == {
+        "served_tokens": 400 * 16,
+        "loaded_tokens": 400 * 4,
+        "saved_s": 400 * 4 * 0.5,
+        "load_s": 400 * 0.25,
+        "net_s": 400 * 4 * 0.5 - 400 * 0.25,
+    }
+    assert ledger.measured_rate("acme", NamespaceLabel("m399", "acme")) == 0.5
+    assert ledger.measured_rate("acme", NamespaceLabel("m0", "acme")) is None  # folded

@@ -14,7 +14,7 @@ from kvtier.server.limits import ServerLimits
 from kvtier.server.reports import LOSSY_PATHS
 from kvtier.storage import StorageManager
 from tests.conftest import FakeClock
-from tests.unit.server.test_core import call, hello
+from tests.unit.server.test_core import LAYOUT, call, hello
 from tests.unit.server.test_status import scrape
 
 
@@ -84,3 +84,29 @@ def test_one_client_cannot_grow_the_board_past_the_lossy_paths(server: CacheServ
     for path in LOSSY_PATHS:
         assert call(server, b"A", p.QualityReport(path, True, 0.0)) == p.Ack()
     assert sorted(row.path for row in server.status().quality) == sorted(LOSSY_PATHS)
+
+
+def test_one_client_under_ever_new_model_names_cannot_grow_the_board(
+    storage: StorageManager, clock: FakeClock, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The finding: a row's key is (tenant, namespace, path), and the namespace
+    is whatever model name the client sends in HELLO. One client registering
+    400 times under new names made 401 rows, /metrics' quality lines went
+    from 4 to 1,604 and the log took a warning each. Now the tenant's rows
+    stay within limits.max_namespace_rows, the samples are all counted (the
+    least recent under "(other)"), and the log is bounded too."""
+    caplog.set_level(logging.WARNING, logger="kvtier.server.quality")
+    limits = ServerLimits(session_ttl_s=100, client_ttl_s=1000, max_namespace_rows=16)
+    server = CacheServer(storage, chunk_size=16, limits=limits, clock=clock)
+    for n in range(400):
+        message = p.Hello(p.PROTOCOL_VERSION, "spam", f"org/m{n}", [LAYOUT], 1, 16)
+        assert isinstance(call(server, b"A", message), p.Welcome)
+        assert call(server, b"A", p.QualityReport("blend", False, 1.0, off=True)) == p.Ack()
+    rows = server.status().quality
+    assert len(rows) <= 16
+    assert sum(row.samples for row in rows) == 400
+    assert any(row.namespace == "(other)" and row.off for row in rows)
+    metrics = scrape(server.status())
+    samples = [n for name, (_, by) in metrics.items() if "quality" in name for n in by]
+    assert 0 < len(samples) <= 16 * 4  # a handful of families, one sample per row each
+    assert len(caplog.records) <= 16 + 1

@@ -10,6 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from kvtier.keys import ObjectKey
 from kvtier.l1 import L1Config
 from kvtier.server.core import CacheServer
 from kvtier.storage import StorageConfig, StorageManager
@@ -129,3 +130,28 @@ def test_a_shared_cap_without_the_usage_hooks_fails_at_construction(tmp_path: Pa
     only_local = TenantTable([Tenant("acme", salts=("acme",), quota=Quota(l2_bytes={"fs": 1}))])
     with StorageManager(config, owners=only_local.owners()) as storage:
         L2Usage(only_local).watch(storage)  # the fs adapter keeps its caps itself
+
+
+def test_namespaces_written_to_a_shared_store_are_bounded_per_tenant(tmp_path: Path) -> None:
+    """What this server wrote to shared stores is counted per namespace, and
+    a namespace is named by its clients: 40 model names of one tenant keep at
+    most the limit of rows, the least recent summed under "(other)"."""
+    config = StorageConfig(
+        l1=L1Config(size_bytes=4 << 20, populate=False),
+        l2=({"type": "mock", "name": "shared", "shared": True},),
+    )
+    tenants = TenantTable([
+        Tenant("acme", salts=("acme",), quota=Quota(l2_bytes={"shared": 1 << 30})),
+    ])  # fmt: skip
+    usage = L2Usage(tenants, refresh_s=3600, rows_per_tenant=4)
+    hooks = {"store_gate": usage.gate, "on_stored": usage.on_stored}
+    with StorageManager(config, owners=tenants.owners(), **hooks) as storage:
+        usage.watch(storage)
+        keys = [ObjectKey(bytes(32), f"m{n}", 0, 0, "acme") for n in range(40)]
+        for key in keys:
+            storage.store([key], [np.zeros(OBJECT, np.uint8)])
+        assert storage.flush(10)
+        written = usage.written()
+        assert len(written) == 4
+        assert {namespace for _, namespace, _, _, _ in written} >= {"(other)"}
+        assert sum(objects for *_, objects, _ in written) == 40

@@ -22,6 +22,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from kvtier.config import secret_file
+
 # SGLang's own keys that reach the backend too; they are not ours to check.
 SGLANG_KEYS = frozenset({"backend_name", "module_path", "class_name", "interface_v1"})
 _STRING_KEYS = ("address", "salt", "model", "revision", "auth_token", "auth_token_file")
@@ -76,17 +78,14 @@ class BackendSettings:
 
 
 def _token(extra: Mapping[str, Any]) -> str:
-    """``auth_token``, or the first line of ``auth_token_file``."""
+    """``auth_token``, or the first line of ``auth_token_file`` (read as every
+    secret file is: private, text; ``kvtier.config.secret_file``)."""
     token, path = extra.get("auth_token", ""), extra.get("auth_token_file", "")
     if token and path:
         raise ValueError("kvtier backend config: give 'auth_token' or 'auth_token_file', not both")
     if not path:
         return str(token)
-    try:
-        with open(path, encoding="utf-8") as file:
-            token = file.readline().strip()
-    except OSError as exc:
-        raise ValueError(f"kvtier backend config: 'auth_token_file' {path!r}: {exc}") from None
-    if not token:
+    lines = secret_file(path, "kvtier backend config: 'auth_token_file'").splitlines()
+    if not lines or not lines[0].strip():
         raise ValueError(f"kvtier backend config: 'auth_token_file' {path!r} is empty")
-    return str(token)
+    return lines[0].strip()

@@ -49,7 +49,7 @@ from sglang.srt.mem_cache.hicache_storage import (  # type: ignore[import-not-fo
 )
 
 from kvtier.engine.identity import ModelIdentity
-from kvtier.engine.sglang.pages import PageFormat, PageKeys
+from kvtier.engine.sglang.pages import EngineShard, PageFormat, PageKeys, chunk_size_mismatch
 from kvtier.engine.sglang.settings import BackendSettings
 from kvtier.protocol.client import CacheClient, ClientConfig, ObjectBytes
 from kvtier.protocol.messages import LayoutSpec
@@ -58,7 +58,18 @@ log = logging.getLogger(__name__)
 
 # The SGLang interface this backend was written and tested against: the config
 # fields it reads and the page-level methods it overrides.
-_CONFIG_FIELDS = ("tp_rank", "tp_size", "is_mla_model", "model_name", "extra_config")
+_CONFIG_FIELDS = (
+    "tp_rank",
+    "tp_size",
+    "pp_rank",
+    "pp_size",
+    "attn_cp_rank",
+    "attn_cp_size",
+    "dcp_size",
+    "is_mla_model",
+    "model_name",
+    "extra_config",
+)
 _INTERFACE = ("batch_get_v1", "batch_set_v1", "batch_exists", "register_mem_pool_host")
 T = TypeVar("T")
 
@@ -94,13 +105,11 @@ class KvtierStorage(HiCacheStorage):  # type: ignore[misc, unused-ignore]
         self.settings = BackendSettings.from_extra_config(
             storage_config.extra_config, storage_config.model_name
         )
-        self.tp_rank: int = storage_config.tp_rank
-        self.tp_size: int = storage_config.tp_size
-        self.rank_replicated: bool = bool(storage_config.is_mla_model)
+        self.shard = EngineShard.of(storage_config)
         self.identity = ModelIdentity(
             model=self.settings.model, revision=self.settings.revision, salt=self.settings.salt
         )
-        self.client_id = f"sglang-tp{self.tp_rank}-{uuid.uuid4().hex[:8]}"
+        self.client_id = f"sglang-{self.shard.label}-{uuid.uuid4().hex[:8]}"
         self.format: PageFormat | None = None
         self.keys: PageKeys | None = None
         self.client: CacheClient | None = None
@@ -115,7 +124,7 @@ class KvtierStorage(HiCacheStorage):  # type: ignore[misc, unused-ignore]
         server that is away makes the client degraded, not an error: it
         registers when the server comes)."""
         super().register_mem_pool_host(mem_pool_host)
-        self.format = PageFormat.of(mem_pool_host, self.tp_rank, self.tp_size, self.rank_replicated)
+        self.format = PageFormat.of(mem_pool_host, self.shard)
         self.keys = PageKeys.of(self.identity, self.format.layout)
         label = self.identity.label
         self.client = CacheClient(
@@ -244,13 +253,7 @@ class KvtierStorage(HiCacheStorage):  # type: ignore[misc, unused-ignore]
                 first = "chunk_size" not in self._failures
                 self._failures["chunk_size"] = self._failures.get("chunk_size", 0) + 1
             if first:
-                log.error(
-                    "kvtier backend: the cache server's chunk size is %s tokens, SGLang's page "
-                    "size %s: restart kvtier serve with --chunk-size %s; every page misses",
-                    client.chunk_size,
-                    fmt.layout.tokens_per_chunk,
-                    fmt.layout.tokens_per_chunk,
-                )
+                log.error(chunk_size_mismatch(client.chunk_size, fmt.layout.tokens_per_chunk))
             return None
         return client, fmt, keys
 

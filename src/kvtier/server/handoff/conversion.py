@@ -36,7 +36,7 @@ class Conversion:
         only): the server runs it off its loop. Its own read locks keep the
         sources while it reads them; one no longer in L1 (the hand-off ended
         first) fails it, never reads other bytes."""
-        placements, missing = storage.reserve_read_all(self.objects)
+        placements, missing = storage.reserve_read_all(self.objects, self.source)
         if missing:
             return [False] * len(self.keys), "its objects left L1 before they were re-sharded"
         try:

@@ -134,7 +134,7 @@ class HandoffTable:
             return again
         if len(self._held) >= MAX_HELD:
             raise RequestError("busy", f"{MAX_HELD} hand-offs are held: take or expire some first")
-        placements, missing = self._storage.reserve_read_all(keys)
+        placements, missing = self._storage.reserve_read_all(keys, client.layouts[group])
         if missing:
             self._end(handoff_id, HandoffOutcome.INCOMPLETE)
             return HandoffOutcome.INCOMPLETE, f"{missing} of {len(keys)} objects are not in L1"
@@ -236,7 +236,7 @@ class HandoffTable:
         if not all(stored):
             self._counters.add("handoffs.reshard_failed")
             return HandoffOutcome.INCOMPLETE, why
-        placements, missing = self._storage.reserve_read_all(conversion.keys)
+        placements, missing = self._storage.reserve_read_all(conversion.keys, conversion.target)
         if missing:
             self._counters.add("handoffs.reshard_failed")
             return HandoffOutcome.INCOMPLETE, "re-sharded objects were evicted before the take"
@@ -268,7 +268,8 @@ class HandoffTable:
             )
         if len(self._held) >= MAX_HELD:
             return HandoffOutcome.PENDING, f"{MAX_HELD} hand-offs are held here: ask again"
-        placements, missing = self._storage.reserve_read_all(keys)  # the lookup's locks keep them
+        # The lookup's locks keep them.
+        placements, missing = self._storage.reserve_read_all(keys, client.layouts[group])
         if missing:
             return HandoffOutcome.PENDING, "its chunks left L1 as soon as they were found"
         lease_s, taker = self.max_lease_s, taker_of(client, consumer, token)
