@@ -107,6 +107,31 @@ def test_idle_client_registers_again_by_itself(kvtier_server: ServerFactory) -> 
         client.close()
 
 
+def test_a_call_lost_with_its_link_does_not_degrade_the_rejoined_client(
+    kvtier_server: ServerFactory,
+) -> None:
+    """A call on the wire when its server dies is lost with the link; the
+    client rejoins the restarted server at once, and that call's timeout,
+    when it comes, only ends that call: the new registration stays (no
+    second connect, no window of calls answered degraded)."""
+    server = kvtier_server.start()
+    client = CacheClient(w.client_config(server.rpc, heartbeat_s=0, request_timeout_s=3.0))
+    try:
+        os.kill(server.pid, signal.SIGSTOP)  # then killed: it never answers
+        pings = [threading.Thread(target=client.ping)]
+        pings[0].start()
+        time.sleep(0.5)  # the ping is on the wire
+        restarted = kvtier_server.restart(server)
+        assert wait_for(lambda: client.boot_id, lambda boot: boot == restarted.boot_id)
+        pings[0].join(timeout=30)
+        assert not pings[0].is_alive()
+        connects = client.stats.reconnects
+        assert client.ping() is True and not client.degraded
+        assert client.stats.reconnects == connects == 1
+    finally:
+        client.close()
+
+
 def test_an_idle_client_sees_a_killed_server_without_a_call(kvtier_server: ServerFactory) -> None:
     """The finding: a dead server was found only by the timeout of the next
     call (the socket reconnects silently). Heartbeat off, no call made: the

@@ -13,7 +13,8 @@ operations that break it:
 | within_timeout        | 4         | every call returns within its documented bound; none hangs |
 | recovers              | 4         | after each fault, a store and read round trip works again  |
 | fs_survives_restart   | 5         | a killed server's restart indexes every object file it left |
-| released_within_ttl   | 6         | a killed client's reservations and locks are freed in time |
+| released_within_ttl   | 6         | a killed client's reservations and locks, pins and hand-   |
+|                       |           | offs never taken are freed in time (TTL or lease)          |
 | handoff_once          | 7         | no hand-off is granted to two consumers (per server boot)  |
 | server_alive          | 4         | the cache server never exits or logs a traceback by itself |
 | never_raises          | 4         | no client call raises into its caller: failures are misses |

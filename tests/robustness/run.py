@@ -46,10 +46,10 @@ from tests.robustness.flood import NameFlood
 from tests.robustness.history import History
 from tests.robustness.monitor import Monitor
 from tests.robustness.routing import RouterWorker
-from tests.robustness.traffic import CHUNK, SIZE, TenantWorker
+from tests.robustness.traffic import CHUNK, LONGEST_HOLD_S, SIZE, TenantWorker
 
 RECOVERY_WAIT_S = 30.0
-SETTLE_SLACK_S = 8.0  # the reaper's tick and a busy machine, past the client TTL
+SETTLE_SLACK_S = 8.0  # the reaper's tick and a busy machine, past the longest hold
 
 
 @dataclass
@@ -119,8 +119,11 @@ def run(
             worker.close()
         for part in background:
             part.close()
-        with history.record("runner", "settle", ttl_s=CLIENT_TTL_S) as op:
-            op.result = cluster.settled(CLIENT_TTL_S + SETTLE_SLACK_S)
+        # a killed client's holds end with its TTL; a pin or a hand-off not
+        # taken (its consumers degraded) with its own lease
+        held_s = max(CLIENT_TTL_S, LONGEST_HOLD_S)
+        with history.record("runner", "settle", ttl_s=held_s) as op:
+            op.result = cluster.settled(held_s + SETTLE_SLACK_S)
             op.outcome = "ok" if not any(op.result.values()) else "held"
     finally:
         probe.close()

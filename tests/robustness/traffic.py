@@ -11,8 +11,8 @@ recognised. A worker's operations come from its own seeded generator:
 | 35     | store     | store the first 1-4 chunks of a prompt                         |
 | 35     | read      | look the prompt up, retrieve every hit chunk, end the session |
 | 8      | partial   | look up, retrieve the first hit chunks, release the rest      |
-| 10     | handoff   | store a prompt, offer it, two consumers race to take it       |
-| 8      | pin       | pin a prompt's chunks for a few seconds                        |
+| 10     | handoff   | store a prompt, offer it (a 5 s lease), two consumers race to take it |
+| 8      | pin       | pin a prompt's chunks for 1-5 s                                |
 | 4      | purge     | purge the tenant (admin API), wait until the job ends          |
 
 Each operation's bound is its calls' documented timeouts added up (the
@@ -45,6 +45,7 @@ PROMPTS = 24  # prompts per run, shared by the tenants: several times what L1 ho
 WAIT_S = TIMEOUT_S + 1.0  # a lookup's wait: past the server's L2 deadline
 SLACK_S = 3.0
 PURGE_WAIT_S = 30.0
+LONGEST_HOLD_S = 5.0  # a pin's TTL and a hand-off's lease at most: what outlives a worker
 SIZE = w.object_bytes(CHUNK)
 log = logging.getLogger(__name__)
 HASHES = [w.chunk_hashes(CHUNK, 7000 + prompt, CHUNKS) for prompt in range(PROMPTS)]
@@ -153,7 +154,7 @@ class TenantWorker(Background):
         with self.history.record(
             self.tenant, "offer", bound(1), tenant=self.tenant, prompt=prompt, handoff=handoff
         ) as op:
-            reply = producer.handoff(p.HandoffOffer(handoff, HASHES[prompt], 30.0)).wait()
+            reply = producer.handoff(p.HandoffOffer(handoff, HASHES[prompt], LONGEST_HOLD_S)).wait()
             op.outcome = "ok" if isinstance(reply, p.HandoffState) else "error"
             op.result["outcome"] = getattr(reply, "outcome", None)
         racers = [
@@ -182,7 +183,7 @@ class TenantWorker(Background):
                 consumer.handoff(p.HandoffDone(handoff)).wait()
 
     def pin(self, prompt: int) -> None:
-        ttl_s = round(self.rng.uniform(1.0, 5.0), 1)
+        ttl_s = round(self.rng.uniform(1.0, LONGEST_HOLD_S), 1)
         with self.history.record(
             self.tenant, "pin", bound(1), tenant=self.tenant, prompt=prompt, ttl_s=ttl_s
         ) as op:

@@ -120,6 +120,7 @@ class Call:
     retried: bool = False
     hold_until: float = 0.0  # kept through a dropped connection until then (0: not kept)
     lead: Callable[[Call, float], None] | None = None  # do the I/O for it, if the socket is free
+    link: int = 0  # the link it was sent on (Connection._link)
 
     @property
     def ready(self) -> bool:
@@ -175,6 +176,7 @@ class Connection:
         self._held: list[Call] = []  # sent once registered: refused with no_hello, or held
         self._hello: Call | None = None
         self._rejoining = False  # the link dropped while registered; HELLO is out again
+        self._link = 0  # counts links (a new socket, a dropped link); calls note theirs
         self._retry_s = config.retry_s  # doubles while reconnecting fails
         self._next_try = 0.0  # when to send HELLO again while unregistered
         self._next_beat = time.monotonic() + config.heartbeat_s
@@ -355,6 +357,7 @@ class Connection:
         call.message.seq = seq
         call.deadline = time.monotonic() + call.timeout_s
         call.region = self.region
+        call.link = self._link
         try:
             self._socket.send_multipart(
                 [p.encode(call.message), *call.frames],  # type: ignore[list-item]
@@ -414,13 +417,18 @@ class Connection:
             self._held = [call for call in self._held if call not in ended]
             for call in ended:
                 self._finish(call, None)
-        late = [call for call in self._in_flight.values() if call.deadline <= now]
+        late = [(seq, c) for seq, c in self._in_flight.items() if c.deadline <= now]
+        lost = [(seq, call) for seq, call in late if call.link != self._link]
+        for seq, call in lost:  # sent on a link that dropped: its reply went with it
+            del self._in_flight[seq]
+            self._finish(call, None)
+        late = [(seq, call) for seq, call in late if call.link == self._link]
         if late:
             log.warning(
                 "client: no answer from %s to %s within %.1f s; degraded",
                 self.config.address,
-                ", ".join(sorted({type(call.message).__name__ for call in late})),
-                late[0].timeout_s,
+                ", ".join(sorted({type(call.message).__name__ for _, call in late})),
+                late[0][1].timeout_s,
             )
             self._degrade()
 
@@ -428,6 +436,7 @@ class Connection:
 
     def _connect(self) -> None:
         self._disconnect()
+        self._link += 1
         self._socket = self._context.socket(zmq.DEALER)
         self._socket.setsockopt(zmq.LINGER, 0)
         self._socket.setsockopt(zmq.HEARTBEAT_IVL, round(LINK_PING_S * 1000))
@@ -503,12 +512,14 @@ class Connection:
     def _rejoin(self) -> None:
         """The link dropped: say HELLO again on the same socket (ZeroMQ
         reconnects it; the HELLO goes when it does). The calls in flight are
-        left to their timeouts: the event comes with no time, and one read
-        late (the holder was idle) may follow a reconnection whose calls the
-        new server is answering. The chunk size stays: engines go on using
+        left to their timeouts, without degrading the connection when they
+        pass (their link is gone: ``_expire``): the event comes with no time,
+        and one read late (the holder was idle) may follow a reconnection
+        whose calls the new server is answering. The chunk size stays: engines go on using
         the cache, their calls held until the WELCOME or their timeout."""
         self._registered.clear()
         self._rejoining = True
+        self._link += 1
         self._send_hello()
 
     def _degrade(self) -> None:
