@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import http.client
 import json
 import os
 import sys
@@ -57,6 +58,11 @@ def call(url: str, token: str, method: str, path: str, body: dict[str, Any] | No
         raise AdminError(f"{method} {path}: {exc.code} {text}") from None
     except OSError as exc:
         raise AdminError(f"cannot reach the admin port at {url}: {exc}") from None
+    except (http.client.HTTPException, ValueError) as exc:  # cut off, or not JSON
+        raise AdminError(
+            f"{method} {path}: the admin port at {url} sent a broken answer "
+            f"({type(exc).__name__}: {exc}); is the server restarting? try again"
+        ) from None
 
 
 def _run(args: argparse.Namespace) -> int:
