@@ -77,13 +77,14 @@ def disk_full(cluster: Cluster, rng: random.Random) -> dict[str, Any]:
     full_s = _pause(rng)
     ballast = cluster.fs_dir / "fill.ballast"
     written = 0
-    with ballast.open("wb") as out, contextlib.suppress(OSError):
+    # the tier may have filled the disk itself: then even the open fails
+    with contextlib.suppress(OSError), ballast.open("wb") as out:
         block = bytes(1 << 20)
         while True:
             written += out.write(block)
             out.flush()
     time.sleep(full_s)
-    ballast.unlink()
+    ballast.unlink(missing_ok=True)
     return {"full_s": full_s, "ballast_bytes": written}
 
 
