@@ -50,6 +50,13 @@ TINY = {
         "2",
         "--ablations",
         "--shared",
+        "--shapes",
+        "short",
+        "--held-back",
+        "--sessions",
+        "8",
+        "--jobs",
+        "1",
     ],
     "bench_route_index.py": ["--chunks", "2000", "--requests", "20"],
     "bench_route_calibrate.py": ["{route_run}"],  # a trimmed real run, tests/data/route-run

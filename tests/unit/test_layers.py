@@ -18,7 +18,9 @@ SOURCE = Path(kvtier.__file__).parent
 LAYERS: tuple[tuple[str, frozenset[str]], ...] = (
     (
         "foundations",
-        frozenset({"units", "counters", "paths", "output", "extras", "reaper", "traces"}),
+        frozenset(
+            {"units", "counters", "paths", "output", "extras", "reaper", "traces", "costfit"}
+        ),
     ),
     ("settings and helpers", frozenset({"config", "failures", "models", "process"})),
     ("keys and layouts", frozenset({"keys", "layout", "read_or_recompute"})),

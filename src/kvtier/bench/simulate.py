@@ -19,6 +19,11 @@ prompt token. With ``decode_s_per_token`` set, a request then decodes its
 in the budget, and at most ``max_running`` requests are admitted at once
 (vLLM's ``max_num_seqs``); without, a request leaves at its first token.
 
+Nodes may differ: ``SimConfig.speeds`` makes node ``i``'s steps (their
+overhead and their tokens) ``speeds[i]`` times as long (a slower GPU, a
+busier host), and ``SimConfig.l1_sizes`` gives each node its own L1. Loads
+cost the same everywhere.
+
 Like the real connector, a node loads the longest prefix it can (its own
 cache first, then L1, then the shared store) and computes the rest, whatever
 the router planned; what it can load is read when the request is admitted
@@ -41,7 +46,11 @@ the node with the least true time to first token, knowing every node's work
 in flight and what its cache will hold when the request starts (the
 requests ahead of it stored; evictions meanwhile not foreseen), the node's
 steps taken as full ones. It bounds what any per-request policy could do
-here.
+here. It knows each node's own costs.
+
+``SimResult.learned`` is what the router's cost model learned of each node
+and ``SimResult.truth`` the node's real terms (its step overhead and its
+time per token), to compare.
 """
 
 from __future__ import annotations
@@ -57,9 +66,9 @@ import numpy as np
 from kvtier.events.wire import BlockRemoved, BlockStored, DecodedBatch
 from kvtier.keys import Namespace, TokenHasher, salt_label
 from kvtier.router.chunks import ChunkIndex
-from kvtier.router.cost import CostConfig, CostModel, Observation
+from kvtier.router.cost import OWN_SAMPLES, CostConfig, CostModel, Observation
 from kvtier.router.load import ClusterLoad
-from kvtier.router.queue import PrefillQueue
+from kvtier.router.queue import PrefillQueue, ServiceLine
 from kvtier.router.scoring import Decision, make_policy, score
 from kvtier.traces import TraceRequest
 
@@ -93,10 +102,24 @@ class SimConfig:
     max_running: int = 1 << 30  # requests an engine runs at once (vLLM's max_num_seqs)
     work_cost: bool = True  # the kvtier policy prices the work it adds (False: TTFT alone)
     learn_from_all: bool = False  # the cost model learns from every request (the router's old rule)
+    estimator: str = "fit"  # the router's cost estimator (CostConfig.estimator)
+    speeds: tuple[float, ...] = ()  # each node's step-time factor (empty: all 1.0)
+    l1_sizes: tuple[int, ...] = ()  # each node's L1 chunks (empty: all l1_chunks)
 
     def __post_init__(self) -> None:
         if self.step_tokens < 1:
             raise ValueError(f"step_tokens must be >= 1, got {self.step_tokens}")
+        for name, values in (("speeds", self.speeds), ("l1_sizes", self.l1_sizes)):
+            if values and len(values) != self.nodes:
+                raise ValueError(f"{name} must give all {self.nodes} nodes, got {len(values)}")
+        if any(speed <= 0 for speed in self.speeds):
+            raise ValueError("speeds must be positive")
+
+    def speed(self, node: int) -> float:
+        return self.speeds[node] if self.speeds else 1.0
+
+    def l1_of(self, node: int) -> int:
+        return self.l1_sizes[node] if self.l1_sizes else self.l1_chunks
 
 
 @dataclass(slots=True)
@@ -108,6 +131,28 @@ class SimResult:
     sources: list[dict[str, int]] = field(default_factory=list)  # source -> prompt tokens
     routed: list[int] = field(default_factory=list)  # requests per node
     duration_s: float = 0.0  # the first arrival to the last first token
+    learned: dict[str, object] = field(default_factory=dict)  # the router's cost model's status
+    truth: list[tuple[float, float]] = field(default_factory=list)  # per node: (fixed, per token)
+
+    def learned_error(self, min_samples: int) -> dict[str, float | None]:
+        """The largest relative error of the nodes' own learned fixed and
+        per-token terms, over the nodes whose own fit has at least
+        ``min_samples`` samples (None: none had)."""
+        engines = self.learned.get("engines", {})
+        assert isinstance(engines, dict)
+        fixed, per_token = [], []
+        for node, (true_fixed, true_rate) in enumerate(self.truth):
+            terms = engines.get(str(node))
+            if terms is None or terms.get("samples", 0) < min_samples:
+                continue
+            fixed.append(abs(terms["fixed_s"] / true_fixed - 1) if true_fixed else None)
+            per_token.append(abs(terms["per_token_s"] / true_rate - 1))
+        known = [f for f in fixed if f is not None]
+        return {
+            "nodes": len(per_token),
+            "fixed": round(max(known), 3) if known else None,
+            "per_token": round(max(per_token), 3) if per_token else None,
+        }
 
     @property
     def tokens(self) -> dict[str, int]:
@@ -142,6 +187,9 @@ class SimResult:
         }
         if slo_s is not None:
             out["goodput"] = round(float(np.mean(t <= slo_s)), 4)
+        if self.learned:
+            out["learned_error"] = self.learned_error(min_samples=OWN_SAMPLES)
+            out["engine_spread"] = self.learned.get("engine_spread")
         return out
 
 
@@ -166,6 +214,7 @@ class _Node:
         self.engine: OrderedDict[bytes, None] = OrderedDict()
         self.l1: OrderedDict[bytes, None] = OrderedDict()
         self.queue = queue  # the router's view of this node
+        self.line = ServiceLine()  # the router's record of this node's line
         self.waiting: deque[_Job] = deque()  # routed here, not admitted yet (FIFO)
         self.loading: list[_Job] = []  # admitted, their loads in flight
         self.running: list[_Job] = []  # admitted and loaded, prefilling or decoding
@@ -205,7 +254,12 @@ class _Simulation:
         if costs.shared_s_per_token is not None:
             tiers[SHARED] = costs.shared_s_per_token
         self.cost = CostModel(
-            CostConfig(prefill_s_per_token=costs.prefill_s_per_token, tier_s_per_token=tiers)
+            CostConfig(
+                prefill_s_per_token=costs.prefill_s_per_token,
+                step_tokens=config.step_tokens,
+                tier_s_per_token=tiers,
+                estimator=config.estimator,
+            )
         )
         self.load = ClusterLoad()
         self.policy = None if policy_name == ORACLE else make_policy(policy_name)
@@ -214,6 +268,10 @@ class _Simulation:
         self.store_free_at = 0.0  # when the shared store's bandwidth is free again
         self.hashers: dict[str, TokenHasher] = {}
         self.result = SimResult(policy_name, routed=[0] * config.nodes)
+        self.result.truth = [
+            (costs.overhead_s * config.speed(i), costs.prefill_s_per_token * config.speed(i))
+            for i in range(config.nodes)
+        ]
         self.events: list[tuple[float, int, TraceRequest | _StepEnd | _Loaded]] = []
         self.order = itertools.count()
 
@@ -234,6 +292,7 @@ class _Simulation:
             else:
                 self.arrive(order, item)
         self.result.duration_s = self.now - first
+        self.result.learned = self.cost.status()
         return self.result
 
     def push(self, at: float, item: _StepEnd | _Loaded) -> None:
@@ -274,6 +333,7 @@ class _Simulation:
         decode = max(request.output_tokens - 1, 0) if self.config.costs.decode_s_per_token else 0
         self.result.routed[plan.node] += 1
         routed_to = self.result.routed[plan.node]
+        node.line.dispatched(routed_to, now)
         job = _Job(
             index,
             plan.node,
@@ -319,7 +379,7 @@ class _Simulation:
             decodes = sum(1 for job, _ in step if not job.remaining)
             tokens = sum(take for _, take in step) - decodes
             seconds = tokens * costs.prefill_s_per_token + decodes * costs.decode_s_per_token
-            node.step_end = self.now + costs.overhead_s + seconds
+            node.step_end = self.now + (costs.overhead_s + seconds) * self.config.speed(i)
             self.push(node.step_end, _StepEnd(i))
 
     def admit(self, node: _Node, job: _Job) -> float:
@@ -383,7 +443,9 @@ class _Simulation:
             loaded = self.loads(node, hashes, prompt, ahead)
             tokens += prompt - sum(loaded.values())
             steps = -(-tokens // budget)
-            ttft = at + steps * costs.overhead_s + tokens * costs.prefill_s_per_token
+            ttft = at + (steps * costs.overhead_s + tokens * costs.prefill_s_per_token) * (
+                self.config.speed(index)
+            )
             ttft += self.load_s(loaded)
             if ttft < best_ttft:
                 best, best_ttft = index, ttft
@@ -421,7 +483,7 @@ class _Simulation:
         self.result.ttft_s[job.index] = ttft
         node.queue.first_token(now, job.planned_at, job.plan.prefill_tokens)
         self.insert(job.node, node.engine, job.hashes, self.config.engine_chunks, None)
-        self.insert(job.node, node.l1, job.hashes, self.config.l1_chunks, "L1")
+        self.insert(job.node, node.l1, job.hashes, self.config.l1_of(job.node), "L1")
         fresh = [h for h in job.hashes if h not in self.shared]
         if fresh and self.config.costs.shared_s_per_token is not None:
             self.shared.update(fresh)
@@ -429,10 +491,14 @@ class _Simulation:
                 job.node, BlockStored(list(fresh), ownership=f"kvtier:{SHARED}", locality="SHARED")
             )
         plan = job.plan
+        served = node.line.first_token(job.routed_to, now)
         alone = not plan.queue_tokens and self.result.routed[job.node] == job.routed_to
-        alone = alone or self.config.learn_from_all
+        if self.config.learn_from_all:  # the old rule: every request, as if alone
+            alone, served = True, None
         self.cost.observe(
-            Observation(job.node, ttft, plan.queue_s, plan.prefill_tokens, plan.loaded, alone)
+            Observation(
+                job.node, ttft, plan.queue_s, plan.prefill_tokens, plan.loaded, alone, served
+            )
         )
 
     def insert(

@@ -35,7 +35,7 @@ from kvtier.router.blocks import BlockIndex
 from kvtier.router.chunks import ChunkIndex
 from kvtier.router.cost import CostModel, Observation
 from kvtier.router.load import ClusterLoad
-from kvtier.router.queue import PrefillQueue
+from kvtier.router.queue import PrefillQueue, ServiceLine
 from kvtier.router.scoring import Decision, make_policy, score
 
 HASHERS = 256  # (namespace, tenant) hashers kept
@@ -55,6 +55,7 @@ class Node:
     cache_url: str = ""  # the cache server's admin HTTP ("" none)
     max_model_len: int = 0  # 0: unknown (the engine's /v1/models tells)
     queue: PrefillQueue = field(default_factory=PrefillQueue)  # prefills without a first token
+    line: ServiceLine = field(default_factory=ServiceLine)  # the same, as it really went
     inflight_requests: int = 0
     down_until: float = 0.0
     failures: dict[str, int] = field(default_factory=dict)
@@ -186,6 +187,7 @@ class Router:
             node.inflight_requests += 1
             node.routed += 1
             routed.routed_to = node.routed
+            node.line.dispatched(routed.routed_to, now)
         self.chunks.note_routed(decision.node, routed.hashes)
 
     def first_token(self, routed: Routed, ttft_s: float) -> None:
@@ -195,6 +197,7 @@ class Router:
         with self._lock:
             node = self.nodes[decision.node]
             node.queue.first_token(now, routed.planned_at, decision.prefill_tokens)
+            served = node.line.first_token(routed.routed_to, now)
             alone = not decision.queue_tokens and node.routed == routed.routed_to
         self.cost.observe(
             Observation(
@@ -204,6 +207,7 @@ class Router:
                 decision.prefill_tokens,
                 decision.loaded,
                 alone,
+                served,
             )
         )
 
@@ -211,6 +215,7 @@ class Router:
         with self._lock:
             node = self.nodes[routed.decision.node]
             node.inflight_requests -= 1
+            node.line.left(routed.routed_to)
             if not prefilled:
                 node.queue.cancel(
                     self._clock(),

@@ -17,13 +17,22 @@ is done:
   token; its remaining share of the work goes.
 
 ``wait_s(now)`` is the queue a new request sees. ``tokens`` counts the
-prefill tokens in flight (the least-loaded policy's measure). Not
-thread-safe: the router's lock guards it.
+prefill tokens in flight (the least-loaded policy's measure).
+
+``ServiceLine`` is the same node's line as it really went, for the cost
+model: an engine turns to its requests in the order they came (vLLM's
+scheduler is first come, first served, and a prefill in progress gets the
+step's budget before a new one), so a request that is first in line when its
+first token comes was served from its dispatch or the previous first token
+there, whichever is later, to now. That time is its own service, measured,
+whatever queue it waited in: a node busy all the time still teaches its
+costs (``router/cost.py``). Not thread-safe: the router's lock guards both.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections import OrderedDict
+from dataclasses import dataclass, field
 
 
 @dataclass(slots=True)
@@ -56,4 +65,31 @@ class PrefillQueue:
         self.requests = max(self.requests - 1, 0)
 
 
-__all__ = ["PrefillQueue"]
+@dataclass(slots=True)
+class ServiceLine:
+    """See the module docstring. Requests are named by their node's routing
+    count (``Routed.routed_to``), which only grows."""
+
+    last_first_token: float = float("-inf")
+    _waiting: OrderedDict[int, float] = field(default_factory=OrderedDict)  # seq -> dispatched
+
+    def dispatched(self, seq: int, now: float) -> None:
+        self._waiting[seq] = now
+
+    def first_token(self, seq: int, now: float) -> float | None:
+        """Request ``seq``'s first token came ``now``: its service, measured
+        (None when another request was ahead of it in line, or it came in the
+        step of the previous first token, which then took its time too)."""
+        head = next(iter(self._waiting), None) == seq
+        dispatched = self._waiting.pop(seq, None)
+        last, self.last_first_token = self.last_first_token, now
+        if not head or dispatched is None or now <= last:
+            return None
+        return now - max(dispatched, last)
+
+    def left(self, seq: int) -> None:
+        """Request ``seq`` ended without a first token (or is done)."""
+        self._waiting.pop(seq, None)
+
+
+__all__ = ["PrefillQueue", "ServiceLine"]

@@ -13,12 +13,15 @@ Policies (a registry, ``POLICIES``):
   on the requests that will queue behind it (``router/load.py``)::
 
       ttft = queue + service,  cost = ttft + work_weight x service
-      service = (prompt - covered(j)) x rate(engine) + sum of load(chunk i < j)
+      service = prefill(engine, prompt - covered(j)) + sum of load(chunk i < j)
+                + the set-up of each tier it loads from
 
   minimised over how many kvtier chunks ``j`` to load (up to the prefix the
   node has): a chunk counts only where loading it from its tier beats
   recomputing it, ``covered(j)`` is the larger of the engine's own prefix and
-  ``j`` chunks, and the last prompt token is always computed. Engines whose
+  ``j`` chunks, and the last prompt token is always computed. ``prefill``
+  is the engine's learned cost, a fixed time per step and a time per token
+  (``router/cost.py``). Engines whose
   connector loads every chunk it finds (kvtier's today:
   ``CostConfig.engine_loads_whole_prefix``) are planned as they will act, with
   ``j`` the whole reachable prefix, so a node that would load from a tier
@@ -52,6 +55,7 @@ import itertools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+from kvtier.costfit import Estimator
 from kvtier.router.chunks import L1_SLOT, LOCAL_SLOTS
 from kvtier.router.cost import ENGINE, CostModel
 
@@ -65,6 +69,7 @@ class Tier:
     name: str
     kind: str  # "L1", "local" or "shared"
     cost: float  # seconds per token
+    setup: float = 0.0  # seconds a load from it costs whatever its size
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,7 +86,7 @@ class Decision:
 class _Path:
     """Nodes (``mask``) that found chunks 0..``length``-1 in the same tiers."""
 
-    __slots__ = ("cost_max", "length", "load_s", "mask", "parent", "tier", "weighted")
+    __slots__ = ("cost_max", "length", "load_s", "mask", "parent", "tier", "used", "weighted")
 
     def __init__(
         self,
@@ -91,12 +96,14 @@ class _Path:
         load_s: float,
         cost_max: float,
         weighted: float,
+        used: int = 0,
     ) -> None:
         self.mask = mask
         self.parent = parent
         self.tier = tier  # of the last chunk (-1 for the root)
         self.length: int = 0 if parent is None else parent.length + 1
-        self.load_s = load_s  # loading the whole path, whole chunks
+        self.load_s = load_s  # loading the whole path, whole chunks, set-ups included
+        self.used = used  # the tiers on it (bit t: tier t)
         self.cost_max = cost_max  # the dearest tier on it
         self.weighted = weighted  # tokens x fixed tier weights (longest_prefix)
 
@@ -186,7 +193,7 @@ def score(
         for slot in range(LOCAL_SLOTS)
     ]
     tiers += [Tier(name, "shared", 0.0) for name in store_names.values()]
-    tiers = [Tier(t.name, t.kind, cost.tier_cost(t.name)) for t in tiers]
+    tiers = [Tier(t.name, t.kind, cost.tier_cost(t.name), cost.tier_setup(t.name)) for t in tiers]
     order = sorted(range(len(tiers)), key=lambda t: tiers[t].cost)  # cheapest first
     stores = list(store_names)
     readers = [store_readers.get(store, 0) for store in stores]
@@ -199,6 +206,7 @@ def score(
     ended: list[_Path] = []
     paths = [_Path(live, None, -1, 0.0, 0.0, 0.0)]
     costs = [t.cost for t in tiers]
+    setups = [t.setup for t in tiers]
     local_order = [t for t in order if t < LOCAL_SLOTS]
     for i, mask in enumerate(masks):
         tokens = max(min((i + 1) * size, last) - i * size, 0)
@@ -221,14 +229,17 @@ def score(
                 if part:
                     rest ^= part
                     c = costs[t]
+                    bit = 1 << t
+                    setup = 0.0 if path.used & bit else setups[t]
                     grown.append(
                         _Path(
                             part,
                             path,
                             t,
-                            path.load_s + tokens * c,
+                            path.load_s + tokens * c + setup,
                             c if c > path.cost_max else path.cost_max,
                             path.weighted + tokens * weights[t],
+                            path.used | bit,
                         )
                     )
                     if not rest:
@@ -243,12 +254,13 @@ def score(
 
     # Every candidate's plan without kvtier chunks (its own engine hit only), then
     # the candidates on a path: only they can do better.
-    rates, default_rate = cost.rate_table()
+    engines, default_engine = cost.engine_table()
     loads_all = cost.config.engine_loads_whole_prefix
-    rate_of = [rates.get(node, default_rate) for node in nodes]
+    engine_fit = [engines.get(node, default_engine) for node in nodes]
     engine_of = [min(e, last) for e in engine_tokens]
     ttft = [
-        q + (prompt_tokens - e) * r for q, e, r in zip(queue_s, engine_of, rate_of, strict=True)
+        q + f.seconds(prompt_tokens - e)
+        for q, e, f in zip(queue_s, engine_of, engine_fit, strict=True)
     ]
     chunks = [0] * len(nodes)
     engine_weight = PREFIX_WEIGHTS["engine"]
@@ -265,15 +277,15 @@ def score(
             bits ^= low
             j = position[low.bit_length() - 1]
             node_paths[j] = done
-            rate, engine = rate_of[j], engine_of[j]
-            if engine == 0 and (done.cost_max < rate or loads_all):  # load them all
-                whole = queue_s[j] + (prompt_tokens - covered) * rate + done.load_s
+            fit, engine = engine_fit[j], engine_of[j]
+            if engine == 0 and (done.cost_max < fit.per_token_s or loads_all):  # load them all
+                whole = queue_s[j] + fit.seconds(prompt_tokens - covered) + done.load_s
                 if whole < ttft[j] or loads_all:
                     ttft[j], chunks[j] = whole, done.length
                 matched[j] = done.weighted
             else:
                 best, chunks[j], matched[j] = _exact(
-                    done, tiers, weights, rate, prompt_tokens, engine, size, last, loads_all
+                    done, tiers, weights, fit, prompt_tokens, engine, size, last, loads_all
                 )
                 ttft[j] = queue_s[j] + best
     return Candidates(
@@ -297,7 +309,7 @@ def _exact(
     path: _Path,
     tiers: list[Tier],
     weights: list[float],
-    rate: float,
+    fit: Estimator,
     base: int,
     engine: int,
     size: int,
@@ -307,15 +319,19 @@ def _exact(
     """The best number of chunks to load, chunk by chunk: with an engine hit
     of its own, or a tier dearer than recomputing on the path (``loads_all``:
     the whole path, as an engine that loads whatever it finds will)."""
-    best, best_j = (base - engine) * rate, 0
+    best, best_j = fit.seconds(base - engine), 0
     load = 0.0
+    used = 0
     weighted = engine * PREFIX_WEIGHTS["engine"]
     for i, tier in enumerate(path.tiers()):
         tokens = _beyond(i, size, last, engine)
+        if tokens and not used & (1 << tier):
+            load += tiers[tier].setup
+            used |= 1 << tier
         load += tokens * tiers[tier].cost
         weighted += tokens * weights[tier]
         covered = min(max(engine, (i + 1) * size), last)
-        value = (base - covered) * rate + load
+        value = fit.seconds(base - covered) + load
         if value < best or loads_all:
             best, best_j = value, i + 1
     return best, best_j, weighted

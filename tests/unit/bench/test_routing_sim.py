@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import numpy as np
 import pytest
 
 from kvtier.bench.simulate import ORACLE, SimConfig, SimCosts, simulate
@@ -177,3 +178,63 @@ def test_decodes_share_the_steps_and_hold_their_seat(max_running: int) -> None:
     first = 0.01 + 0.512
     r1 = 2 * (0.01 + 5e-3) + 0.01 + 0.512 if max_running == 1 else 0.01 + 5e-3 + 0.512
     assert simulate(trace, config, "kvtier").ttft_s == pytest.approx([first, first + r1 - 0.1])
+
+
+def spaced_trace(seed: int, count: int, gap_s: float) -> list[TraceRequest]:
+    """``count`` prompts of 16-4,000 tokens (most short), nothing shared, one
+    every ``gap_s`` seconds with jitter: many find their node idle."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for i in range(count):
+        tokens = int(rng.choice([rng.integers(16, 500), rng.integers(500, 4000)], p=[0.6, 0.4]))
+        start = 4000 * i  # prompts share no token
+        out.append(
+            request(
+                i, i * gap_s * float(rng.uniform(0.5, 1.5)), tuple(range(start, start + tokens))
+            )
+        )
+    return out
+
+
+STEPPED = SimCosts(
+    prefill_s_per_token=1e-4, l1_s_per_token=5e-6, shared_s_per_token=None, overhead_s=0.01
+)
+
+
+def test_a_node_twice_as_slow_is_learned_and_drawn_less() -> None:
+    config = SimConfig(
+        nodes=4,
+        l1_chunks=64,
+        engine_chunks=0,
+        costs=STEPPED,
+        chunk_size=16,
+        step_tokens=1024,
+        speeds=(1.0, 1.0, 1.0, 2.0),
+    )
+    result = simulate(spaced_trace(0, 800, 0.08), config, "kvtier")
+    learned = result.learned["engines"]
+    assert isinstance(learned, dict)
+    for node, (fixed, per_token) in enumerate(result.truth):
+        assert learned[str(node)]["per_token_s"] == pytest.approx(per_token, rel=0.1)
+        assert learned[str(node)]["fixed_s"] == pytest.approx(fixed, rel=0.1)
+    assert result.truth[3] == (0.02, 2e-4)
+    assert result.routed[3] < min(result.routed[:3])
+
+
+def test_identical_nodes_learn_the_truth_where_a_single_rate_drifts() -> None:
+    trace = spaced_trace(1, 600, 0.05)
+    config = SimConfig(
+        nodes=4, l1_chunks=64, engine_chunks=0, costs=STEPPED, chunk_size=16, step_tokens=1024
+    )
+    fit = simulate(trace, config, "kvtier")
+    assert fit.learned_error(min_samples=16)["per_token"] < 0.1  # type: ignore[operator]
+    assert fit.learned_error(min_samples=16)["fixed"] < 0.1  # type: ignore[operator]
+    single = simulate(trace, dataclasses.replace(config, estimator="single_rate"), "kvtier")
+    assert single.learned_error(min_samples=16)["per_token"] > 0.3  # type: ignore[operator]
+
+
+def test_unequal_settings_must_name_every_node() -> None:
+    with pytest.raises(ValueError, match="speeds must give all 4 nodes"):
+        SimConfig(nodes=4, l1_chunks=1, engine_chunks=0, costs=STEPPED, speeds=(1.0, 2.0))
+    with pytest.raises(ValueError, match="positive"):
+        SimConfig(nodes=2, l1_chunks=1, engine_chunks=0, costs=STEPPED, speeds=(1.0, 0.0))
