@@ -129,8 +129,10 @@ class DelegatingLink:
     def pin(self, hashes: Sequence[bytes], ttl_s: float) -> int:
         return self.inner.pin(hashes, ttl_s)
 
-    def report_usage(self, prefill_s_per_token: float, load_s: float, loaded_tokens: int) -> None:
-        self.inner.report_usage(prefill_s_per_token, load_s, loaded_tokens)
+    def report_usage(
+        self, prefill_s: float, computed_tokens: int, load_s: float, loaded_tokens: int
+    ) -> None:
+        self.inner.report_usage(prefill_s, computed_tokens, load_s, loaded_tokens)
 
     def close(self) -> None:
         self.inner.close()

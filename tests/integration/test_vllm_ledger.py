@@ -42,9 +42,9 @@ def test_a_prefix_vllm_holds_itself_is_not_credited_and_one_loaded_from_kvtier_i
 
     engine = engines.start("--kvtier", server.rpc)  # vLLM's prefix caching on
     try:
-        engine.generate([PROMPT])  # computed and stored; the step reports its prefill rate
-        row = wait_for(ledger, lambda r: r is not None and r["rate_reported"], REPORT_TIMEOUT_S)
-        assert row is not None and row["rate_reported"], row
+        engine.generate([PROMPT])  # computed and stored; the step reports its forward
+        row = wait_for(ledger, lambda r: r is not None and r["rate_samples"] > 0, REPORT_TIMEOUT_S)
+        assert row is not None and row["rate_samples"] > 0, row
         assert row["saved_s"] == 0.0, row  # a miss: nothing loaded
 
         (again,) = engine.generate([PROMPT])  # vLLM's own prefix cache holds it

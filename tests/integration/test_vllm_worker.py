@@ -114,14 +114,16 @@ def test_the_reported_forward_excludes_the_loads_whichever_side_of_it_they_run(
     worker: WorkerSide, monkeypatch: pytest.MonkeyPatch, asynchronous: bool
 ) -> None:
     """vLLM calls start_load_kv before the forward when the step has
-    synchronous loads and after it otherwise; the prefill rate reported to
-    the savings ledger is the forward's alone either way."""
+    synchronous loads and after it otherwise; the forward reported to the
+    savings ledger is the forward's time alone either way."""
     clock = Clock()
     monkeypatch.setattr("kvtier.engine.vllm.worker.time.perf_counter", clock)
-    rates: list[float] = []
+    forwards: list[tuple[float, int]] = []
     client = worker.clients.client("")
     assert client is not None
-    monkeypatch.setattr(client, "report_usage", lambda rate, *loaded: rates.append(rate))
+    monkeypatch.setattr(
+        client, "report_usage", lambda seconds, tokens, *loaded: forwards.append((seconds, tokens))
+    )
 
     def load(spec: LoadSpec) -> int:
         if not spec.asynchronous:  # a synchronous load of 5 s (on the load thread: beside it)
@@ -140,4 +142,4 @@ def test_the_reported_forward_excludes_the_loads_whichever_side_of_it_they_run(
         worker.start_load_kv(meta)
         clock.now += 2.0
     worker.wait_for_save(meta)
-    assert rates == [pytest.approx(2.0 / 1000)]
+    assert forwards == [(pytest.approx(2.0), 1000)]

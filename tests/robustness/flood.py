@@ -55,7 +55,7 @@ class NameFlood(Background):
         )
         reports = (
             p.QualityReport("blend", n % 3 != 0, 0.1 * (n % 7), off=n % 5 == 0),
-            p.UsageReport(1e-4, 0.001, 256),
+            p.UsageReport(0.0256, 256, 0.001, 256),
         )
         for message in (hello, *reports):
             w.send_raw(socket, [p.encode(message)])

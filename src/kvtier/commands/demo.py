@@ -8,6 +8,12 @@ server runs in a child process with an L1 of
 ``l1_size`` (small on purpose, so some chunks come back from disk) and an fs
 L2 in a temporary directory that is removed at the end.
 
+Each cached pass also shows what the server's savings ledger says it saved
+(the tokens loaded, priced at what one more computed token costs the
+engine, less the seconds spent loading them: its net, ``kvtier.tenancy.ledger``)
+beside what it measurably saved: the sum, over the requests that loaded
+something, of their no-cache TTFT less their TTFT in the pass.
+
 The trace (``rag_trace``): a shared system prompt, a pool of documents with
 Zipf popularity, and questions that each put one or two documents after the
 system prompt. Prompts are token ids: with random weights, text would mean
@@ -29,6 +35,7 @@ from rich.progress import Progress
 from rich.table import Table
 
 from kvtier.engine.hf import Generation, KVTierModel
+from kvtier.engine.link import ServerLink
 from kvtier.models import DEMO_MODEL, demo_model
 from kvtier.process import ServerProcess
 from kvtier.traces import RagSpec, rag_prompts
@@ -103,6 +110,8 @@ class PassResult:
     max_abs_logit_diff: float = 0.0
     speedup_p50: float = 1.0
     speedup_p95: float = 1.0
+    saved_s: float = 0.0  # measured: no-cache TTFT less this pass's, where it loaded
+    ledger_saved_s: float | None = None  # the server's savings ledger: its net for this pass
 
     def add(self, generation: Generation) -> None:
         p = generation.prefill
@@ -226,7 +235,26 @@ def run_demo(options: DemoOptions, console: Console | None = None) -> DemoResult
         )
         result.speedup_p50 = base.ttft_p50_s / result.ttft_p50_s
         result.speedup_p95 = base.ttft_p95_s / result.ttft_p95_s
+        result.saved_s = sum(
+            before - after
+            for before, after, g in zip(base.ttft_s, result.ttft_s, generations[name], strict=True)
+            if g.prefill.hit_tokens
+        )
     return results
+
+
+def _ledger_saved(engine: KVTierModel) -> float | None:
+    """The seconds the server's savings ledger says the cache saved so far,
+    net of the loads (None: it cannot say: no server, or no rate known yet).
+    The usage reports went before on the same connection, so they are in."""
+    client = engine.link.client if isinstance(engine.link, ServerLink) else None
+    status = None if client is None else client.status()
+    if status is None:
+        return None
+    saved = [e.net_seconds for e in status.ledger]
+    if any(s is None for s in saved):
+        return None
+    return float(sum(s for s in saved if s is not None))
 
 
 def _run_all(
@@ -245,10 +273,15 @@ def _run_all(
         def step(name: str) -> None:
             progress.advance(tasks[name])
 
+        before = 0.0
         for name, engine in engines.items():
             results.passes[name], generations[name] = run_pass(
                 engine, trace, options.new_tokens, name, step
             )
+            if engine is cached:  # this pass's share of the ledger
+                total = _ledger_saved(cached)
+                results.passes[name].ledger_saved_s = None if total is None else total - before
+                before = total if total is not None else before
     return generations
 
 
@@ -278,8 +311,14 @@ def format_report(results: DemoResults) -> Table:
         "KV loaded / stored": [
             f"{format_size(x.bytes_loaded)} / {format_size(x.bytes_stored)}" for x in r
         ],
+        "saved, measured": ["-"] + [f"{x.saved_s:.2f} s" for x in r[1:]],
+        "saved, per the ledger (net)": ["-"] + [_seconds(x.ledger_saved_s) for x in r[1:]],
         "outputs identical (max |Δlogit|)": identical,
     }
     for label, cells in rows.items():
         table.add_row(label, *cells)
     return table
+
+
+def _seconds(value: float | None) -> str:
+    return "unknown" if value is None else f"{value:.2f} s"

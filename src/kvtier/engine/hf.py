@@ -59,7 +59,6 @@ from kvtier.engine.tensors import cache_layers, dynamic_cache, object_tensor, re
 from kvtier.keys import SegmentHasher, TokenHasher
 from kvtier.layout import KVLayout
 from kvtier.protocol.client import Fill
-from kvtier.protocol.messages import prefill_rate
 from kvtier.storage import StorageManager
 
 ATTENTION_LAYERS = frozenset({"full_attention", "sliding_attention"})
@@ -192,9 +191,6 @@ class KVTierModel:
         self._lossy_codec = lossy_codec
         self._shift: RopeShift | None = None
         self._segment_store: SegmentStore | None = None
-        # The savings ledger prices what a report loaded at the rate it carries,
-        # so a prefill too short to measure one reports the latest measured.
-        self._prefill_rate = 0.0  # seconds per prompt token (0: not measured yet)
         self.link: CacheLink | None = None
         if server is not None:
             self.link = ServerLink(
@@ -401,8 +397,7 @@ class KVTierModel:
         error = self._shadow(link, ids, cache, last, layout) if sampled else None
         now = time.perf_counter()
         timings.shadow_s, timings.ttft_s = now - mark, now - started
-        self._prefill_rate = prefill_rate(timings.prefill_s, len(ids) - use) or self._prefill_rate
-        link.report_usage(self._prefill_rate, timings.load_s if use else 0.0, use)
+        link.report_usage(timings.prefill_s, len(ids) - use, timings.load_s if use else 0.0, use)
         tiers = hit.chunks_by_tier if hit is not None and loaded else {}
         return Prefill(
             logits,
@@ -475,7 +470,7 @@ class KVTierModel:
         t, stats = blended.timings, blended.stats
         loaded = sum(blended.tiers.values())
         if segments.link is not None:  # an upper bound: a blend recomputes a share of it
-            segments.link.report_usage(self._prefill_rate, t.load_s, loaded)
+            segments.link.report_usage(0.0, 0, t.load_s, loaded)  # its forward is no prefill
         object_bytes = segments.layout.object_bytes()
         return Prefill(
             blended.logits,

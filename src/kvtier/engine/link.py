@@ -75,9 +75,11 @@ class CacheLink(Protocol):
         """Keep these chunks in L1 for ``ttl_s`` (0: unpin); chunks pinned."""
         ...
 
-    def report_usage(self, prefill_s_per_token: float, load_s: float, loaded_tokens: int) -> None:
-        """The engine's measured prefill cost and load time, for the cache's
-        savings ledger."""
+    def report_usage(
+        self, prefill_s: float, computed_tokens: int, load_s: float, loaded_tokens: int
+    ) -> None:
+        """A forward the engine ran (its seconds and computed tokens; 0 tokens:
+        none) and the KV it loaded, for the cache's savings ledger."""
         ...
 
     def close(self) -> None: ...
@@ -155,8 +157,10 @@ class ServerLink:
         reply = self.client.pin(hashes, ttl_s)
         return reply.pinned if reply is not None else 0
 
-    def report_usage(self, prefill_s_per_token: float, load_s: float, loaded_tokens: int) -> None:
-        self.client.report_usage(prefill_s_per_token, load_s, loaded_tokens)
+    def report_usage(
+        self, prefill_s: float, computed_tokens: int, load_s: float, loaded_tokens: int
+    ) -> None:
+        self.client.report_usage(prefill_s, computed_tokens, load_s, loaded_tokens)
 
     def close(self) -> None:
         self.client.close()
@@ -223,7 +227,9 @@ class LocalLink:
         results = self.storage.pin(self._keys(hashes), ttl_s)
         return sum(r is L1Result.SUCCESS for r in results)
 
-    def report_usage(self, prefill_s_per_token: float, load_s: float, loaded_tokens: int) -> None:
+    def report_usage(
+        self, prefill_s: float, computed_tokens: int, load_s: float, loaded_tokens: int
+    ) -> None:
         return None  # no server, no ledger
 
     def close(self) -> None:

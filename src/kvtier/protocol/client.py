@@ -215,10 +215,12 @@ class CacheClient:
         else:
             self._connection.post(message)
 
-    def report_usage(self, prefill_s_per_token: float, load_s: float, loaded_tokens: int) -> None:
-        """Tell the server's savings ledger what prefill and loads cost here;
-        sent without waiting for the ack."""
-        self._connection.post(p.UsageReport(prefill_s_per_token, load_s, loaded_tokens))
+    def report_usage(
+        self, prefill_s: float, computed_tokens: int, load_s: float, loaded_tokens: int
+    ) -> None:
+        """Tell the server's savings ledger what prefill and loads cost here
+        (``UsageReport``); sent without waiting for the ack."""
+        self._connection.post(p.UsageReport(prefill_s, computed_tokens, load_s, loaded_tokens))
 
     def report_shadow(self, checked: int, mismatched: int, unavailable: int = 0) -> None:
         """Tell the server about shadow checks (``kvtier.engine.shadow``);

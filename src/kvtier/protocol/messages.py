@@ -22,7 +22,7 @@ import msgspec
 
 from kvtier.layout import KVLayout
 
-PROTOCOL_VERSION = 2  # 2: seq on every message
+PROTOCOL_VERSION = 3  # 2: seq on every message; 3: usage reports carry a prefill sample
 HASH_ALGORITHM = "blake3-chain-v1"
 
 
@@ -188,25 +188,17 @@ class Pin(Message, tag="pin"):
 
 
 class UsageReport(Message, tag="usage_report"):
-    """An engine's measurements for the savings ledger: its latest measured
-    prefill seconds per token (0: none yet), at which the ledger prices this
-    report's loads, and the seconds and tokens it spent loading KV into its
-    cache since its last report (not tokens its own prefix cache held)."""
+    """An engine's measurements for the savings ledger: one forward it ran
+    since its last report (``prefill_s`` seconds for ``computed_tokens``
+    tokens it computed; 0 tokens: none), from which the ledger learns what a
+    computed token costs there (``kvtier.costfit``), and the seconds and
+    tokens it spent loading KV into its cache since its last report (not
+    tokens its own prefix cache held)."""
 
-    prefill_s_per_token: float
+    prefill_s: float
+    computed_tokens: int
     load_s: float
     loaded_tokens: int
-
-
-MIN_RATE_TOKENS = 32  # a forward computing at least this many tokens samples the prefill rate
-
-
-def prefill_rate(seconds: float, computed_tokens: int) -> float:
-    """What an engine reports as its prefill seconds per token
-    (``UsageReport.prefill_s_per_token``) for a forward that computed
-    ``computed_tokens`` in ``seconds``: 0.0 (no sample) when too few tokens
-    ran for the time to mean a rate."""
-    return seconds / computed_tokens if computed_tokens >= MIN_RATE_TOKENS else 0.0
 
 
 class HandoffOffer(Message, tag="handoff_offer"):

@@ -317,6 +317,10 @@ class LedgerEntry(Section):
     load_seconds: CountS = 0.0
     saved_seconds: Reading | None = None  # None: no prefill rate known yet
     net_seconds: Reading | None = None
+    # what prices the loads: the per-token part of a fit over the engines' forwards
+    prefill_seconds_per_token: Reading | None = None
+    prefill_fixed_seconds: Reading | None = None  # each forward's own time (not a saving)
+    forwards: Count = 0  # the forwards the fit learned from
 
 
 class QualityEntry(Section):

@@ -61,7 +61,7 @@ ESTIMATORS = ("fit", "single_rate")
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class CostConfig:
-    prefill_s_per_token: float = 1e-3
+    prefill_s_per_token: float = 1e-3  # a computed token's time, before anything is measured
     prefill_fixed_s: float = 0.0  # an engine step's own time, before anything is measured
     step_tokens: int = 8192  # the engines' step budget (vLLM's max_num_batched_tokens)
     tier_s_per_token: dict[str, float] = field(default_factory=lambda: {"L1": 2e-5, "fs": 5e-5})

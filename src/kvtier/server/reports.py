@@ -85,16 +85,17 @@ class EngineReports:
         return p.Ack(), []
 
     def usage(self, client: Client, req: p.UsageReport, frames: Sequence[Buffer]) -> Outcome:
-        values = (req.prefill_s_per_token, req.load_s)
+        values = (req.prefill_s, req.load_s)
         if not all(math.isfinite(v) and 0 <= v <= MAX_REPORT_S for v in values):
             message = f"usage report seconds must be in [0, {MAX_REPORT_S}]"
             raise RequestError("bad_request", message)
-        if not 0 <= req.loaded_tokens <= MAX_SHADOW_REPORT:
+        if not all(0 <= n <= MAX_SHADOW_REPORT for n in (req.computed_tokens, req.loaded_tokens)):
             raise RequestError("bad_request", "usage report tokens out of range")
         self._ledger.reported(
             client.tenant,
             NamespaceLabel.of(client),
-            req.prefill_s_per_token,
+            req.prefill_s,
+            req.computed_tokens,
             req.load_s,
             req.loaded_tokens,
         )

@@ -168,6 +168,9 @@ def _ledger(core: StatusSources) -> list[s.LedgerEntry]:
             load_seconds=row["load_s"],
             saved_seconds=row["saved_s"],
             net_seconds=row["net_s"],
+            prefill_seconds_per_token=row["prefill_s_per_token"],
+            prefill_fixed_seconds=row["prefill_fixed_s"],
+            forwards=row["rate_samples"],
         )
         for row in core.ledger.report()["namespaces"]
     ]

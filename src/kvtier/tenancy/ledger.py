@@ -12,14 +12,19 @@ For each (tenant, namespace ``model@salt``):
   integration after each prefill or blend, the vLLM connector after each
   step that loads, blends or stores), tokens the engine would otherwise
   have computed (a blend recomputes a share of them: for it, an upper bound);
-- **prefill seconds saved**: each report's loaded tokens x the prefill time
-  per token that the same report carries (the reporting engine's latest
-  measurement). A report whose engine has not measured one yet is priced
-  at the namespace's rate (an exponentially weighted mean of its engines'
-  reports), else at ``default_prefill_s_per_token`` if set; failing both,
-  its tokens wait, unpriced, for the namespace's first rate. While any
-  wait and none is known, saved is unknown (``None``: the ledger does not
-  invent a rate);
+- **prefill seconds saved**: each report's loaded tokens x what one more
+  computed token costs the namespace's engines: the per-token part of a fit,
+  ``fixed + per_token x tokens`` (``kvtier.costfit``), over the forwards
+  its engines report (each report carries one: its seconds and computed
+  tokens). A forward's fixed part (an engine step's own time) is paid with
+  or without the cache, so it is not a saving: a rate taken as a forward's
+  time over its tokens, the ledger's before, priced a vLLM-CPU hit at
+  0.53 ms a token where a whole no-cache prefill cost 0.33 ms a token, and
+  reported savings 1.6 times too high. Until the namespace's engines have
+  reported a forward, loads are priced at ``default_prefill_s_per_token`` if
+  set; failing that, their tokens wait, unpriced, for the first one. While
+  any wait and none is known, saved is unknown (``None``: the ledger does
+  not invent a rate);
 - **load seconds spent**: what the engines report spending to load KV;
 - **net seconds**: saved minus spent — the time the cache bought.
 
@@ -41,10 +46,11 @@ import threading
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from kvtier.costfit import CostFit
 from kvtier.keys import NamespaceLabel
 from kvtier.tenancy.folding import OTHER, FoldingTable
 
-EWMA = 0.2
+PRIOR_S_PER_TOKEN = 1e-3  # the fit's start, replaced by the first forward reported
 
 
 @dataclass(slots=True)
@@ -54,8 +60,13 @@ class _Entry:
     loaded_tokens: int = 0
     saved_s: float = 0.0  # loaded tokens priced when they were reported
     unpriced_tokens: int = 0  # loaded before any rate was known
-    rate: float | None = None  # reported prefill seconds per token (EWMA)
+    fit: CostFit | None = None  # the engines' forwards (None: none reported yet)
     reports: int = 0
+
+    @property
+    def rate(self) -> float | None:
+        """Seconds one more computed token costs (None: no forward reported)."""
+        return None if self.fit is None else self.fit.per_token_s
 
 
 class SavingsLedger:
@@ -80,24 +91,23 @@ class SavingsLedger:
         self,
         tenant: str,
         namespace: NamespaceLabel,
-        prefill_s_per_token: float,
+        prefill_s: float,
+        computed_tokens: int,
         load_s: float,
         loaded_tokens: int,
     ) -> None:
-        """An engine's ``UsageReport``: its loaded tokens are credited as saved
-        at its own rate (see the module docstring for a report without one)."""
+        """An engine's ``UsageReport``: its forward teaches the namespace's
+        fit, then its loaded tokens are credited as saved at the fit's
+        per-token part (see the module docstring for a namespace without one)."""
         with self._lock:
             entry = self._entries.row(tenant, namespace)
             entry.load_s += load_s
             entry.loaded_tokens += loaded_tokens
-            if prefill_s_per_token > 0:
-                old = entry.rate
-                entry.rate = (
-                    prefill_s_per_token
-                    if old is None
-                    else (1 - EWMA) * old + EWMA * prefill_s_per_token
-                )
-            price = prefill_s_per_token or entry.rate or self.default_rate
+            if computed_tokens > 0 and prefill_s > 0:
+                if entry.fit is None:
+                    entry.fit = CostFit(0.0, PRIOR_S_PER_TOKEN)
+                entry.fit.add(computed_tokens, prefill_s)
+            price = entry.rate if entry.rate is not None else self.default_rate
             if price is None:
                 entry.unpriced_tokens += loaded_tokens
             else:
@@ -130,7 +140,8 @@ class SavingsLedger:
                     "served_tokens": dict(entry.served),
                     "loaded_tokens": entry.loaded_tokens,
                     "prefill_s_per_token": rate,
-                    "rate_reported": entry.rate is not None,
+                    "prefill_fixed_s": None if entry.fit is None else entry.fit.fixed_s,
+                    "rate_samples": 0 if entry.fit is None else entry.fit.samples,
                     "saved_s": saved,
                     "load_s": entry.load_s,
                     "net_s": None if saved is None else saved - entry.load_s,
@@ -157,7 +168,7 @@ def _saved(entry: _Entry, rate: float | None) -> float | None:
 
 
 def _fold(into: _Entry, entry: _Entry) -> None:
-    """Sum ``entry`` into an other row (its rate, when the other row has
+    """Sum ``entry`` into an other row (its fit, when the other row has
     none yet: a mean over namespaces would mean nothing either way)."""
     for tier, tokens in entry.served.items():
         into.served[tier] = into.served.get(tier, 0) + tokens
@@ -165,7 +176,7 @@ def _fold(into: _Entry, entry: _Entry) -> None:
     into.loaded_tokens += entry.loaded_tokens
     into.saved_s += entry.saved_s
     into.unpriced_tokens += entry.unpriced_tokens
-    into.rate = into.rate if into.rate is not None else entry.rate
+    into.fit = into.fit if into.fit is not None else entry.fit
     into.reports += entry.reports
 
 

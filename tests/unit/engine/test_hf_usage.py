@@ -1,8 +1,8 @@
 """What ``KVTierModel`` tells the savings ledger (``CacheLink.report_usage``):
-after each prefill, the tokens it loaded from kvtier and its prefill rate —
-the latest one measured when this prefill computed too few tokens to
-measure one, since the ledger prices a report's loads at the rate it
-carries; after a blend, the tokens its segments loaded."""
+after each prefill, its forward (seconds and computed tokens, however few:
+the ledger fits a fixed and a per-token part over them) and the tokens it
+loaded from kvtier; after a blend, the tokens its segments loaded, and no
+forward (a blend's is no prefill)."""
 
 from __future__ import annotations
 
@@ -19,15 +19,18 @@ CHUNK = 16
 
 
 class RecordingLink(DelegatingLink):
-    """Keeps every usage report: (prefill seconds per token, load seconds, loaded tokens)."""
+    """Keeps every usage report: (prefill seconds, computed tokens, load
+    seconds, loaded tokens)."""
 
     def __init__(self, inner: CacheLink | None) -> None:
         super().__init__(inner)
-        self.reports: list[tuple[float, float, int]] = []
+        self.reports: list[tuple[float, int, float, int]] = []
 
-    def report_usage(self, prefill_s_per_token: float, load_s: float, loaded_tokens: int) -> None:
-        self.reports.append((prefill_s_per_token, load_s, loaded_tokens))
-        super().report_usage(prefill_s_per_token, load_s, loaded_tokens)
+    def report_usage(
+        self, prefill_s: float, computed_tokens: int, load_s: float, loaded_tokens: int
+    ) -> None:
+        self.reports.append((prefill_s, computed_tokens, load_s, loaded_tokens))
+        super().report_usage(prefill_s, computed_tokens, load_s, loaded_tokens)
 
 
 @pytest.fixture(scope="module")
@@ -35,17 +38,19 @@ def llama() -> transformers.PreTrainedModel:
     return tiny_model("llama")
 
 
-def test_a_prefill_reports_what_it_loaded_at_the_latest_rate_measured(
+def test_a_prefill_reports_its_forward_and_what_it_loaded(
     llama: transformers.PreTrainedModel, storage: StorageManager
 ) -> None:
     engine = KVTierModel(llama, storage=storage, chunk_size=CHUNK)
     link = engine.link = RecordingLink(engine.link)
     ids = prompt(1, 50)  # three full chunks and 2 tokens
-    cold = engine.prefill(ids)  # 50 tokens computed: a rate measured, nothing loaded
-    warm = engine.prefill(ids)  # 48 loaded, 2 computed: too few to measure a rate
+    cold = engine.prefill(ids)  # 50 tokens computed, nothing loaded
+    warm = engine.prefill(ids)  # 48 loaded, 2 computed
     assert (cold.computed_tokens, warm.hit_tokens, warm.computed_tokens) == (50, 48, 2)
-    measured = cold.timings.prefill_s / 50
-    assert link.reports == [(measured, 0.0, 0), (measured, warm.timings.load_s, 48)]
+    assert link.reports == [
+        (cold.timings.prefill_s, 50, 0.0, 0),
+        (warm.timings.prefill_s, 2, warm.timings.load_s, 48),
+    ]
 
 
 def test_a_blend_reports_the_tokens_its_segments_loaded(
@@ -60,5 +65,5 @@ def test_a_blend_reports_the_tokens_its_segments_loaded(
     first = engine.prefill(ids, segments=spans, blend=config)  # computed alone, stored
     again = engine.prefill(ids, segments=spans, blend=config)  # found and loaded
     assert first.hit_tokens == 0 and again.hit_tokens > 0
-    assert [loaded for _, _, loaded in link.reports] == [0, again.hit_tokens]
-    assert link.reports[1][1] == again.timings.load_s
+    assert [loaded for *_, loaded in link.reports] == [0, again.hit_tokens]
+    assert link.reports[1] == (0.0, 0, again.timings.load_s, again.hit_tokens)

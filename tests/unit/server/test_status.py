@@ -43,7 +43,11 @@ def busy(server: CacheServer) -> None:
     assert isinstance(call(server, b"A", p.Pin(hs[:1], 60.0)), p.Pinned)
     call(server, b"A", p.ShadowReport(checked=2, mismatched=1))
     call(server, b"A", p.QualityReport("blend", agreed=True, kl=0.1))
-    call(server, b"A", p.UsageReport(prefill_s_per_token=1e-3, load_s=0.5, loaded_tokens=32))
+    call(
+        server,
+        b"A",
+        p.UsageReport(prefill_s=0.064, computed_tokens=64, load_s=0.5, loaded_tokens=32),
+    )
     refused = call(server, b"Z", p.Query("x"))  # no hello: refused
     assert isinstance(refused, p.Error) and refused.code == "no_hello"
     call(server, b"A", p.HandoffOffer("h", hs, 30.0, ""))

@@ -70,7 +70,6 @@ from kvtier.engine.vllm.pages import PagedKV
 from kvtier.engine.vllm.settings import ConnectorSettings
 from kvtier.engine.vllm.timing import StepTimer
 from kvtier.layout.repage import page_block
-from kvtier.protocol.messages import prefill_rate
 
 log = logging.getLogger(__name__)
 
@@ -98,9 +97,6 @@ class WorkerSide:
         self.blender = Blender(vllm_config, settings, self.clients.identity)
         self._step_began = time.perf_counter()  # when this step's metadata was bound
         self._load_s = 0.0  # what this step's start_load_kv took
-        # The savings ledger prices what a report loaded at the rate it carries,
-        # so a step too short to measure one reports the latest measured.
-        self._prefill_rate = 0.0  # seconds per computed token (0: not measured yet)
         # Shared with the load thread (under _lock):
         self._lock = threading.Lock()
         self._load_errors: set[int] = set()
@@ -260,13 +256,13 @@ class WorkerSide:
         return self._paged[chunk_size]
 
     def _report_usage(self, meta: KVTierMetadata, forward_s: float) -> None:
-        self._prefill_rate = prefill_rate(forward_s, meta.computed_tokens) or self._prefill_rate
         with self._lock:
             loaded, self._loaded = self._loaded, {}
         for salt in loaded.keys() | {spec.salt for spec in meta.stores}:
             client = self.clients.client(salt)
             if client is not None:
-                client.report_usage(self._prefill_rate, *loaded.get(salt, (0.0, 0)))
+                load_s, tokens = loaded.get(salt, (0.0, 0))
+                client.report_usage(forward_s, meta.computed_tokens, load_s, tokens)
 
     def _load(self, spec: LoadSpec) -> int:
         """Tokens copied into engine blocks (not the engine's own leading blocks)."""
