@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import os
 import tempfile
 import time
@@ -283,6 +284,52 @@ def targets(
     return missed
 
 
+def _median(runs: dict[str, list[dict[str, Any]]], variant: str, key: str) -> float:
+    return float(np.median([r[key] for r in runs[variant]]))
+
+
+def _cell_order(cell: str) -> tuple[str, int, float]:
+    """ "8 nodes, u 0.7, equal" sorts by pool, then nodes, then load."""
+    nodes, load, kind = cell.split(", ")
+    return kind, int(nodes.split()[0]), float(load.split()[1])
+
+
+def markdown(results: dict[str, Any]) -> str:
+    """One table per trace: kvtier's p50 / p95 and its speed-up over each
+    policy (the seeds' medians; intervals in the JSON), the share of prompt
+    tokens computed, and how far the learned terms ended from the truth."""
+    columns = ("least_loaded", "longest_prefix", "round_robin", "oracle")
+    out = []
+    for name, trace in results.items():
+        if not isinstance(trace, dict) or "reuse_ceiling" not in trace:
+            continue
+        out.append(f"#### {name} (reuse ceiling {trace['reuse_ceiling']})\n")
+        head = "| nodes, load, pool | kvtier p50 / p95 (s) |"
+        head += "".join(f" x {c.replace('_', '-')} p50 / p95 |" for c in columns)
+        out.append(head + " computed, kvtier / longest-prefix | learned off by |")
+        out.append("|---" * (len(columns) + 4) + "|")
+        cells = [(c, p) for c, p in trace.items() if isinstance(p, dict) and "kvtier_speedup" in p]
+        for cell, point in sorted(cells, key=lambda c: _cell_order(c[0])):
+            runs, ratios = point["runs"], point["kvtier_speedup"]
+            median = functools.partial(_median, runs)
+
+            row = f"| {cell.replace(' nodes, u ', ', ')} | "
+            row += f"{median('kvtier', 'ttft_p50_s'):.2f} / {median('kvtier', 'ttft_p95_s'):.2f} |"
+            for c in columns:
+                row += f" {ratios[f'p50 vs {c}'][0]:.2f} / {ratios[f'p95 vs {c}'][0]:.2f} |"
+            row += f" {median('kvtier', 'computed_share'):.2f} / "
+            row += f"{median('longest_prefix', 'computed_share'):.2f} |"
+            learned = point["learned_error"]
+            off = (
+                "n/a"
+                if learned["per_token"] is None
+                else (f"{learned['per_token']:.0%} / {learned['fixed']:.0%}")
+            )
+            out.append(row + f" {off} |")
+        out.append("")
+    return "\n".join(out)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--trace", type=Path, action="append", default=[])
@@ -303,6 +350,7 @@ def main() -> None:
     parser.add_argument("--ablations", action="store_true")
     parser.add_argument("--slo-s", type=float, default=2.0, help="TTFT SLO for goodput")
     parser.add_argument("--jobs", type=int, default=os.cpu_count() or 1)
+    parser.add_argument("--markdown", type=Path, default=None, help="write tables here too")
     args = parser.parse_args()
     kinds = [k for k in args.kinds.split(",") if k]
     if not set(kinds) <= {"equal", "unequal"}:
@@ -349,6 +397,8 @@ def main() -> None:
     results["missed"] = missed
     results["wall_s"] = round(time.perf_counter() - started, 1)
     report("routing policies on many traces, simulated", rows, results)
+    if args.markdown:
+        args.markdown.write_text(markdown(results))
 
 
 if __name__ == "__main__":
