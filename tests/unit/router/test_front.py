@@ -21,8 +21,14 @@ from tests.unit.router.standin import StandIn, tokenize
 OPERATOR = "operator-token"
 TENANTS = (
     {"name": "acme", "api_keys": ["key-acme"], "salt": "acme-salt"},
-    {"name": "beta", "api_keys": ["key-beta"], "requests_per_s": 1, "request_burst": 2},
-    {"name": "tiny", "api_keys": ["key-tiny"], "prompt_tokens_per_s": 10, "prompt_token_burst": 20},
+    # rates slow enough that nothing refills while a test runs on a busy machine
+    {"name": "beta", "api_keys": ["key-beta"], "requests_per_s": 0.01, "request_burst": 2},
+    {
+        "name": "tiny",
+        "api_keys": ["key-tiny"],
+        "prompt_tokens_per_s": 0.1,
+        "prompt_token_burst": 20,
+    },
 )
 
 
