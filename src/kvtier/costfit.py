@@ -99,9 +99,9 @@ class CostFit:
     def _fit(self) -> None:
         rows = [(float(self.steps(n)), float(n), s) for n, s in self._samples]
         fixed, per_token = self._solve(rows)
-        errors = sorted(abs(self._error(row, fixed, per_token)) for row in rows)
-        limit = max(OUTLIER * errors[len(errors) // 2], NOISE)
-        kept = [r for r in rows if abs(self._error(r, fixed, per_token)) <= limit]
+        errors = [abs(self._error(row, fixed, per_token)) for row in rows]
+        limit = max(OUTLIER * sorted(errors)[len(errors) // 2], NOISE)
+        kept = [row for row, error in zip(rows, errors, strict=True) if error <= limit]
         self.left_out = 0
         if 2 <= len(kept) < len(rows):
             fixed, per_token = self._solve(kept)
@@ -154,17 +154,16 @@ class CostFit:
 
 class SingleRate:
     """Seconds over tokens, per sample, in an exponentially weighted mean
-    (``ewma``), each sample clamped to [prior / 100, prior x 100]: no fixed
-    part (see the module docstring for what that costs)."""
+    (``ewma``), each sample clamped to [around / 100, around x 100] (``around``:
+    the starting rate unless given): no fixed part (see the module docstring
+    for what that costs)."""
 
     fixed_s = 0.0
-    left_out = 0
 
-    def __init__(self, per_token_s: float, ewma: float, step_tokens: int = 0) -> None:
-        self.prior = per_token_s
+    def __init__(self, per_token_s: float, ewma: float, around: float | None = None) -> None:
+        self.around = per_token_s if around is None else around
         self.per_token_s = per_token_s
         self.ewma = ewma
-        self.step_tokens = step_tokens
         self.samples = 0
 
     def steps(self, tokens: int) -> int:
@@ -176,7 +175,7 @@ class SingleRate:
     def add(self, tokens: int, seconds: float) -> None:
         if tokens <= 0 or seconds != seconds:  # no tokens, or NaN
             return
-        sample = min(max(seconds / tokens, self.prior / 100), self.prior * 100)
+        sample = min(max(seconds / tokens, self.around / 100), self.around * 100)
         self.per_token_s = (1 - self.ewma) * self.per_token_s + self.ewma * sample
         self.samples += 1
 
@@ -187,9 +186,7 @@ class SingleRate:
 class ScaledCost:
     """``base`` times ``factor``: both parts."""
 
-    left_out = 0
-
-    def __init__(self, base: CostFit | SingleRate, factor: float, samples: int) -> None:
+    def __init__(self, base: Learner, factor: float, samples: int) -> None:
         self.base = base
         self.factor = factor
         self.fixed_s = base.fixed_s * factor
@@ -202,9 +199,6 @@ class ScaledCost:
     def seconds(self, tokens: int) -> float:
         return self.base.seconds(tokens) * self.factor
 
-    def add(self, tokens: int, seconds: float) -> None:
-        raise TypeError("a scaled cost learns through its factor")
-
     def status(self) -> dict[str, float | int]:
         return {
             "fixed_s": self.fixed_s,
@@ -214,6 +208,7 @@ class ScaledCost:
         }
 
 
-Estimator = CostFit | SingleRate | ScaledCost
+Learner = CostFit | SingleRate  # what takes samples
+Estimator = Learner | ScaledCost  # what prices
 
-__all__ = ["CostFit", "Estimator", "ScaledCost", "SingleRate"]
+__all__ = ["CostFit", "Estimator", "Learner", "ScaledCost", "SingleRate"]

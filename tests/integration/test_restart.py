@@ -132,6 +132,31 @@ def test_a_call_lost_with_its_link_does_not_degrade_the_rejoined_client(
         client.close()
 
 
+def test_a_server_slow_to_come_back_is_joined_as_soon_as_it_listens(
+    kvtier_server: ServerFactory,
+) -> None:
+    """The server stays away past the HELLO's timeout, so the client degrades;
+    it then says HELLO the moment the server's link is made, not after its
+    back-off (a minute here: the old client joined only then)."""
+    server = kvtier_server.start()
+    config = w.client_config(server.rpc, request_timeout_s=1.0, retry_s=60.0, max_retry_s=60.0)
+    client = CacheClient(config)
+    try:
+        hashes = store_and_flush(client, seed=43, n=2)
+        kvtier_server.kill(server)
+        assert wait_for(lambda: client.degraded, bool) is True  # the HELLO after the drop timed out
+        assert client.lookup("down", hashes).miss_reason == "no_server"
+        restarted = kvtier_server.restart(server, kill=False)
+        assert wait_for(lambda: client.boot_id, lambda boot: boot == restarted.boot_id) == (
+            restarted.boot_id
+        )
+        state = client.lookup("back", hashes)
+        assert state.acked and client.query(state, timeout_s=10.0) == 2
+        client.release("back", 0, 2)
+    finally:
+        client.close()
+
+
 def test_an_idle_client_sees_a_killed_server_without_a_call(kvtier_server: ServerFactory) -> None:
     """The finding: a dead server was found only by the timeout of the next
     call (the socket reconnects silently). Heartbeat off, no call made: the

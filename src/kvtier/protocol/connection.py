@@ -20,7 +20,13 @@ busy Python loop does not delay it; the timeout is generous all the same: a
 false drop costs misses), and a monitor on the socket reports the dropped
 link, or a killed server's closed one, to the socket's holder, which says
 HELLO again: a server restarted is joined without waiting for a call, and a
-server that stays away degrades the client when that HELLO times out.
+server that stays away degrades the client when that HELLO times out. The
+monitor also reports each completed link: a degraded client whose server was
+not there (no link when its HELLO timed out) keeps a fresh socket connecting
+(ZeroMQ retries by itself, off the Python thread) and says HELLO the moment
+the link is made, so a server that takes long to come back is joined as soon
+as it listens, with no back-off to wait out; the back-off is for a server
+that is linked but does not answer (frozen, overloaded).
 
 Every timer the holder sleeps towards is one that can fire in its current
 state: the heartbeat counts only while registered, so an outage never
@@ -30,6 +36,7 @@ Registration, a small state machine::
 
     connecting --WELCOME--> registered --no answer in time / HELLO refused--> degraded
     degraded --after retry_s (doubling up to max_retry_s)--> connecting
+    degraded with no link --the link is made--> connecting
     registered --PONG with another boot id, or a no_hello reply--> connecting
     registered --the link dropped--> rejoining --WELCOME--> registered
     rejoining --no answer in time--> degraded
@@ -162,7 +169,8 @@ class Connection:
         self.region: SharedRegion | None = None  # the server's arena, when mapped here
         self._context: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
         self._socket: zmq.Socket[bytes] | None = None
-        self._monitor: zmq.Socket[bytes] | None = None  # the socket's dropped-link events
+        self._monitor: zmq.Socket[bytes] | None = None  # the socket's link events
+        self._linked = False  # the socket's link to the server is up (the monitor says)
         self._poller = zmq.Poller()  # the socket's holder's
         self._io = threading.Lock()  # held by whoever does the socket's I/O; never waited on
         self._submissions: queue.SimpleQueue[Call] = queue.SimpleQueue()
@@ -299,7 +307,8 @@ class Connection:
 
     def _next_timer(self) -> float:
         """The next heartbeat (only while registered: it is sent only then) or
-        reconnect (only while there is no socket); inf if neither can fire."""
+        reconnect (only while there is no socket: a socket waiting for its
+        link says HELLO when the link is made); inf if neither can fire."""
         beating = self._registered.is_set() and self.config.heartbeat_s > 0
         beat = self._next_beat if beating else math.inf
         return min(beat, self._next_try if self._socket is None else math.inf)
@@ -392,18 +401,24 @@ class Connection:
             self._finish(call, reply)
 
     def _link_events(self) -> None:
-        """Read the monitor's events; a dropped link means the server is away
+        """Read the monitor's events. A dropped link means the server is away
         (killed, restarted, frozen past the link's heartbeat, or cut off):
-        rejoin now rather than at the next call's timeout."""
+        rejoin now rather than at the next call's timeout. A link made while
+        no HELLO is out (a degraded client waiting for its server) is the
+        server back: say HELLO now."""
         assert self._monitor is not None
         dropped = False
         while self._monitor is not None and self._monitor.poll(0):
-            event = zmq_monitor.recv_monitor_message(self._monitor)
-            dropped |= event["event"] == zmq.EVENT_DISCONNECTED
+            event = zmq_monitor.recv_monitor_message(self._monitor)["event"]
+            dropped |= event == zmq.EVENT_DISCONNECTED
+            self._linked = event == zmq.EVENT_HANDSHAKE_SUCCEEDED
         if dropped and self._registered.is_set():
             log.warning("client: the link to %s dropped; registering again", self.config.address)
             self.stats.dropped_links += 1
             self._rejoin()
+        elif self._linked and self._hello is None:
+            log.info("client: %s is listening again; registering", self.config.address)
+            self._send_hello()
 
     def _finish(self, call: Call, reply: p.Reply | None) -> None:
         call.reply = reply
@@ -434,19 +449,24 @@ class Connection:
 
     # ------------------------------------------------------- registration
 
-    def _connect(self) -> None:
+    def _connect(self, hello: bool = True) -> None:
+        """A fresh socket; HELLO on it now, or (``hello`` False) once its
+        link is made."""
         self._disconnect()
         self._link += 1
         self._socket = self._context.socket(zmq.DEALER)
         self._socket.setsockopt(zmq.LINGER, 0)
         self._socket.setsockopt(zmq.HEARTBEAT_IVL, round(LINK_PING_S * 1000))
         self._socket.setsockopt(zmq.HEARTBEAT_TIMEOUT, round(LINK_TIMEOUT_S * 1000))
-        self._monitor = self._socket.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        self._monitor = self._socket.get_monitor_socket(
+            zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_SUCCEEDED
+        )
         self._socket.connect(self.config.address)
         self._poller.register(self._socket, zmq.POLLIN)
         self._poller.register(self._monitor, zmq.POLLIN)
         self.stats.reconnects += 1
-        self._send_hello()
+        if hello:
+            self._send_hello()
 
     def _send_hello(self) -> None:
         c = self.config
@@ -525,14 +545,20 @@ class Connection:
     def _degrade(self) -> None:
         """The server is away (or refused us): drop the socket (and any late
         reply with it), answer every call in flight with nothing (but those
-        still to be held: sent again once registered), and try again after
-        the back-off."""
+        still to be held: sent again once registered), and try again: when
+        a fresh socket's link is made if the server was not there (no link),
+        else after the back-off."""
         self.chunk_size = None
         self._registered.clear()
         self._rejoining = False
         self._tried.set()
+        away = not self._linked
         self._disconnect()
         self._fail_all(keep_held=True)
+        self._hello = None
+        if away:
+            self._connect(hello=False)
+            return
         self._next_try = time.monotonic() + self._retry_s
         self._retry_s = min(2 * self._retry_s, self.config.max_retry_s)
 
@@ -546,6 +572,7 @@ class Connection:
                 self._finish(call, None)
 
     def _disconnect(self) -> None:
+        self._linked = False
         if self._socket is not None:
             with contextlib.suppress(KeyError):
                 self._poller.unregister(self._socket)

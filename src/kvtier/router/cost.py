@@ -51,7 +51,7 @@ from collections import deque
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from kvtier.costfit import CostFit, Estimator, ScaledCost, SingleRate
+from kvtier.costfit import CostFit, Estimator, Learner, ScaledCost, SingleRate
 
 ENGINE = "engine"  # the engine's own prefix cache: free
 OWN_SAMPLES = 8  # a node's own fit prices it once it has this many samples
@@ -115,11 +115,11 @@ class CostModel:
     def __init__(self, config: CostConfig | None = None) -> None:
         self.config = config or CostConfig()
         self._lock = threading.RLock()  # load_s may make a tier's fit while held
-        self._fits: dict[int, Estimator] = {}  # each node's own fit
+        self._fits: dict[int, Learner] = {}  # each node's own fit
         self._ratios: dict[int, deque[float]] = {}  # each node's measured / configured service
         self._engines: dict[int, Estimator] = {}  # what prices each node now
-        self._default: CostFit | SingleRate = self._engine_estimator()
-        self._tiers: dict[str, Estimator] = {}
+        self._default: Learner = self._engine_estimator()
+        self._tiers: dict[str, Learner] = {}
         self.samples = 0
 
     def engine(self, node: int) -> Estimator:
@@ -133,7 +133,7 @@ class CostModel:
         """Every node's measured prefill cost, and the cost of the others."""
         return self._engines, self._default
 
-    def tier(self, tier: str) -> Estimator | None:
+    def tier(self, tier: str) -> Learner | None:
         """The tier's load cost (None: the engine's own cache, free)."""
         if tier == ENGINE:
             return None
@@ -191,7 +191,8 @@ class CostModel:
                 if tier != ENGINE and tokens >= self.config.dominant_fraction * total:
                     others = self.load_s({t: n for t, n in loaded.items() if t != tier})
                     prefill = engine.seconds(seen.prefill_tokens) if seen.prefill_tokens else 0.0
-                    fit = self._tiers.setdefault(tier, self._tier_estimator(tier))
+                    fit = self.tier(tier)
+                    assert fit is not None  # not ENGINE
                     fit.add(tokens, service - prefill - others)
 
     def _served(self, seen: Observation, old: bool) -> None:
@@ -212,10 +213,12 @@ class CostModel:
         assert seen.served_s is not None
         tokens = max(seen.prefill_tokens, 1)
         predicted = self._default.seconds(tokens) + self.load_s(seen.loaded)
-        ratios = self._ratios.setdefault(seen.node, deque(maxlen=self.config.window))
+        ratios = self._ratios.get(seen.node)
+        if ratios is None:
+            ratios = self._ratios[seen.node] = deque(maxlen=self.config.window)
         ratios.append(seen.served_s / predicted)
 
-    def _fit(self, node: int) -> Estimator:
+    def _fit(self, node: int) -> Learner:
         fit = self._fits.get(node)
         if fit is None:
             fit = self._fits[node] = self._engine_estimator()
@@ -262,19 +265,17 @@ class CostModel:
                 "engine_spread": round(max(full) / min(full), 3) if len(full) > 1 else None,
             }
 
-    def _engine_estimator(self) -> CostFit | SingleRate:
+    def _engine_estimator(self) -> Learner:
         c = self.config
         if c.estimator == "single_rate":
             return SingleRate(c.prefill_s_per_token, c.ewma)
         return CostFit(c.prefill_fixed_s, c.prefill_s_per_token, c.window, c.step_tokens)
 
-    def _tier_estimator(self, tier: str) -> Estimator:
+    def _tier_estimator(self, tier: str) -> Learner:
         c = self.config
         per_token = c.tier_s_per_token.get(tier, c.default_tier_s_per_token)
-        if c.estimator == "single_rate":
-            fit = SingleRate(per_token, c.ewma)
-            fit.prior = c.prefill_s_per_token  # the old clamp: around the engine's rate
-            return fit
+        if c.estimator == "single_rate":  # the old clamp: around the engine's rate
+            return SingleRate(per_token, c.ewma, around=c.prefill_s_per_token)
         return CostFit(0.0, per_token, c.window)
 
 

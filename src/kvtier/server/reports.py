@@ -85,12 +85,17 @@ class EngineReports:
         return p.Ack(), []
 
     def usage(self, client: Client, req: p.UsageReport, frames: Sequence[Buffer]) -> Outcome:
-        values = (req.prefill_s, req.load_s)
-        if not all(math.isfinite(v) and 0 <= v <= MAX_REPORT_S for v in values):
-            message = f"usage report seconds must be in [0, {MAX_REPORT_S}]"
-            raise RequestError("bad_request", message)
-        if not all(0 <= n <= MAX_SHADOW_REPORT for n in (req.computed_tokens, req.loaded_tokens)):
-            raise RequestError("bad_request", "usage report tokens out of range")
+        for name, seconds in (("prefill_s", req.prefill_s), ("load_s", req.load_s)):
+            if not (math.isfinite(seconds) and 0 <= seconds <= MAX_REPORT_S):
+                message = f"a usage report's {name} must be in [0, {MAX_REPORT_S}]"
+                raise RequestError("bad_request", message)
+        for name, tokens in (
+            ("computed_tokens", req.computed_tokens),
+            ("loaded_tokens", req.loaded_tokens),
+        ):
+            if not 0 <= tokens <= MAX_SHADOW_REPORT:
+                message = f"a usage report's {name} must be in [0, {MAX_SHADOW_REPORT}]"
+                raise RequestError("bad_request", message)
         self._ledger.reported(
             client.tenant,
             NamespaceLabel.of(client),

@@ -11,7 +11,13 @@ import random
 import pytest
 
 from kvtier.keys import NamespaceLabel
+from kvtier.protocol import messages as p
+from kvtier.server.core import CacheServer
+from kvtier.server.limits import ServerLimits
+from kvtier.storage import StorageManager
 from kvtier.tenancy.ledger import SavingsLedger
+from tests.conftest import FakeClock
+from tests.unit.server.test_core import call, hello
 
 NS = NamespaceLabel("llama", "acme")
 FIXED, PER_TOKEN = 0.5, 0.01  # a forward: half a second, then 10 ms a token
@@ -128,3 +134,43 @@ def test_namespaces_past_the_row_limit_are_summed_under_other() -> None:
     }
     assert ledger.measured_rate("acme", NamespaceLabel("m399", "acme")) == 0.5
     assert ledger.measured_rate("acme", NamespaceLabel("m0", "acme")) is None  # folded
+
+
+@pytest.fixture
+def server(storage: StorageManager, clock: FakeClock) -> CacheServer:
+    return CacheServer(storage, chunk_size=16, limits=ServerLimits(client_ttl_s=1000), clock=clock)
+
+
+@pytest.mark.parametrize(
+    ("report", "says"),
+    [
+        (p.UsageReport(float("nan"), 64, 0.0, 0), "prefill_s must be in [0, 1000000.0]"),
+        (p.UsageReport(float("inf"), 64, 0.0, 0), "prefill_s must be"),
+        (p.UsageReport(-1.0, 64, 0.0, 0), "prefill_s must be"),
+        (p.UsageReport(0.1, -1, 0.0, 0), "computed_tokens must be in [0, 4294967296]"),
+        (p.UsageReport(0.1, 1 << 40, 0.0, 0), "computed_tokens must be"),
+        (p.UsageReport(0.1, 64, 1e9, 0), "load_s must be"),
+        (p.UsageReport(0.1, 64, 0.0, -5), "loaded_tokens must be"),
+    ],
+)
+def test_a_usage_report_out_of_range_is_refused_naming_the_field(
+    server: CacheServer, report: p.UsageReport, says: str
+) -> None:
+    assert isinstance(hello(server, b"A"), p.Welcome)
+    reply = call(server, b"A", report)
+    assert isinstance(reply, p.Error) and reply.code == "bad_request"
+    assert says in reply.message
+    assert server.status().ledger == []  # nothing taught, nothing counted
+
+
+def test_one_client_reporting_forwards_without_end_keeps_a_window(server: CacheServer) -> None:
+    """A fit keeps the last 64 forwards whatever one client sends: 10,000
+    reports cost a bounded table, and the price follows the latest ones."""
+    assert isinstance(hello(server, b"A"), p.Welcome)
+    for n in range(10_000):
+        tokens = 100 + n % 900
+        assert call(server, b"A", p.UsageReport(0.01 + 1e-3 * tokens, tokens, 0.0, 0)) == p.Ack()
+    (entry,) = server.status().ledger
+    assert entry.forwards == 10_000
+    assert entry.prefill_seconds_per_token == pytest.approx(1e-3)
+    assert entry.prefill_fixed_seconds == pytest.approx(0.01)
