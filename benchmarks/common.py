@@ -8,6 +8,7 @@ import platform
 import statistics
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -59,3 +60,35 @@ def report(title: str, rows: list[tuple[str, str]], results: dict[str, Any]) -> 
     for name, value in rows:
         print(f"  {name:<{width}}  {value}")
     print("json:", json.dumps(results, sort_keys=True))
+
+
+CONVERSATION = (
+    Path(__file__).resolve().parents[2] / "shared" / "traces" / "conversation_trace.jsonl"
+)
+
+
+def trace_options(parser: argparse.ArgumentParser, shapes: str) -> None:
+    """``--trace FILE`` (repeatable; the conversation trace when none),
+    ``--shapes`` of ``kvtier.traces.shapes`` and their ``--seed`` (1)."""
+    parser.add_argument("--trace", type=Path, action="append", default=[])
+    parser.add_argument("--shapes", default=shapes)
+    parser.add_argument("--seed", type=int, default=1)
+
+
+def named_traces(
+    args: argparse.Namespace, out: Path, held_back: int | None = None
+) -> dict[str, Path]:
+    """The traces ``trace_options`` named, by name: the files, then each
+    shape generated into ``out`` (again under seed ``held_back``, if given)."""
+    from kvtier.traces.shapes import ShapeSpec, shape_trace, write_mooncake
+
+    paths = {path.stem: path for path in args.trace}
+    if not paths and CONVERSATION.exists():
+        paths["conversation"] = CONVERSATION
+    seeds = [args.seed] + ([held_back] if held_back is not None else [])
+    for seed in seeds:
+        for shape in [s for s in args.shapes.split(",") if s]:
+            name = shape if seed == args.seed else f"{shape} (held back)"
+            paths[name] = out / f"{shape}-{seed}.jsonl"
+            write_mooncake(paths[name], shape_trace(ShapeSpec(shape, seed=seed)))
+    return paths

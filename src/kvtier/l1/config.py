@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kvtier.l1.eviction import EVICTION_POLICIES
+from kvtier.l1.policies import EVICTION_POLICIES
 from kvtier.l1.region import DEFAULT_SHM_DIR
 
 GiB = 1 << 30

@@ -10,7 +10,7 @@ unlocked, not fenced by an I/O) and frees memory. Contract:
   sizes add up to at least ``need_bytes`` (or every evictable key if that is
   not enough). It forgets the keys it returns; the caller must evict them all.
 
-Registered policies (``make_policy(name)``):
+Policies (registered by name in ``kvtier.l1.policies``):
 
 ===========  ==============================================================
 ``lru``      least recently admitted or touched first. Exact order.
@@ -22,6 +22,9 @@ Registered policies (``make_policy(name)``):
              goes first: the least saved recompute per byte, aged by
              recency through ``L`` (objects untouched since ``L`` rose are
              behind everything admitted later). Ties: oldest first.
+``probation`` new objects on probation, kept on a hit or a second sighting;
+             how much room probation gets is chosen by miniature
+             simulations of the live traffic (``kvtier.l1.probation``).
 ===========  ==============================================================
 """
 
@@ -160,16 +163,4 @@ class GDSFPolicy(EvictionPolicy):
         heapq.heapify(self._heap)
 
 
-EVICTION_POLICIES: dict[str, type[EvictionPolicy]] = {
-    LRUPolicy.name: LRUPolicy,
-    GDSFPolicy.name: GDSFPolicy,
-}
-
-
-def make_policy(name: str) -> EvictionPolicy:
-    try:
-        return EVICTION_POLICIES[name]()
-    except KeyError:
-        raise ValueError(
-            f"unknown eviction policy {name!r}; choose one of {sorted(EVICTION_POLICIES)}"
-        ) from None
+__all__ = ["Evictable", "EvictionPolicy", "GDSFPolicy", "LRUPolicy"]

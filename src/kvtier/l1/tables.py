@@ -17,9 +17,9 @@ from kvtier.counters import Counters
 from kvtier.keys import ObjectKey
 from kvtier.l1.arena import Arena
 from kvtier.l1.config import L1Config
-from kvtier.l1.eviction import make_policy
 from kvtier.l1.leases import LeaseHeap
 from kvtier.l1.objects import L1Object, ObjectState, WriterTag
+from kvtier.l1.policies import make_policy
 from kvtier.l1.quotas import QuotaBook
 
 OWN_EVICTION_BATCH = 64  # a tenant's oldest objects looked at per step of its own eviction
@@ -56,7 +56,9 @@ class L1Tables:
             populate=self.config.populate,
             reaper=self.config.reaper,
         )
-        self._policy = make_policy(self.config.eviction_policy)
+        # what the policy orders when L1 is full: up to the high watermark
+        full = int(self._arena.capacity * self.config.high_watermark)
+        self._policy = make_policy(self.config.eviction_policy, full)
         self._resident: dict[ObjectKey, L1Object] = {}
         self._staging: dict[tuple[ObjectKey, WriterTag], L1Object] = {}
         self._zombies: set[L1Object] = set()  # expired while fenced, memory not yet freed

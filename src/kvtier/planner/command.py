@@ -195,9 +195,10 @@ def _add_trace_flags(group: Any) -> None:
     group.add_argument(
         "--policies",
         type=_numbers(str),
-        default=("gdsf",),
+        default=("gdsf", "probation"),
         metavar="P1,...",
-        help="kvtier eviction policies simulated beside the exact LRU curve (gdsf; '' none)",
+        help="kvtier eviction policies simulated beside the exact LRU curve and the offline "
+        "optimum (gdsf,probation; '' none)",
     )
     group.add_argument(
         "--targets",

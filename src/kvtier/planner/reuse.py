@@ -12,20 +12,17 @@ after ``p``. O(accesses * log accesses).
 
 Prefix-chained ids make LRU hits a prefix of each request: block *i* was
 touched right after block *i - 1* every time, so its depth is never smaller.
-Other eviction orders have no stack property; ``simulate_policy`` runs
-kvtier's own policies at chosen capacities.
+Other eviction orders have no stack property: ``kvtier.planner.policy_sim``
+runs kvtier's own policies, and the offline optimum, at chosen capacities.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import cast
 
 import numpy as np
 
-from kvtier.keys import ObjectKey
-from kvtier.l1.eviction import make_policy
 from kvtier.traces.mooncake import MooncakeRecord
 
 MINUTE_S = 60.0
@@ -38,6 +35,7 @@ class Access:
     block: int  # the trace's hash id
     tokens: int  # the block's tokens (the last one of a request may be partial)
     minute: int  # minutes since the trace's start
+    request: int = 0  # the request's place in the trace
 
 
 @dataclass(frozen=True, slots=True)
@@ -91,11 +89,12 @@ class ReuseCurve:
         )
 
 
-def accesses(records: Iterable[MooncakeRecord]) -> list[Access]:
-    """Every block touch of ``records``, in request order then prefix order."""
+def accesses(records: Iterable[MooncakeRecord], first: int = 0) -> list[Access]:
+    """Every block touch of ``records``, in request order then prefix order;
+    requests are numbered from ``first``."""
     return [
-        Access(block, tokens, int(record.timestamp_ms / 1000 // MINUTE_S))
-        for record in records
+        Access(block, tokens, int(record.timestamp_ms / 1000 // MINUTE_S), number)
+        for number, record in enumerate(records, first)
         for block, tokens in zip(record.hash_ids, record.block_lengths(), strict=True)
     ]
 
@@ -146,30 +145,4 @@ def reuse_curve(touches: list[Access], requests: int, duration_s: float) -> Reus
     )
 
 
-def simulate_policy(touches: list[Access], policy_name: str, capacity_blocks: int) -> int:
-    """Hit tokens of kvtier's eviction policy ``policy_name`` (``lru``,
-    ``gdsf``, ...) over ``touches`` with room for ``capacity_blocks`` blocks
-    (one slot each; GDSF's cost is the block's tokens; a block is admitted
-    on its miss)."""
-    policy = make_policy(policy_name)
-    resident: set[int] = set()
-    hit_tokens = 0
-    for touch in touches:
-        # A policy orders keys and never looks inside them: block ids stand
-        # in for ObjectKeys (building 200 k keys would double the run time).
-        key = cast(ObjectKey, touch.block)
-        if touch.block in resident:
-            hit_tokens += touch.tokens
-            policy.touch((key,))
-            continue
-        if capacity_blocks < 1:
-            continue
-        if len(resident) >= capacity_blocks:
-            for victim in policy.select(1, lambda _key: True):
-                resident.discard(cast(int, victim))
-        resident.add(touch.block)
-        policy.admit(key, 1, cost=float(touch.tokens))
-    return hit_tokens
-
-
-__all__ = ["Access", "ReuseCurve", "accesses", "reuse_curve", "simulate_policy"]
+__all__ = ["Access", "ReuseCurve", "accesses", "reuse_curve"]

@@ -2,7 +2,9 @@
 
 From a Mooncake-format trace: the reuse ceiling (an infinite cache), the
 exact LRU curve (``reuse.py``) at chosen capacities with kvtier's other
-eviction policies simulated beside it, the capacity that reaches each share
+eviction policies simulated beside it and the offline optimum (Belady with
+prefix semantics, ``policy_sim.py``), each policy's share of that optimum,
+the capacity that reaches each share
 of the ceiling, the split between an L1 and an L2 of given sizes with the L2
 read bandwidth it takes, and the prefill seconds saved at a prefill rate.
 
@@ -21,16 +23,10 @@ from typing import Any
 
 import numpy as np
 
-from kvtier.l1.eviction import EVICTION_POLICIES
+from kvtier.l1.policies import EVICTION_POLICIES
+from kvtier.planner.policy_sim import optimum_hit_tokens, simulate_policy
 from kvtier.planner.quantities import binary
-from kvtier.planner.reuse import (
-    MINUTE_S,
-    Access,
-    ReuseCurve,
-    accesses,
-    reuse_curve,
-    simulate_policy,
-)
+from kvtier.planner.reuse import MINUTE_S, Access, ReuseCurve, accesses, reuse_curve
 from kvtier.traces.lines import DEFAULT_MAX_LINE_BYTES, MAX_LINE_FLAG
 from kvtier.traces.mooncake import TRACE_BLOCK_TOKENS, SkippedLines, read_mooncake
 
@@ -44,7 +40,7 @@ class TraceQuestion:
     """What the operator asks of a trace (``kvtier plan --trace`` flags)."""
 
     capacities_tokens: tuple[int, ...] = ()  # empty: spread over the working set
-    policies: tuple[str, ...] = ("gdsf",)  # simulated beside the exact LRU curve
+    policies: tuple[str, ...] = ("gdsf", "probation")  # simulated beside the exact LRU curve
     targets: tuple[float, ...] = DEFAULT_TARGETS  # shares of the reuse ceiling
     l1_tokens: int | None = None
     l2_tokens: int | None = None
@@ -140,15 +136,22 @@ def _point(
 ) -> dict[str, Any]:
     blocks = _blocks(capacity)
     hit = curve.hit_tokens(blocks)
+    best = optimum_hit_tokens(touches, blocks)
     policies = {
         name: simulate_policy(touches, name, blocks) / curve.input_tokens for name in q.policies
     }
+    opt = best / curve.input_tokens
     return {
         "capacity_tokens": capacity,
         "capacity_bytes": _bytes(blocks * TRACE_BLOCK_TOKENS, q),
         "hit_ratio": hit / curve.input_tokens,
         "share_of_ceiling": hit / curve.ceiling_tokens if curve.ceiling_tokens else 0.0,
+        "opt_hit_ratio": opt,
         "policies": policies,
+        "share_of_opt": {  # LRU's and each policy's hit ratio over the optimum's
+            name: (ratio / opt if opt else 1.0)
+            for name, ratio in {"lru": hit / curve.input_tokens, **policies}.items()
+        },
         "prefill_s_saved": _saved_s(hit, q),
     }
 
@@ -198,7 +201,7 @@ def plan_trace(path: Path, question: TraceQuestion) -> TracePlan:
     )
     touches, requests, last_ms = [], 0, 0.0
     for record in records:  # streamed: only the block accesses are kept
-        touches.extend(accesses((record,)))
+        touches.extend(accesses((record,), requests))
         requests += 1
         last_ms = record.timestamp_ms
     if not touches:
@@ -244,17 +247,22 @@ def format_trace_plan(plan: TracePlan) -> str:
         f"Reuse ceiling (infinite cache): {plan.reuse_ceiling:.1%} of input tokens",
         "",
         "Hit ratio (tokens) against capacity; LRU exact, "
-        + (", ".join(q.policies) + " simulated" if q.policies else "no other policy"),
+        + (", ".join(q.policies) + " simulated" if q.policies else "no other policy")
+        + "; the offline optimum (Belady, prefix hits), and each one's share of it",
     ]
-    header = f"  {'capacity':>28}  {'LRU':>7}  {'of ceiling':>10}"
-    header += "".join(f"  {name:>7}" for name in q.policies)
+    header = f"  {'capacity':>28}  {'LRU':>7}  {'of ceiling':>10}  {'optimum':>7}"
+    header += "".join(f"  {name:>9}" for name in q.policies)
+    header += f"  {'of optimum: LRU':>15}" + "".join(f"  {name:>9}" for name in q.policies)
     if q.prefill_tokens_per_s is not None:
         header += f"  {'prefill saved':>14}"
     lines.append(header)
     for point in plan.points:
         row = f"  {_size(point['capacity_tokens'], point['capacity_bytes']):>28}"
         row += f"  {point['hit_ratio']:>7.1%}  {point['share_of_ceiling']:>10.1%}"
-        row += "".join(f"  {point['policies'][name]:>7.1%}" for name in q.policies)
+        row += f"  {point['opt_hit_ratio']:>7.1%}"
+        row += "".join(f"  {point['policies'][name]:>9.1%}" for name in q.policies)
+        shares = point["share_of_opt"]
+        row += f"  {shares['lru']:>15.0%}" + "".join(f"  {shares[n]:>9.0%}" for n in q.policies)
         if point["prefill_s_saved"] is not None:
             row += f"  {point['prefill_s_saved']:>12.0f} s"
         lines.append(row)
@@ -299,6 +307,8 @@ def plot_trace_plan(plan: TracePlan, path: Path) -> None:
     for name in plan.question.policies:
         xs = [p["capacity_tokens"] for p in plan.points]
         axes.plot(xs, [p["policies"][name] for p in plan.points], "o", label=f"{name} (simulated)")
+    xs = [p["capacity_tokens"] for p in plan.points]
+    axes.plot(xs, [p["opt_hit_ratio"] for p in plan.points], "k^--", label="optimum (offline)")
     axes.axhline(plan.reuse_ceiling, linestyle="--", color="grey", label="ceiling")
     axes.set_xscale("log")
     axes.set_xlabel("cache capacity (tokens)")

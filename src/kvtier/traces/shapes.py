@@ -12,7 +12,11 @@ Each shape stresses one property of real traffic (``SHAPES``):
 - ``agent``: agent-like sessions: many short turns (a tool result, a step)
   on one long prefix (a tool catalogue and instructions, 8-24 K tokens, one
   of a few);
-- ``mixed``: sessions of every shape above in one trace.
+- ``mixed``: sessions of every shape above in one trace;
+- ``oneoff``: mostly one-off prompts (single-turn questions on their own
+  2-16 K-token contexts, half behind a system prompt), with one session in
+  five going on for a few turns: a scan of blocks never read again, with
+  some reuse a cache must not lose to it.
 
 A session arrives at a Poisson rate over ``duration_s``; each turn comes an
 exponential think time after the previous one (the shape's mean) and
@@ -35,12 +39,20 @@ from pathlib import Path
 
 from kvtier.traces.mooncake import TRACE_BLOCK_TOKENS
 
-SHAPES = ("short", "unshared", "long", "agent", "mixed")
+MIXED_OF = ("short", "unshared", "long", "agent")  # what a mixed trace's sessions are
+SHAPES = (*MIXED_OF, "mixed", "oneoff")
 Record = dict[str, object]  # one Mooncake line: timestamp, input_length, output_length, hash_ids
 
 
 # sessions by default: about 3-6 K requests a trace
-SESSIONS = {"short": 1500, "unshared": 800, "long": 1500, "agent": 250, "mixed": 700}
+SESSIONS = {
+    "short": 1500,
+    "unshared": 800,
+    "long": 1500,
+    "agent": 250,
+    "mixed": 700,
+    "oneoff": 2500,
+}
 
 
 @dataclass(frozen=True, slots=True)
@@ -104,7 +116,13 @@ class _Pools:
 
 def _session(shape: str, rng: random.Random, pools: _Pools) -> _Session:
     if shape == "mixed":
-        shape = rng.choice(SHAPES[:-1])
+        shape = rng.choice(MIXED_OF)
+    if shape == "oneoff":
+        prefix = _zipf(rng, pools.systems) if rng.random() < 0.5 else ()
+        turns = 1 if rng.random() < 0.8 else rng.randint(2, 5)
+        return _Session(
+            prefix, _lognormal(rng, 5000, 0.7, low=2000), turns, (200, 0.8), (250, 0.7), 30.0
+        )
     if shape == "short":
         prefix = _zipf(rng, pools.systems) if rng.random() < 0.7 else ()
         return _Session(

@@ -9,7 +9,8 @@ import pytest
 
 from kvtier.keys import ObjectKey
 from kvtier.l1 import L1Config, L1Manager, WriterTag
-from kvtier.l1.eviction import EVICTION_POLICIES, LRUPolicy
+from kvtier.l1.eviction import LRUPolicy
+from kvtier.l1.policies import EVICTION_POLICIES
 from kvtier.l1.quotas import OwnerLimit
 from tests.conftest import LK, NF, NW, OOM, WS, FakeClock, S, make_key
 from tests.ledger import assert_clean

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -52,14 +53,16 @@ def scenarios(draw: st.DrawFn) -> tuple[int, list[int], list[Store]]:
     return pages, quotas, stores
 
 
+@pytest.mark.parametrize("policy", ["lru", "probation"])
 @settings(max_examples=300, deadline=None)
 @given(scenarios())
 def test_a_tenant_within_its_quota_never_loses_an_object_to_another_tenants_store(
-    scenario: tuple[int, list[int], list[Store]],
+    policy: str, scenario: tuple[int, list[int], list[Store]]
 ) -> None:
     pages, quotas, stores = scenario
     size = pages * PAGE
-    l1 = L1Manager(L1Config(size_bytes=CAPACITY_PAGES * PAGE, populate=False))
+    config = L1Config(size_bytes=CAPACITY_PAGES * PAGE, populate=False, eviction_policy=policy)
+    l1 = L1Manager(config)
     try:
         l1.set_owners(
             lambda salt: salt,

@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 
 from kvtier.commands.cli import main
-from kvtier.planner.reuse import Access, accesses, reuse_curve, simulate_policy
+from kvtier.planner.policy_sim import optimum_hit_tokens, requests, simulate_policy
+from kvtier.planner.reuse import Access, accesses, reuse_curve
 from kvtier.planner.trace_plan import TraceQuestion, plan_trace
 from kvtier.traces import read_mooncake
 from tests.unit.traces.conversations import conversation_rows, write_rows
@@ -38,6 +39,30 @@ def brute_force_lru(touches: list[Access], capacity: int) -> tuple[int, bool]:
     return hit_tokens, prefixes
 
 
+def brute_force_served_lru(touches: list[Access], capacity: int) -> int:
+    """Hit tokens of LRU as ``kvtier serve``'s L1 runs it: a request's leading
+    resident blocks hit and are touched head last; its missing blocks are
+    written as one batch (room first, oldest out; a batch larger than the
+    cache is refused), admitted head last."""
+    cache: OrderedDict[int, None] = OrderedDict()
+    hit_tokens = 0
+    for request in requests(touches):
+        hits = 0
+        while hits < len(request) and request[hits].block in cache:
+            hits += 1
+        hit_tokens += sum(a.tokens for a in request[:hits])
+        for access in reversed(request[:hits]):
+            cache.move_to_end(access.block)
+        batch = [a.block for a in request[hits:] if a.block not in cache]
+        if len(batch) > capacity:
+            continue
+        while len(cache) + len(batch) > capacity:
+            cache.popitem(last=False)
+        for block in reversed(batch):
+            cache[block] = None
+    return hit_tokens
+
+
 @pytest.fixture(scope="module")
 def trace(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return write_rows(tmp_path_factory.mktemp("trace") / "t.jsonl", conversation_rows(1500, seed=2))
@@ -58,7 +83,9 @@ def test_the_curve_is_exact_lru_at_every_sampled_capacity(touches: list[Access])
         hits, prefixes = brute_force_lru(touches, capacity)
         assert curve.hit_tokens(capacity) == hits, f"capacity {capacity}"
         assert prefixes, "LRU hits of prefix-chained requests are prefixes"
-        assert simulate_policy(touches, "lru", capacity) == hits
+        assert simulate_policy(touches, "lru", capacity) == brute_force_served_lru(
+            touches, capacity
+        )
     assert curve.ceiling_tokens == brute_force_lru(touches, distinct)[0] > 0
     assert 0 < curve.hit_ratio(100) < curve.ceiling_tokens / curve.input_tokens
 
@@ -137,7 +164,9 @@ def test_plan_trace_command_writes_the_curve(trace: Path, tmp_path: Path) -> Non
         hits, _ = brute_force_lru(touches, point["capacity_tokens"] // 512)
         assert point["hit_ratio"] == hits / total
         assert point["capacity_bytes"] == point["capacity_tokens"] * 2 * 2 * 2 * 64 * 4
-        assert set(point["policies"]) == {"gdsf"}
+        assert set(point["policies"]) == {"gdsf", "probation"}
+        assert point["opt_hit_ratio"] >= max(point["hit_ratio"], *point["policies"].values())
+        assert set(point["share_of_opt"]) == {"lru", "gdsf", "probation"}
     distinct = len({t.block for t in touches})
     assert report["reuse_ceiling"] == brute_force_lru(touches, distinct)[0] / total
     assert plot.stat().st_size > 0
@@ -155,3 +184,46 @@ def test_plan_trace_refuses_bad_input_by_name(
     assert "--l2-tokens needs --l1-tokens" in capsys.readouterr().err
     assert main(["plan", "--trace", str(bad), "--skip-bad-lines"]) == 2
     assert "no requests" in capsys.readouterr().err
+
+
+def _one_block_requests(*blocks: int) -> list[Access]:
+    return [Access(block, 512, 0, number) for number, block in enumerate(blocks)]
+
+
+def test_the_optimum_keeps_the_block_used_soonest() -> None:
+    # a b a b a, one slot: keep a (used again first), never b: two hits of a
+    touches = _one_block_requests(1, 2, 1, 2, 1)
+    assert optimum_hit_tokens(touches, 1) == 2 * 512
+    # a b b a, one slot: b's next use (request 2) is sooner than a's (3): b replaces a
+    assert optimum_hit_tokens(_one_block_requests(1, 2, 2, 1), 1) == 512
+    # never used again: not admitted, and it leaves the cache
+    assert optimum_hit_tokens(_one_block_requests(1, 2, 3, 1), 1) == 512
+    assert optimum_hit_tokens(_one_block_requests(1, 1, 1), 0) == 0
+
+
+def test_the_optimum_counts_prefix_hits_only() -> None:
+    # [a b] twice with one slot: a is kept (a tie with b is not a reason to swap),
+    # b cannot be; the second request hits a only
+    touches = [
+        Access(1, 512, 0, 0),
+        Access(2, 512, 0, 0),
+        Access(1, 512, 0, 1),
+        Access(2, 512, 0, 1),
+    ]
+    assert optimum_hit_tokens(touches, 1) == 512
+    assert optimum_hit_tokens(touches, 2) == 1024
+    # [b], then [a b] with room for one: b is resident but a is not: no hit at all
+    touches = [
+        Access(2, 512, 0, 0),
+        Access(1, 512, 0, 1),
+        Access(2, 512, 0, 1),
+        Access(2, 512, 0, 2),
+    ]
+    assert optimum_hit_tokens(touches, 1) == 512  # only the last request's b
+
+
+def test_no_policy_beats_the_optimum_and_it_beats_lru(touches: list[Access]) -> None:
+    for capacity in (3, 30, 300):
+        best = optimum_hit_tokens(touches, capacity)
+        for policy in ("lru", "gdsf", "probation"):
+            assert simulate_policy(touches, policy, capacity) <= best, (policy, capacity)
