@@ -86,6 +86,9 @@ def _mixed(value: int) -> int:
     return value ^ (value >> 31)
 
 
+_Entry = tuple[int, int, int]  # an object's size, recency stamp and fingerprint
+
+
 class _Ghost:
     """Fingerprints of keys evicted from probation lately, as two Bloom
     filters: the one filling and the one before it. A filter takes
@@ -139,8 +142,8 @@ class ProbationCache:
     def __init__(self, share: float, ghost: float) -> None:
         self.share = share
         self.ghost = ghost
-        self._probation: OrderedDict[ObjectKey, tuple[int, int]] = OrderedDict()  # (size, stamp)
-        self._protected: OrderedDict[ObjectKey, tuple[int, int]] = OrderedDict()
+        self._probation: OrderedDict[ObjectKey, _Entry] = OrderedDict()
+        self._protected: OrderedDict[ObjectKey, _Entry] = OrderedDict()
         self._probation_bytes = 0
         self._protected_bytes = 0
         self._ghost = _Ghost()
@@ -156,18 +159,19 @@ class ProbationCache:
     def __len__(self) -> int:
         return len(self._probation) + len(self._protected)
 
-    def admit(self, key: ObjectKey, size: int) -> None:
+    def admit(self, key: ObjectKey, size: int, fp: int) -> None:
+        """``key`` (of fingerprint ``fp``) becomes resident."""
         self.remove(key)
-        if self._ghost.take(fingerprint(key)):
-            self._protected[key] = (size, next(self._stamp))
+        if self._ghost.take(fp):
+            self._protected[key] = (size, next(self._stamp), fp)
             self._protected_bytes += size
         else:
-            self._probation[key] = (size, next(self._stamp))
+            self._probation[key] = (size, next(self._stamp), fp)
             self._probation_bytes += size
 
-    def touch(self, key: ObjectKey) -> int:
+    def touch(self, key: ObjectKey) -> _Entry | None:
         """A hit: ``key`` becomes the most recent protected object; its
-        size, or 0 if it is not here."""
+        entry, or None if it is not here."""
         entry = self._probation.pop(key, None)
         if entry is not None:
             self._probation_bytes -= entry[0]
@@ -175,10 +179,11 @@ class ProbationCache:
         else:
             entry = self._protected.get(key)
             if entry is None:
-                return 0
-        self._protected[key] = (entry[0], next(self._stamp))
+                return None
+        entry = (entry[0], next(self._stamp), entry[2])
+        self._protected[key] = entry
         self._protected.move_to_end(key)
-        return entry[0]
+        return entry
 
     def remove(self, key: ObjectKey) -> None:
         entry = self._probation.pop(key, None)
@@ -197,11 +202,11 @@ class ProbationCache:
             or self._probation_bytes > self.share * self.bytes
             or next(iter(probation.values()))[1] < next(iter(protected.values()))[1]
         ):
-            key, (size, _) = probation.popitem(last=False)
+            _, (size, _, fp) = probation.popitem(last=False)
             self._probation_bytes -= size
-            self._ghost.add(fingerprint(key), round(self.ghost * max(len(self), 1)))
+            self._ghost.add(fp, round(self.ghost * max(len(self), 1)))
         else:
-            _, (size, _) = protected.popitem(last=False)
+            _, (size, _, _) = protected.popitem(last=False)
             self._protected_bytes -= size
 
     def victims(self, need_bytes: int, evictable: Evictable) -> list[ObjectKey]:
@@ -211,7 +216,7 @@ class ProbationCache:
         probation = _Heads(self._probation, evictable)
         protected = _Heads(self._protected, evictable)
         on_probation, total = self._probation_bytes, self.bytes
-        chosen: list[tuple[ObjectKey, bool]] = []
+        chosen: list[tuple[ObjectKey, int | None]] = []  # (key, fingerprint if on probation)
         freed = 0
         while freed < need_bytes:
             first, second = probation.head, protected.head
@@ -221,29 +226,29 @@ class ProbationCache:
             take_probation = second is None or (
                 first is not None and (over or first[1][1] < second[1][1])
             )
-            key, (size, _) = probation.pop() if take_probation else protected.pop()
-            chosen.append((key, take_probation))
+            key, (size, _, fp) = probation.pop() if take_probation else protected.pop()
+            chosen.append((key, fp if take_probation else None))
             freed += size
             total -= size
             on_probation -= size if take_probation else 0
         limit = round(self.ghost * max(len(self) - len(chosen), 1))
-        for key, was_on_probation in chosen:
+        for key, fp_on_probation in chosen:
             self.remove(key)
-            if was_on_probation:
-                self._ghost.add(fingerprint(key), limit)
+            if fp_on_probation is not None:
+                self._ghost.add(fp_on_probation, limit)
         return [key for key, _ in chosen]
 
 
 class _Heads:
     """A segment's evictable entries, oldest first, one looked at ahead."""
 
-    def __init__(self, segment: OrderedDict[ObjectKey, tuple[int, int]], evictable: Evictable):
-        self._entries: Iterator[tuple[ObjectKey, tuple[int, int]]] = (
+    def __init__(self, segment: OrderedDict[ObjectKey, _Entry], evictable: Evictable):
+        self._entries: Iterator[tuple[ObjectKey, _Entry]] = (
             item for item in segment.items() if evictable(item[0])
         )
         self.head = next(self._entries, None)
 
-    def pop(self) -> tuple[ObjectKey, tuple[int, int]]:
+    def pop(self) -> tuple[ObjectKey, _Entry]:
         assert self.head is not None
         head, self.head = self.head, next(self._entries, None)
         return head
@@ -272,14 +277,15 @@ class ProbationPolicy(EvictionPolicy):
     def admit(self, key: ObjectKey, size: int, cost: float | None = None) -> None:
         if not self._rate:
             self._set_up(size)
-        self._sample(key, size)
-        self._cache.admit(key, size)
+        fp = fingerprint(key)
+        self._sample(fp, size)
+        self._cache.admit(key, size, fp)
 
     def touch(self, keys: Iterable[ObjectKey]) -> None:
         for key in keys:
-            size = self._cache.touch(key)
-            if size:
-                self._sample(key, size)
+            entry = self._cache.touch(key)
+            if entry is not None:
+                self._sample(entry[2], entry[0])
 
     def remove(self, key: ObjectKey) -> None:
         self._cache.remove(key)
@@ -296,10 +302,10 @@ class ProbationPolicy(EvictionPolicy):
         self._mini_bytes = max(size, capacity // self._rate)
         self._miniatures = [ProbationCache(share, ghost) for share, ghost in CANDIDATES]
 
-    def _sample(self, key: ObjectKey, size: int) -> None:
-        """A key the miniatures see (1 in ``rate``): a hit in each that holds
-        it, an admission (and evictions to its size) in each that does not."""
-        fp = fingerprint(key)
+    def _sample(self, fp: int, size: int) -> None:
+        """A key the miniatures see (1 in ``rate``, by fingerprint): a hit in
+        each that holds it, an admission (and evictions to its size) in each
+        that does not."""
         if _mixed(fp) % self._rate:
             return
         self._weight /= DECAY
@@ -308,10 +314,10 @@ class ProbationPolicy(EvictionPolicy):
             self._weight = 1.0
         stand_in = cast(ObjectKey, fp)  # a miniature keys by fingerprint (its own, an int)
         for index, mini in enumerate(self._miniatures):
-            if mini.touch(stand_in):
+            if mini.touch(stand_in) is not None:
                 self._scores[index] += self._weight
                 continue
-            mini.admit(stand_in, size)
+            mini.admit(stand_in, size, fp)
             while mini.bytes > self._mini_bytes:
                 mini.evict_one()
         self._samples += 1

@@ -37,7 +37,7 @@ def test_share_one_evicts_exactly_as_lru(ops: list[tuple[str, int, int]]) -> Non
     for op, index, size in ops:
         key = keys[index]
         if op == "admit" and index not in resident:
-            probation.admit(key, size)
+            probation.admit(key, size, fingerprint(key))
             lru.admit(key, size)
             resident.add(index)
         elif op == "touch":
@@ -61,11 +61,11 @@ def test_share_one_evicts_exactly_as_lru(ops: list[tuple[str, int, int]]) -> Non
 def test_a_second_sighting_is_protected() -> None:
     cache = ProbationCache(0.0, 4)
     a, b, c = make_key(1), make_key(2), make_key(3)
-    cache.admit(a, 1)
+    cache.admit(a, 1, fingerprint(a))
     assert cache.victims(1, lambda _k: True) == [a]  # into the ghost
-    cache.admit(b, 1)
-    cache.admit(a, 1)  # seen again: protected, though b is older
-    cache.admit(c, 1)
+    cache.admit(b, 1, fingerprint(b))
+    cache.admit(a, 1, fingerprint(a))  # seen again: protected, though b is older
+    cache.admit(c, 1, fingerprint(c))
     assert cache.victims(1, lambda _k: True) == [b]
     assert cache.victims(1, lambda _k: True) == [c]  # probation before protected at share 0
     assert cache.victims(1, lambda _k: True) == [a]
@@ -74,16 +74,16 @@ def test_a_second_sighting_is_protected() -> None:
 def test_a_hit_on_probation_protects() -> None:
     cache = ProbationCache(0.0, 4)
     a, b = make_key(1), make_key(2)
-    cache.admit(a, 1)
-    cache.admit(b, 1)
-    assert cache.touch(a) == 1
+    cache.admit(a, 1, fingerprint(a))
+    cache.admit(b, 1, fingerprint(b))
+    assert cache.touch(a) is not None
     assert cache.victims(1, lambda _k: True) == [b]
 
 
 def test_the_ghost_stays_within_its_multiple_of_the_resident_keys() -> None:
     cache = ProbationCache(0.0, 4)
     for i in range(5000):
-        cache.admit(make_key(i), 1)
+        cache.admit(make_key(i), 1, fingerprint(make_key(i)))
         if len(cache) > 10:
             cache.victims(1, lambda _k: True)
     assert len(cache) == 10
