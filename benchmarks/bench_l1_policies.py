@@ -17,7 +17,7 @@ request) under LRU, GDSF and the probation policy, beside the offline
 optimum; it reports hit ratios (tokens), each policy's share of the optimum
 and its difference from LRU.
 
-Targets (issue 57): on the conversation trace at 5,000 blocks the default
+Targets: on the conversation trace at 5,000 blocks the default
 policy >= 1.4x LRU and >= 1/3 of the way from LRU to the optimum; on every
 trace and capacity never below LRU by more than 0.005.
 

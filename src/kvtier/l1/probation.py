@@ -5,8 +5,8 @@ Most of what a KV cache stores is never read again: on the Mooncake
 conversation trace, three blocks in four are used once. LRU gives each of
 them a full trip through the cache, pushing out the blocks that a session's
 next turn would have read. Keeping them out (admitting only on a second
-sighting) triples what a small cache keeps, and loses badly in a large one,
-where the first reuse is most of what there is. So the policy has one knob
+sighting) keeps 1.5-1.9x what LRU keeps in a small cache there, and loses
+badly in a large one, where the first reuse is most of what there is. So the policy has one knob
 and turns it by measurement:
 
 - **Probation and protected.** A new object goes on probation; a hit, or a
@@ -37,8 +37,9 @@ its tail goes first).
 Cost: O(1) per operation for the live cache; a sampled key also updates
 each miniature, about ``len(CANDIDATES) * MINIATURE_OBJECTS / capacity``
 updates per operation on average (nothing measurable at a million objects).
-Metadata: a recency stamp per object, and the ghost's 2 x 40 bits per
-fingerprint it remembers (at most 2 x ``ghost`` x 40 bits per resident object).
+Metadata: a recency stamp and the fingerprint per object, and the ghost's
+2 x 40 bits per fingerprint it remembers (at most 2 x ``ghost`` x 40 bits per
+resident object).
 """
 
 from __future__ import annotations
