@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 from kvtier.keys import ObjectKey
 from kvtier.l1 import L1Config, L1Manager, L1Result, WriterTag
-from kvtier.l1.eviction import LRUPolicy
+from kvtier.l1.eviction import EvictionPolicy, LRUPolicy
 from kvtier.l1.probation import ProbationCache, ProbationPolicy, fingerprint
 from tests.conftest import make_key
 from tests.ledger import assert_clean
@@ -99,7 +99,7 @@ def test_fingerprints_are_the_chunk_hash_and_the_same_everywhere() -> None:
     assert len({fingerprint(make_key(i)) for i in range(1000)}) == 1000
 
 
-def _replay(policy: ProbationPolicy, accesses: list[int], capacity: int) -> int:
+def _replay(policy: EvictionPolicy, accesses: list[int], capacity: int) -> int:
     """Per-object hits of ``policy`` over ``accesses`` of one-slot objects."""
     resident: set[int] = set()
     hits = 0
@@ -127,17 +127,7 @@ def test_the_miniatures_keep_a_hot_set_through_a_scan() -> None:
     policy = ProbationPolicy(capacity_bytes=300)
     hits = _replay(policy, accesses, 300)
     assert policy.knob[0] < 1.0  # probation kept from pushing the hot set out
-    lru = LRUPolicy()
-    lru_hits, resident = 0, set()
-    for block in accesses:
-        if block in resident:
-            lru_hits += 1
-            lru.touch([block])  # type: ignore[list-item]
-            continue
-        if len(resident) >= 300:
-            resident -= set(lru.select(1, lambda _k: True))  # type: ignore[arg-type]
-        resident.add(block)
-        lru.admit(block, 1)  # type: ignore[arg-type]
+    lru_hits = _replay(LRUPolicy(), accesses, 300)
     assert hits > 5 * max(lru_hits, 1)
 
 
