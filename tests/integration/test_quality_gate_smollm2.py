@@ -7,7 +7,7 @@ as for a model whose RoPE kvtier misread) it turns off within
 ``BROKEN_WITHIN`` samples, the engine then serves exact reuse, and the cache
 server shows the verdict.
 
-Shorter documents than ``kvtier blend-eval``'s (60-110 words, 2-3 a prompt)
+Shorter documents than ``kvtier blend-eval``'s (30-60 words, 2-3 a prompt)
 keep the 100 prompts within a few minutes on CI;
 ``benchmarks/bench_quality_gate.py`` measures the default task."""
 
@@ -32,7 +32,7 @@ from tests.integration.harness import ServerFactory, wait_for
 pytestmark = real_model.pytestmark
 loaded = real_model.loaded
 
-SPEC = RetrievalSpec(prompts=100, pool=12, documents=(2, 3), words=(60, 110), seed=5)
+SPEC = RetrievalSpec(prompts=100, pool=12, documents=(2, 3), words=(30, 60), seed=5)
 GATE = QualityGateConfig(fraction=1.0, seed=0)  # the default thresholds, every prompt sampled
 BROKEN_WITHIN = 12  # samples: min_samples (8) plus a margin
 

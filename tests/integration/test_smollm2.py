@@ -8,6 +8,8 @@ at ratio 1 is full prefill, and full prefill does the retrieval task."""
 from __future__ import annotations
 
 import importlib.util
+import os
+from collections.abc import Iterator
 
 import pytest
 import torch
@@ -29,9 +31,18 @@ pytestmark = [
 
 
 @pytest.fixture(scope="module")
-def loaded() -> tuple[LlamaForCausalLM, object]:
-    model, tokenizer = smollm2()
-    return model, tokenizer  # type: ignore[return-value]
+def loaded() -> Iterator[tuple[LlamaForCausalLM, object]]:
+    """The model; one intra-op thread under pytest-xdist, where the other
+    worker's engines hold the other core (two threads then wait on each
+    other's barriers: the 100-prompt gate test took 5x as long on CI)."""
+    threads = torch.get_num_threads()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        torch.set_num_threads(1)
+    try:
+        model, tokenizer = smollm2()
+        yield model, tokenizer  # type: ignore[misc]
+    finally:
+        torch.set_num_threads(threads)
 
 
 def test_the_loader_gives_smollm2_and_its_cached_copy_is_the_same(

@@ -378,10 +378,16 @@ def test_openai_server_reports_kvtier_hits_as_cached_tokens(
             return usage
 
         fresh = tokens(50, 700)
+        before = stored_objects(kv_server)
         assert complete(fresh)["prompt_tokens_details"]["cached_tokens"] == 0  # stores it
+        # The answer leaves before its asynchronous saves commit: wait for its 2 chunks.
+        chunks = full_chunks([fresh])
+        stored = wait_for(lambda: stored_objects(kv_server), lambda n: n >= before + chunks)
+        assert stored >= before + chunks
         usage = complete(fresh)  # vLLM's prefix caching is off: any hit is kvtier's
         assert usage["prompt_tokens"] == len(fresh)
-        assert usage["prompt_tokens_details"]["cached_tokens"] == kvtier_hit(len(fresh))
+        log = (tmp_path / "api.log").read_text()[-3000:]
+        assert usage["prompt_tokens_details"]["cached_tokens"] == kvtier_hit(len(fresh)), log
 
 
 def test_tenants_through_the_connector_and_a_pinned_system_prompt(

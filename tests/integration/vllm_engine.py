@@ -16,6 +16,11 @@ per command line on stdin:
 - ``{"metrics": true}`` -> ``{"metrics": {name: value}}`` (counters and gauges).
 
 An empty line or EOF ends it.
+
+With one rank the whole engine (engine core, scheduler and worker) runs in
+this process: vLLM's default spawns two more, each importing vLLM again,
+which took about half of each engine's start on two busy cores. The engines
+of the OpenAI-server tests (``kvtier.bench.engines``) keep vLLM's processes.
 """
 
 from __future__ import annotations
@@ -67,6 +72,8 @@ def main() -> None:
     if not args.kv_bytes:  # VLLM_CPU_KVCACHE_SPACE would win over kv_cache_memory_bytes
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    if args.tensor_parallel == 1:
+        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     if args.blend:
         os.environ["VLLM_KVTIER_BLEND"] = "1"  # kvtier's plugin captures the model
         args.no_prefix_caching = True
@@ -93,6 +100,8 @@ def main() -> None:
         options["disable_hybrid_kv_cache_manager"] = True
     if args.attention_backend:
         options["attention_backend"] = args.attention_backend
+    if args.tensor_parallel == 1:
+        options["distributed_executor_backend"] = "uni"
     llm = LLM(
         model=args.model,
         skip_tokenizer_init=True,
