@@ -129,7 +129,8 @@ HELP: dict[str, tuple[str, str]] = {
     "rounds": ("route: runs of every policy, in rotated order (4)", "run"),
     "no_shared_l2": ("route: no Redis shared by the nodes (each its own L1 and fs L2)", "servers"),
     "slow_engine": (
-        "route: the last engine shares its CPU with a spinning neighbour (about half its speed)",
+        "route: the last engine shares its CPU with a spinning neighbour (meant to halve "
+        "its speed: compare slowed_engine_calibration with calibration)",
         "servers",
     ),
     "vllm_kv_tokens": (

